@@ -1,0 +1,33 @@
+"""The gateway's FastAPI app factory."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+
+from gateway.config import GatewayConfig
+from gateway.errors import install_error_handlers
+from gateway.routes import health, openai_api
+from gateway.services import Services
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """Build an app for ``config``. Workers are polled and clients opened in the lifespan."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = Services.build(config)
+        app.state.services = services
+        await services.start()
+        try:
+            yield
+        finally:
+            await services.aclose()
+
+    app = FastAPI(title="revisit gateway", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(openai_api.router)
+    app.include_router(health.router)
+    return app

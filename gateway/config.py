@@ -1,0 +1,186 @@
+"""The gateway's one configuration object.
+
+Every setting lives in :class:`GatewayConfig`; environment variables are read in one
+place (:meth:`GatewayConfig.from_env`) with the ``REVISIT_`` prefix. A bad value fails
+loudly at start-up, never at request time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "REVISIT_"
+
+
+class ConfigError(ValueError):
+    """A setting is missing or has a value the gateway cannot run with."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessorSettings:
+    """How the model's image processor resizes images (Qwen ``smart_resize``).
+
+    The gateway resizes nothing itself; it needs these numbers to know each image's
+    LLM token grid and to make them part of the exact cache key, because the same
+    pixels give different KV under different processor settings.
+    """
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 16384 * 28 * 28
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"processor {name} must be positive, got {getattr(self, name)}")
+        if self.min_pixels > self.max_pixels:
+            raise ConfigError("processor min_pixels exceeds max_pixels")
+
+    @property
+    def factor(self) -> int:
+        """Side of the pixel square that becomes one LLM token."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "ProcessorSettings":
+        """Read ``preprocessor_config.json`` of a Hugging Face style model folder."""
+        path = Path(model_dir) / "preprocessor_config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read processor settings from {path}: {exc}") from exc
+        size = raw.get("size") or {}
+        return cls(
+            patch_size=int(raw.get("patch_size", cls.patch_size)),
+            merge_size=int(raw.get("merge_size", cls.merge_size)),
+            temporal_patch_size=int(raw.get("temporal_patch_size", cls.temporal_patch_size)),
+            min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels),
+            max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or cls.max_pixels),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageLimits:
+    """What the gateway accepts as an image, checked before any pixel is decoded."""
+
+    max_images_per_request: int = 16
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 40_000_000
+    fetch_timeout_s: float = 10.0
+    max_redirects: int = 3
+    allow_private_urls: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_images_per_request < 1 or self.max_image_bytes < 1 or self.max_image_pixels < 1:
+            raise ConfigError("image limits must be positive")
+        if self.fetch_timeout_s <= 0:
+            raise ConfigError("fetch_timeout_s must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    """Everything the gateway needs to run; immutable once built."""
+
+    model: str
+    workers: tuple[str, ...]
+    processor: ProcessorSettings = field(default_factory=ProcessorSettings)
+    images: ImageLimits = field(default_factory=ImageLimits)
+    max_request_bytes: int = 64 * 1024 * 1024
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    upstream_timeout_s: float = 600.0
+    max_connections: int = 256
+    # API key -> cache namespace. Keys not listed get a namespace of their own derived
+    # from the key; requests without a key share the default namespace.
+    namespaces: Mapping[str, str] = field(default_factory=dict)
+    default_namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("model id must not be empty")
+        if not self.workers:
+            raise ConfigError("at least one worker URL is required")
+        for url in self.workers:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"worker URL must start with http:// or https://, got {url!r}")
+        object.__setattr__(self, "workers", tuple(u.rstrip("/") for u in self.workers))
+        if len(set(self.workers)) != len(self.workers):
+            raise ConfigError("worker URLs must be distinct")
+        for name in ("max_request_bytes", "health_interval_s", "health_timeout_s",
+                     "connect_timeout_s", "upstream_timeout_s", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "GatewayConfig":
+        """Build from ``REVISIT_*`` variables; keyword overrides win over the environment.
+
+        REVISIT_MODEL, REVISIT_WORKERS (comma-separated URLs), REVISIT_MODEL_DIR (to read
+        processor settings), REVISIT_NAMESPACES (JSON object key -> namespace),
+        REVISIT_ALLOW_PRIVATE_IMAGE_URLS (0/1), REVISIT_MAX_IMAGES_PER_REQUEST,
+        REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES,
+        REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S.
+        """
+        env = os.environ if environ is None else environ
+
+        def get(name: str, cast: type, default: Any = None) -> Any:
+            raw = env.get(ENV_PREFIX + name)
+            if raw is None or raw == "":
+                return default
+            try:
+                if cast is bool:
+                    if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
+                        raise ValueError(raw)
+                    return raw.lower() in ("1", "true", "yes")
+                return cast(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{ENV_PREFIX}{name}={raw!r} is not a valid {cast.__name__}") from exc
+
+        kwargs: dict[str, Any] = {}
+        if (model := get("MODEL", str)) is not None:
+            kwargs["model"] = model
+        if (workers := get("WORKERS", str)) is not None:
+            kwargs["workers"] = tuple(w.strip() for w in workers.split(",") if w.strip())
+        if (model_dir := get("MODEL_DIR", str)) is not None:
+            kwargs["processor"] = ProcessorSettings.from_model_dir(model_dir)
+        if (namespaces := get("NAMESPACES", str)) is not None:
+            try:
+                parsed = json.loads(namespaces)
+            except ValueError as exc:
+                raise ConfigError(f"{ENV_PREFIX}NAMESPACES is not JSON: {exc}") from exc
+            if not isinstance(parsed, dict) or not all(isinstance(v, str) for v in parsed.values()):
+                raise ConfigError(f"{ENV_PREFIX}NAMESPACES must be a JSON object of strings")
+            kwargs["namespaces"] = parsed
+        image_kwargs = {
+            key: value
+            for key, value in (
+                ("max_images_per_request", get("MAX_IMAGES_PER_REQUEST", int)),
+                ("max_image_bytes", get("MAX_IMAGE_BYTES", int)),
+                ("max_image_pixels", get("MAX_IMAGE_PIXELS", int)),
+                ("allow_private_urls", get("ALLOW_PRIVATE_IMAGE_URLS", bool)),
+            )
+            if value is not None
+        }
+        if image_kwargs:
+            kwargs["images"] = ImageLimits(**image_kwargs)
+        for key, name, cast in (
+            ("max_request_bytes", "MAX_REQUEST_BYTES", int),
+            ("upstream_timeout_s", "UPSTREAM_TIMEOUT_S", float),
+            ("health_interval_s", "HEALTH_INTERVAL_S", float),
+        ):
+            if (value := get(name, cast)) is not None:
+                kwargs[key] = value
+        kwargs.update(overrides)
+        missing = [f.name for f in fields(cls) if f.name in ("model", "workers") and f.name not in kwargs]
+        if missing:
+            raise ConfigError(
+                "missing settings: " + ", ".join(ENV_PREFIX + m.upper() for m in missing)
+            )
+        return cls(**kwargs)

@@ -1,0 +1,170 @@
+"""Sending a request to a worker and relaying its answer.
+
+Failure rules:
+- a worker that cannot be reached, or fails before the first streamed event, is marked
+  down and the request is retried on another healthy worker;
+- a worker's 4xx is the client's mistake and is relayed as an OpenAI error, not retried;
+- a worker that fails after events were relayed ends the stream with an error event
+  (``data: {"error": ...}``) and ``data: [DONE]``: the client's half answer cannot be
+  taken back, and a retry would send a second, different answer.
+Upstream streams are closed on every exit path, the client going away included, which
+makes SGLang abort the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, AsyncIterator
+
+import anyio
+import httpx
+
+from gateway.errors import NoHealthyWorker, UpstreamClientError, UpstreamError, error_body
+from gateway.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+def _client_error(response_status: int, payload: bytes) -> UpstreamClientError:
+    message, param, code = payload.decode(errors="replace")[:2000] or f"HTTP {response_status}", None, None
+    try:
+        parsed = json.loads(payload)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        inner = parsed.get("error") if isinstance(parsed.get("error"), dict) else parsed
+        message = str(inner.get("message") or message)
+        param = inner.get("param") if isinstance(inner.get("param"), str) else None
+        code = inner.get("code") if isinstance(inner.get("code"), str) else None
+    return UpstreamClientError(response_status, message, param=param, code=code)
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient):
+        self._pool = pool
+        self._client = client
+
+    def _next(self, tried: list[Worker], last_error: str | None) -> Worker:
+        try:
+            worker = self._pool.choose(exclude=tried)
+        except NoHealthyWorker:
+            if last_error is not None:
+                raise UpstreamError(f"every worker tried failed; last error: {last_error}") from None
+            raise
+        tried.append(worker)
+        return worker
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A non-streaming completion, retried on another worker when one fails."""
+        tried: list[Worker] = []
+        last_error: str | None = None
+        while True:
+            worker = self._next(tried, last_error)
+            async with self._pool.lease(worker):
+                try:
+                    response = await self._client.post(worker.url + CHAT_PATH, json=body)
+                except httpx.TimeoutException as exc:
+                    raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
+                except httpx.TransportError as exc:
+                    last_error = f"{type(exc).__name__}: {exc}"
+                    self._pool.mark_failed(worker, last_error)
+                    continue
+            if response.status_code == 200:
+                worker.served += 1
+                try:
+                    return response.json()
+                except ValueError as exc:
+                    raise UpstreamError("worker returned a body that is not JSON") from exc
+            if 400 <= response.status_code < 500:
+                raise _client_error(response.status_code, response.content)
+            last_error = f"worker returned HTTP {response.status_code}: {response.text[:300]}"
+            log.warning("worker %s: %s", worker.url, last_error)
+
+    async def open_stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """Start a streaming completion and return the SSE byte stream to relay.
+
+        Waits for the worker's first event before returning, so that any failure up to
+        that point is retried on another worker and a client error still gets its
+        proper HTTP status instead of a 200 stream.
+        """
+        tried: list[Worker] = []
+        last_error: str | None = None
+        while True:
+            worker = self._next(tried, last_error)
+            lease = self._pool.lease(worker)
+            await lease.__aenter__()
+            response: httpx.Response | None = None
+            try:
+                request = self._client.build_request("POST", worker.url + CHAT_PATH, json=body)
+                response = await self._client.send(request, stream=True)
+                if response.status_code != 200:
+                    payload = await response.aread()
+                    if 400 <= response.status_code < 500:
+                        raise _client_error(response.status_code, payload)
+                    last_error = f"worker returned HTTP {response.status_code}: {payload[:300]!r}"
+                    raise _Retry
+                lines = response.aiter_lines()
+                first = await _first_event(lines)
+                if first is None:
+                    last_error = "worker closed the stream before sending anything"
+                    self._pool.mark_failed(worker, last_error)
+                    raise _Retry
+            except _Retry:
+                await _close(response, lease)
+                continue
+            except httpx.TimeoutException as exc:
+                await _close(response, lease)
+                raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
+            except httpx.TransportError as exc:
+                await _close(response, lease)
+                last_error = f"{type(exc).__name__}: {exc}"
+                self._pool.mark_failed(worker, last_error)
+                continue
+            except BaseException:
+                await _close(response, lease)
+                raise
+            return self._relay(worker, response, lines, first, lease)
+
+    async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str],
+                     first: str, lease) -> AsyncIterator[bytes]:
+        try:
+            yield (first + "\n\n").encode()
+            async for line in lines:
+                if line:
+                    yield (line + "\n\n").encode()
+            worker.served += 1
+        except httpx.HTTPError as exc:
+            message = f"the worker failed mid-stream: {type(exc).__name__}"
+            self._pool.mark_failed(worker, message)
+            yield _sse(error_body(message, "upstream_error"))
+            yield _sse("[DONE]")
+        finally:
+            await _close(response, lease)
+
+
+class _Retry(Exception):
+    pass
+
+
+async def _first_event(lines: AsyncIterator[str]) -> str | None:
+    async for line in lines:
+        if line:
+            return line
+    return None
+
+
+async def _close(response: httpx.Response | None, lease) -> None:
+    # Shielded: this runs while the client's disconnect is cancelling the task, and the
+    # upstream connection must still be closed so the worker stops generating.
+    with anyio.CancelScope(shield=True):
+        if response is not None:
+            await response.aclose()
+        await lease.__aexit__(None, None, None)

@@ -1,0 +1,161 @@
+"""Turning an image URL (``data:`` or ``http(s)``) into bytes, under limits.
+
+Remote fetches go through :class:`AddressGuard`, a network backend that resolves the
+host itself and connects to the address it checked. Checking the name and then letting
+the HTTP library resolve it again would leave a window for DNS rebinding; here the
+check and the connection use the same address, on every redirect hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import binascii
+import ipaddress
+import socket
+from typing import Iterable
+
+import httpcore
+import httpx
+
+from gateway.config import ImageLimits
+from gateway.errors import InvalidRequest, PayloadTooLarge
+
+_DATA_PREFIX = "data:"
+
+
+class BlockedAddress(httpx.ConnectError):
+    """The URL's host resolves to an address the gateway may not reach."""
+
+
+def is_public_address(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not (
+        ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
+        or ip.is_reserved or ip.is_unspecified
+    )
+
+
+class AddressGuard(httpcore.AsyncNetworkBackend):
+    """Resolves, refuses non-public addresses (unless allowed), connects to the checked address."""
+
+    def __init__(self, allow_private: bool, inner: httpcore.AsyncNetworkBackend | None = None):
+        self._allow_private = allow_private
+        self._inner = inner or httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from exc
+        addresses = list(dict.fromkeys(info[4][0] for info in infos))
+        if not self._allow_private:
+            blocked = [a for a in addresses if not is_public_address(a)]
+            if blocked:
+                raise BlockedAddress(f"{host} resolves to a non-public address ({blocked[0]})")
+        last: Exception | None = None
+        for address in addresses:
+            try:
+                return await self._inner.connect_tcp(
+                    address, port, timeout=timeout, local_address=local_address,
+                    socket_options=socket_options,
+                )
+            except httpcore.ConnectError as exc:
+                last = exc
+        raise httpcore.ConnectError(f"cannot connect to {host}: {last}")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class _GuardedTransport(httpx.AsyncHTTPTransport):
+    def __init__(self, allow_private: bool):
+        super().__init__()
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=httpx.create_ssl_context(),
+            max_connections=32,
+            network_backend=AddressGuard(allow_private),
+        )
+
+
+class ImageFetcher:
+    """Resolves image URLs to bytes. One per app; :meth:`aclose` on shutdown."""
+
+    def __init__(self, limits: ImageLimits):
+        self._limits = limits
+        self._client = httpx.AsyncClient(
+            transport=_GuardedTransport(limits.allow_private_urls),
+            timeout=httpx.Timeout(limits.fetch_timeout_s),
+            follow_redirects=True,
+            max_redirects=limits.max_redirects,
+            headers={"User-Agent": "revisit-gateway/0.1", "Accept": "image/*"},
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def fetch(self, url: str, *, param: str) -> bytes:
+        if url.startswith(_DATA_PREFIX):
+            return self._decode_data_url(url, param)
+        if url.startswith(("http://", "https://")):
+            return await self._fetch_remote(url, param)
+        scheme = url.split(":", 1)[0] if ":" in url else url[:16]
+        raise InvalidRequest(
+            f"{param}.url must be a data: URL or an http(s) URL, not {scheme!r}", param=f"{param}.url"
+        )
+
+    def _decode_data_url(self, url: str, param: str) -> bytes:
+        header, sep, payload = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise InvalidRequest(
+                f"{param}.url: data URLs must be base64 encoded (data:image/png;base64,...)",
+                param=f"{param}.url",
+            )
+        if len(payload) * 3 // 4 > self._limits.max_image_bytes:
+            raise PayloadTooLarge(
+                f"{param}: image exceeds {self._limits.max_image_bytes} bytes", param=param, code="image_too_large"
+            )
+        try:
+            return binascii.a2b_base64(payload.strip(), strict_mode=True)
+        except binascii.Error as exc:
+            raise InvalidRequest(f"{param}.url: invalid base64 data: {exc}", param=f"{param}.url") from exc
+
+    async def _fetch_remote(self, url: str, param: str) -> bytes:
+        limit = self._limits.max_image_bytes
+        try:
+            async with self._client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise InvalidRequest(
+                        f"{param}: fetching the image returned HTTP {response.status_code}", param=param
+                    )
+                declared = response.headers.get("content-length")
+                if declared and declared.isdigit() and int(declared) > limit:
+                    raise PayloadTooLarge(f"{param}: image exceeds {limit} bytes", param=param, code="image_too_large")
+                chunks, size = [], 0
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLarge(f"{param}: image exceeds {limit} bytes", param=param, code="image_too_large")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except BlockedAddress as exc:
+            raise InvalidRequest(
+                f"{param}: image URL refused: {exc}", param=param, code="image_url_refused"
+            ) from exc
+        except httpx.TooManyRedirects as exc:
+            raise InvalidRequest(f"{param}: too many redirects fetching the image", param=param) from exc
+        except httpx.TimeoutException as exc:
+            raise InvalidRequest(f"{param}: fetching the image timed out", param=param) from exc
+        except httpx.HTTPError as exc:
+            raise InvalidRequest(f"{param}: cannot fetch the image: {exc}", param=param) from exc

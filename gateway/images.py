@@ -1,0 +1,157 @@
+"""Image canonicalisation, the exact cache key, and the LLM token grid.
+
+An image becomes *canonical* pixels: decoded with Pillow under a pixel cap (checked
+from the header, before any pixel is decoded), EXIF orientation applied, alpha
+composited over white, RGB. The exact cache key hashes those pixels together with the
+model, the processor settings and the cache namespace, so the same picture sent as
+PNG or as a rotated JPEG with an orientation tag gets the same key, while two tenants
+never share one unless an operator maps them to one namespace.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import math
+from dataclasses import dataclass
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from gateway.config import ImageLimits, ProcessorSettings
+from gateway.errors import InvalidRequest, PayloadTooLarge, UnprocessableImage
+
+ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"})
+MAX_ASPECT_RATIO = 200  # the Qwen-VL processors refuse more elongated images
+KEY_VERSION = b"revisit-image-key-v1"
+_EXIF_ORIENTATION = 0x0112
+
+
+@dataclass(frozen=True, slots=True)
+class TokenGrid:
+    """The image's LLM token grid after the processor's resize and patch merge."""
+
+    rows: int
+    cols: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalImage:
+    """One request image, ready to key, plan and forward."""
+
+    key: str  # hex digest: the exact cache key
+    width: int
+    height: int
+    grid: TokenGrid
+    png: bytes  # lossless canonical pixels, what the worker receives
+
+    @property
+    def data_url(self) -> str:
+        return "data:image/png;base64," + base64.b64encode(self.png).decode("ascii")
+
+
+def smart_resize(height: int, width: int, processor: ProcessorSettings) -> tuple[int, int]:
+    """The resized (height, width) that Qwen-VL's image processor will use."""
+    factor = processor.factor
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InvalidRequest(
+            f"image aspect ratio {max(height, width) / min(height, width):.0f}:1 exceeds {MAX_ASPECT_RATIO}:1"
+        )
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > processor.max_pixels:
+        beta = math.sqrt(height * width / processor.max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < processor.min_pixels:
+        beta = math.sqrt(processor.min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def token_grid(height: int, width: int, processor: ProcessorSettings) -> TokenGrid:
+    h_bar, w_bar = smart_resize(height, width, processor)
+    return TokenGrid(rows=h_bar // processor.factor, cols=w_bar // processor.factor)
+
+
+def _open_checked(data: bytes, limits: ImageLimits) -> Image.Image:
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError as exc:
+        raise UnprocessableImage("image data is not a recognised image format", code="invalid_image") from exc
+    except Image.DecompressionBombError as exc:
+        raise PayloadTooLarge(f"image is too large: {exc}", code="image_too_large") from exc
+    if image.format not in ACCEPTED_FORMATS:
+        raise UnprocessableImage(
+            f"image format {image.format} is not accepted; use one of {', '.join(sorted(ACCEPTED_FORMATS))}",
+            code="invalid_image",
+        )
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise UnprocessableImage("image has no pixels", code="invalid_image")
+    if width * height > limits.max_image_pixels:
+        raise PayloadTooLarge(
+            f"image is {width}x{height} = {width * height} pixels; the limit is {limits.max_image_pixels}",
+            code="image_too_large",
+        )
+    try:
+        image.load()  # decode now, under the cap, so truncation surfaces here
+    except Image.DecompressionBombError as exc:
+        raise PayloadTooLarge(f"image is too large: {exc}", code="image_too_large") from exc
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise UnprocessableImage(f"image data is corrupt or truncated: {exc}", code="invalid_image") from exc
+    return image
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        background.alpha_composite(rgba)
+        return background.convert("RGB")
+    return image.convert("RGB")
+
+
+def content_key(rgb: Image.Image, *, model: str, namespace: str, processor: ProcessorSettings) -> str:
+    """The exact cache key: canonical pixels + model + processor settings + namespace."""
+    digest = hashlib.blake2b(digest_size=32)
+    header = (
+        f"{model}\0{namespace}\0{processor.patch_size},{processor.merge_size},"
+        f"{processor.temporal_patch_size},{processor.min_pixels},{processor.max_pixels}\0"
+        f"{rgb.width}x{rgb.height}\0"
+    )
+    digest.update(KEY_VERSION + b"\0" + header.encode())
+    digest.update(rgb.tobytes())
+    return digest.hexdigest()
+
+
+def canonicalize(
+    data: bytes,
+    *,
+    limits: ImageLimits,
+    processor: ProcessorSettings,
+    model: str,
+    namespace: str,
+) -> CanonicalImage:
+    """Decode, orient, key and re-encode one image. CPU-bound: run it off the event loop."""
+    image = _open_checked(data, limits)
+    source_format = image.format
+    rotated = image.getexif().get(_EXIF_ORIENTATION, 1) not in (0, 1)
+    oriented = ImageOps.exif_transpose(image) if rotated else image
+    rgb = _to_rgb(oriented)
+    grid = token_grid(rgb.height, rgb.width, processor)
+    key = content_key(rgb, model=model, namespace=namespace, processor=processor)
+    if source_format == "PNG" and image.mode == "RGB" and not rotated and not getattr(image, "is_animated", False):
+        png = data  # already canonical and lossless: forward as is
+    else:
+        out = io.BytesIO()
+        rgb.save(out, format="PNG", compress_level=1)
+        png = out.getvalue()
+    return CanonicalImage(key=key, width=rgb.width, height=rgb.height, grid=grid, png=png)

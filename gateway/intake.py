@@ -1,0 +1,83 @@
+"""Request intake: validate a chat request, resolve and canonicalise its images.
+
+The result, :class:`IntakeResult`, carries the body to send upstream (every image
+replaced by its canonical lossless pixels, so the worker computes KV for exactly the
+pixels the key names) and the images in prompt order with their keys and token grids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config import GatewayConfig
+from gateway.errors import ClientError, InvalidRequest, ModelNotFound
+from gateway.image_fetch import ImageFetcher
+from gateway.images import CanonicalImage, canonicalize
+from gateway.protocol import ChatCompletionParams, ImagePartRef, iter_image_parts, parse_body
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeResult:
+    upstream_body: dict[str, Any]
+    params: ChatCompletionParams
+    images: tuple[CanonicalImage, ...]
+    namespace: str
+
+
+class Intake:
+    def __init__(self, config: GatewayConfig, fetcher: ImageFetcher):
+        self._config = config
+        self._fetcher = fetcher
+
+    async def process(self, raw: bytes, *, namespace: str) -> IntakeResult:
+        body, params = parse_body(raw)
+        if params.model != self._config.model:
+            raise ModelNotFound(params.model)
+        refs = list(iter_image_parts(body["messages"]))
+        limit = self._config.images.max_images_per_request
+        if len(refs) > limit:
+            raise InvalidRequest(
+                f"request has {len(refs)} images; at most {limit} are allowed per request",
+                param="messages",
+                code="too_many_images",
+            )
+        images = await asyncio.gather(*(self._resolve(ref, namespace) for ref in refs))
+        return IntakeResult(
+            upstream_body=_rewrite_images(body, refs, images),
+            params=params,
+            images=tuple(images),
+            namespace=namespace,
+        )
+
+    async def _resolve(self, ref: ImagePartRef, namespace: str) -> CanonicalImage:
+        data = await self._fetcher.fetch(ref.url, param=ref.param)
+        try:
+            return await asyncio.to_thread(
+                canonicalize,
+                data,
+                limits=self._config.images,
+                processor=self._config.processor,
+                model=self._config.model,
+                namespace=namespace,
+            )
+        except ClientError as exc:
+            exc.message = f"{ref.param}: {exc.message}"
+            exc.param = exc.param or ref.param
+            exc.args = (exc.message,)
+            raise
+
+
+def _rewrite_images(
+    body: dict[str, Any], refs: list[ImagePartRef], images: list[CanonicalImage]
+) -> dict[str, Any]:
+    if not refs:
+        return body
+    upstream = dict(body)
+    upstream["messages"] = copy.deepcopy(body["messages"])
+    for ref, image in zip(refs, images):
+        part = upstream["messages"][ref.message_index]["content"][ref.part_index]
+        part["image_url"] = {**part["image_url"], "url": image.data_url}
+    return upstream

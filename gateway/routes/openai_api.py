@@ -1,0 +1,88 @@
+"""The OpenAI-compatible API: /v1/chat/completions and /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.errors import ModelNotFound, PayloadTooLarge
+from gateway.services import Services
+from gateway.tenancy import namespace_for
+
+router = APIRouter()
+T = TypeVar("T")
+
+IMAGE_KEYS_HEADER = "x-revisit-image-keys"
+
+
+def _services(request: Request) -> Services:
+    return request.app.state.services
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``, cancelling it (and so its upstream request) if the client leaves."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    services = _services(request)
+    config = services.config
+    raw = await _read_body(request, config.max_request_bytes)
+    namespace = namespace_for(
+        request.headers.get("authorization"), mapping=config.namespaces, default=config.default_namespace
+    )
+    intake = await services.intake.process(raw, namespace=namespace)
+    headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
+    if intake.params.stream:
+        stream = await services.dispatcher.open_stream(intake.upstream_body)
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+    result = await _unless_disconnected(request, services.dispatcher.complete(intake.upstream_body))
+    return JSONResponse(result, headers=headers)
+
+
+def _model_card(services: Services) -> dict[str, Any]:
+    return {"id": services.config.model, "object": "model", "created": services.started_at, "owned_by": "revisit"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(_services(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> dict[str, Any]:
+    services = _services(request)
+    if model != services.config.model:
+        raise ModelNotFound(model)
+    return _model_card(services)

@@ -1,0 +1,57 @@
+"""The objects one gateway app holds for its lifetime, built and torn down in the lifespan."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.image_fetch import ImageFetcher
+from gateway.intake import Intake
+from gateway.workers import WorkerPool
+
+
+@dataclass(slots=True)
+class Services:
+    config: GatewayConfig
+    client: httpx.AsyncClient
+    pool: WorkerPool
+    fetcher: ImageFetcher
+    intake: Intake
+    dispatcher: Dispatcher
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, config: GatewayConfig) -> "Services":
+        # One client for every worker call: pooled keep-alive connections, explicit
+        # timeouts. The read timeout bounds the gap between two streamed chunks.
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(
+                max_connections=config.max_connections,
+                max_keepalive_connections=min(64, config.max_connections),
+            ),
+        )
+        pool = WorkerPool(
+            config.workers, client, interval_s=config.health_interval_s, timeout_s=config.health_timeout_s
+        )
+        fetcher = ImageFetcher(config.images)
+        return cls(
+            config=config,
+            client=client,
+            pool=pool,
+            fetcher=fetcher,
+            intake=Intake(config, fetcher),
+            dispatcher=Dispatcher(pool, client),
+        )
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def aclose(self) -> None:
+        await self.pool.stop()
+        await self.fetcher.aclose()
+        await self.client.aclose()

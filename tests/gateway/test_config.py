@@ -1,0 +1,40 @@
+import json
+
+import pytest
+
+from gateway.config import ConfigError, GatewayConfig, ProcessorSettings
+
+
+def test_from_env_reads_prefixed_variables(tmp_path):
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({"patch_size": 16, "merge_size": 2, "min_pixels": 1024, "max_pixels": 65536})
+    )
+    config = GatewayConfig.from_env(
+        {
+            "REVISIT_MODEL": "m",
+            "REVISIT_WORKERS": "http://a:1/, http://b:2",
+            "REVISIT_MODEL_DIR": str(tmp_path),
+            "REVISIT_NAMESPACES": '{"k1": "team"}',
+            "REVISIT_ALLOW_PRIVATE_IMAGE_URLS": "1",
+            "REVISIT_MAX_IMAGES_PER_REQUEST": "3",
+        }
+    )
+    assert config.workers == ("http://a:1", "http://b:2")
+    assert config.processor == ProcessorSettings(patch_size=16, merge_size=2, min_pixels=1024, max_pixels=65536)
+    assert config.namespaces == {"k1": "team"}
+    assert config.images.allow_private_urls and config.images.max_images_per_request == 3
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"REVISIT_WORKERS": "http://a:1"}, "REVISIT_MODEL"),
+        ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "a:1"}, "http://"),
+        ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_MAX_IMAGE_BYTES": "lots"}, "valid int"),
+        ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_NAMESPACES": "[1]"}, "JSON object"),
+        ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1,http://a:1"}, "distinct"),
+    ],
+)
+def test_bad_settings_fail_loudly(env, message):
+    with pytest.raises(ConfigError, match=message):
+        GatewayConfig.from_env(env)
