@@ -49,12 +49,25 @@ class ProcessorSettings:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ProcessorSettings":
-        """Read ``preprocessor_config.json`` of a Hugging Face style model folder."""
-        path = Path(model_dir) / "preprocessor_config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read processor settings from {path}: {exc}") from exc
+        """Read a Hugging Face style model folder's image processor settings.
+
+        ``processor_config.json`` (its ``image_processor`` section) is preferred, then
+        ``preprocessor_config.json``, the older layout.
+        """
+        raw: dict | None = None
+        for name, section in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+            path = Path(model_dir) / name
+            if not path.is_file():
+                continue
+            try:
+                loaded = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"cannot read processor settings from {path}: {exc}") from exc
+            raw = loaded.get(section) if section else loaded
+            if isinstance(raw, dict):
+                break
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{model_dir} has no image processor settings (processor_config.json)")
         size = raw.get("size") or {}
         return cls(
             patch_size=int(raw.get("patch_size", cls.patch_size)),

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 import anyio
 import httpx
 
+from gateway import openai_shape
 from gateway.errors import NoHealthyWorker, UpstreamClientError, UpstreamError, error_body
 from gateway.workers import Worker, WorkerPool
 
@@ -80,7 +81,7 @@ class Dispatcher:
             if response.status_code == 200:
                 worker.served += 1
                 try:
-                    return response.json()
+                    return openai_shape.completion(response.json())
                 except ValueError as exc:
                     raise UpstreamError("worker returned a body that is not JSON") from exc
             if 400 <= response.status_code < 500:
@@ -136,10 +137,10 @@ class Dispatcher:
     async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str],
                      first: str, lease) -> AsyncIterator[bytes]:
         try:
-            yield (first + "\n\n").encode()
+            yield (openai_shape.stream_line(first) + "\n\n").encode()
             async for line in lines:
                 if line:
-                    yield (line + "\n\n").encode()
+                    yield (openai_shape.stream_line(line) + "\n\n").encode()
             worker.served += 1
         except httpx.HTTPError as exc:
             message = f"the worker failed mid-stream: {type(exc).__name__}"

@@ -38,3 +38,13 @@ def test_from_env_reads_prefixed_variables(tmp_path):
 def test_bad_settings_fail_loudly(env, message):
     with pytest.raises(ConfigError, match=message):
         GatewayConfig.from_env(env)
+
+
+def test_processor_settings_from_the_bundled_model(model_path):
+    settings = ProcessorSettings.from_model_dir(model_path)
+    assert settings.factor == 28 and settings.max_pixels >= settings.min_pixels
+
+
+def test_model_dir_without_processor_settings(tmp_path):
+    with pytest.raises(ConfigError, match="no image processor settings"):
+        ProcessorSettings.from_model_dir(tmp_path)

@@ -1,0 +1,10 @@
+FROM python:3.11-slim
+WORKDIR /opt/revisit
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+COPY engine_ext ./engine_ext
+COPY store ./store
+COPY dashboards ./dashboards
+RUN pip install --no-cache-dir .
+EXPOSE 8000
+ENTRYPOINT ["revisit", "gateway"]

@@ -1,0 +1,93 @@
+"""The ``revisit`` console command.
+
+    revisit serve      the gateway plus N local SGLang workers (CPU or GPU), on a model
+                       folder or the bundled model; progress while workers start, one
+                       line when ready, workers stopped on exit
+    revisit gateway    the gateway alone, in front of workers that run elsewhere
+                       (settings from REVISIT_* variables, see GatewayConfig.from_env)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from typing import Callable
+
+from gateway.config import ConfigError, GatewayConfig
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="revisit", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the gateway with local SGLang workers")
+    _add_server_args(serve)
+    serve.add_argument("--model", default="bundled",
+                       help="a Hugging Face style model folder, or 'bundled' (default) for the bundled model")
+    serve.add_argument("--arch", default=None, help="bundled model architecture (qwen2_5_vl or qwen3_vl)")
+    serve.add_argument("--size", default=None, help="bundled model size (tiny or bench)")
+    serve.add_argument("--served-model-name", default=None, help="model id clients use (default: from the model)")
+    serve.add_argument("--workers", type=int, default=1, help="number of local SGLang workers (default 1)")
+    serve.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="worker device (default cpu)")
+    serve.add_argument("--worker-port", type=int, default=30000,
+                       help="port of the first worker; the others take the next ones (default 30000)")
+    serve.add_argument("--log-dir", default=None, help="where worker logs go (default: a temporary folder)")
+    serve.add_argument("--ready-timeout", type=float, default=900.0,
+                       help="seconds to wait for the workers to become ready (default 900)")
+
+    gateway = commands.add_parser("gateway", help="run the gateway alone (workers from REVISIT_WORKERS)")
+    _add_server_args(gateway)
+    return parser
+
+
+def _run_gateway(
+    config: GatewayConfig, host: str, port: int, log_level: str, on_ready: Callable[[], None] | None = None
+) -> None:
+    """Serve until SIGINT/SIGTERM; ``on_ready`` runs once the socket accepts requests."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    )
+
+    def notify() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started and on_ready is not None:
+            on_ready()
+
+    threading.Thread(target=notify, name="ready-notifier", daemon=True).start()
+    server.run()
+    if not server.started:
+        raise SystemExit(f"revisit: the gateway could not start on {host}:{port}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    try:
+        if args.command == "gateway":
+            _run_gateway(GatewayConfig.from_env(), args.host, args.port, args.log_level)
+            return 0
+        from gateway.embedded import serve_embedded
+
+        return serve_embedded(args, run_gateway=_run_gateway)
+    except ConfigError as exc:
+        print(f"revisit: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""``revisit serve``: the gateway plus local SGLang workers, as one command.
+
+Builds the bundled model when asked for it, starts the workers side by side, prints a
+progress line while they load, runs the gateway, and stops every worker on the way out
+(normal exit, Ctrl-C, or a worker that fails to start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from gateway.config import GatewayConfig, ProcessorSettings
+
+
+def say(message: str) -> None:
+    print(f"[revisit] {message}", flush=True)
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
+    """The model folder to serve and the model id clients will use."""
+    if args.model != "bundled":
+        path = Path(args.model).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"revisit: {path} is not a model folder (no config.json)")
+        return path, args.served_model_name or path.name
+    from engine_ext.bundled import DEFAULT_ARCH, DEFAULT_SIZE, build_model
+
+    arch, size = args.arch or DEFAULT_ARCH, args.size or DEFAULT_SIZE
+    path = build_model(arch, size, on_progress=say)
+    return path, args.served_model_name or f"{arch.replace('_', '-')}-{size}"
+
+
+async def _start_all(workers: list, timeout: float) -> None:
+    started = time.monotonic()
+    pending = {asyncio.create_task(w.wait_ready_async(timeout)): i for i, w in enumerate(workers)}
+    ready = 0
+    while pending:
+        done, _ = await asyncio.wait(pending, timeout=10)
+        for task in done:
+            index = pending.pop(task)
+            task.result()  # raises WorkerError with the log tail if the worker died
+            ready += 1
+            say(f"worker {index} ready at {workers[index].url} ({time.monotonic() - started:.0f} s)")
+        if pending:
+            say(f"waiting for {len(pending)} of {len(workers)} worker(s) to load the model "
+                f"({time.monotonic() - started:.0f} s)")
+
+
+def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -> int:
+    from engine_ext.errors import EngineExtError
+    from engine_ext.launcher import WorkerSpec, start_worker
+
+    if args.workers < 1:
+        raise SystemExit("revisit: --workers must be at least 1")
+    model_path, model_id = resolve_model(args)
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="revisit-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    say(f"starting {args.workers} SGLang worker(s) on {args.device} for {model_id} (logs in {log_dir})")
+    started = time.monotonic()
+    workers = []
+    try:
+        for i in range(args.workers):
+            spec = WorkerSpec(
+                model_path=model_path,
+                port=args.worker_port + i,
+                device=args.device,
+                served_model_name=model_id,
+                log_file=log_dir / f"worker-{i}.log",
+            )
+            workers.append(start_worker(spec))
+        asyncio.run(_start_all(workers, args.ready_timeout))
+        config = GatewayConfig.from_env(
+            model=model_id,
+            workers=tuple(w.url for w in workers),
+            processor=ProcessorSettings.from_model_dir(model_path),
+        )
+        elapsed = time.monotonic() - started
+
+        def ready() -> None:
+            say(f"ready: http://{args.host}:{args.port}/v1 serves {model_id} "
+                f"with {len(workers)} worker(s) (started in {elapsed:.0f} s); Ctrl-C stops")
+
+        run_gateway(config, args.host, args.port, args.log_level, on_ready=ready)
+        return 0
+    except EngineExtError as exc:
+        say(f"a worker failed to start: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if workers:
+            say(f"stopping {len(workers)} worker(s)")
+            for worker in workers:
+                worker.stop()

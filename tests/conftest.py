@@ -1,0 +1,120 @@
+"""Session fixtures: the bundled tiny model, real SGLang CPU workers, a real gateway server."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig, ProcessorSettings
+
+WORKER_READY_TIMEOUT_S = 600
+MODEL_ID = "revisit-tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    from engine_ext.bundled import DEFAULT_ARCH, build_model
+
+    return build_model(DEFAULT_ARCH, "tiny")
+
+
+def start_worker(model_path: Path, log_dir: Path, port: int | None = None):
+    from engine_ext.launcher import WorkerSpec, start_worker as launch
+
+    port = port or free_port()
+    spec = WorkerSpec(model_path=model_path, port=port, served_model_name=MODEL_ID,
+                      log_file=log_dir / f"worker-{port}.log")
+    return launch(spec)
+
+
+@pytest.fixture(scope="session")
+def workers(model_path, tmp_path_factory) -> Iterator[list]:
+    """Two real SGLang CPU workers, started side by side."""
+    log_dir = tmp_path_factory.mktemp("worker-logs")
+    started = [start_worker(model_path, log_dir) for _ in range(2)]
+    try:
+
+        async def wait_all() -> None:
+            await asyncio.gather(*(w.wait_ready_async(WORKER_READY_TIMEOUT_S) for w in started))
+
+        asyncio.run(wait_all())
+        yield started
+    finally:
+        for worker in started:
+            worker.stop()
+
+
+@dataclass
+class GatewayServer:
+    url: str
+    config: GatewayConfig
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def app(self):
+        return self.server.config.app
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def run_gateway(config: GatewayConfig) -> GatewayServer:
+    """A real uvicorn server on loopback, in a thread with its own event loop."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.05)
+    return GatewayServer(url=f"http://127.0.0.1:{port}", config=config, server=server, thread=thread)
+
+
+def gateway_config(model_path: Path, worker_urls: list[str], **overrides) -> GatewayConfig:
+    settings = {"health_interval_s": 0.5, **overrides}
+    return GatewayConfig(
+        model=MODEL_ID, workers=tuple(worker_urls), processor=ProcessorSettings.from_model_dir(model_path), **settings
+    )
+
+
+@pytest.fixture(scope="session")
+def gateway(workers, model_path) -> Iterator[GatewayServer]:
+    server = run_gateway(gateway_config(model_path, [w.url for w in workers]))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def client(gateway):
+    import openai
+
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-test", max_retries=0, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def async_client(gateway):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="sk-test", max_retries=0, timeout=300)

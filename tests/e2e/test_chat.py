@@ -1,0 +1,213 @@
+"""The OpenAI chat API through the gateway, with the official openai client and real SGLang workers.
+
+Ports the portable checks of vLLM's entrypoints/openai test_vision.py and SGLang's
+test_vision_openai_server_common.py, using bundled local images instead of internet ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from gateway.images import token_grid
+from tests.images_lib import data_url, encode, small
+from tests.openai_schema import assert_valid
+
+pytestmark = pytest.mark.sglang
+
+QUESTION = "What is in this image?"
+
+
+@pytest.fixture(scope="module")
+def image_a() -> str:
+    return data_url(encode(small("astronaut.png", (112, 112))))
+
+
+@pytest.fixture(scope="module")
+def image_b() -> str:
+    return data_url(encode(small("coffee.png", (140, 84))))
+
+
+def user(*parts) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": p}} if p.startswith("data:") else {"type": "text", "text": p}
+               for p in parts]
+    return {"role": "user", "content": content}
+
+
+def raw_stream(gateway, body: dict) -> list[str]:
+    """The ``data:`` payloads of a streamed response, exactly as they came over the wire."""
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def image_tokens(gateway, size: tuple[int, int]) -> int:
+    width, height = size
+    # +2: <|vision_start|> and <|vision_end|> around the image pads
+    return token_grid(height, width, gateway.config.processor).tokens + 2
+
+
+def test_models_lists_the_served_model(client, gateway):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [gateway.config.model]
+    assert_valid(models.model_dump(mode="json"), "ListModelsResponse")
+    assert client.models.retrieve(gateway.config.model).id == gateway.config.model
+
+
+def test_single_image(client, gateway, image_a):
+    text_only = client.chat.completions.create(
+        model=gateway.config.model, messages=[user(QUESTION)], max_completion_tokens=8, temperature=0
+    )
+    raw = client.chat.completions.with_raw_response.create(
+        model=gateway.config.model, messages=[user(image_a, QUESTION)], max_completion_tokens=8, temperature=0
+    )
+    assert_valid(raw.http_response.json(), "CreateChatCompletionResponse")
+    response = raw.parse()
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content
+    assert choice.finish_reason in ("length", "stop")
+    assert response.usage.completion_tokens <= 8
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    # The gateway's token grid is the worker's: the image adds exactly grid + 2 prompt tokens.
+    added = response.usage.prompt_tokens - text_only.usage.prompt_tokens
+    assert added == image_tokens(gateway, (112, 112))
+
+
+def test_finish_reason_length_under_a_small_budget(client, gateway, image_a):
+    for budget in ({"max_tokens": 3}, {"max_completion_tokens": 3}):
+        response = client.chat.completions.create(
+            model=gateway.config.model, messages=[user(image_a, QUESTION)], temperature=0, **budget
+        )
+        assert response.choices[0].finish_reason == "length"
+        assert response.usage.completion_tokens == 3
+
+
+def test_two_images(client, gateway, image_a, image_b):
+    one = client.chat.completions.create(
+        model=gateway.config.model, messages=[user(image_a, "Compare.")], max_completion_tokens=4, temperature=0
+    )
+    both = client.chat.completions.create(
+        model=gateway.config.model, messages=[user(image_a, image_b, "Compare.")],
+        max_completion_tokens=4, temperature=0,
+    )
+    assert both.choices[0].message.content
+    assert both.usage.prompt_tokens - one.usage.prompt_tokens == image_tokens(gateway, (140, 84))
+
+
+def test_multi_turn_repeating_an_image(client, gateway, image_a):
+    first = client.chat.completions.with_raw_response.create(
+        model=gateway.config.model, messages=[user(image_a, QUESTION)], max_completion_tokens=6, temperature=0
+    )
+    answer = first.parse().choices[0].message.content
+    messages = [
+        user(image_a, QUESTION),
+        {"role": "assistant", "content": answer},
+        user(image_a, "And what colour is it?"),
+    ]
+    second = client.chat.completions.with_raw_response.create(
+        model=gateway.config.model, messages=messages, max_completion_tokens=6, temperature=0
+    )
+    assert second.parse().choices[0].message.content
+    first_key = first.headers["x-revisit-image-keys"]
+    assert second.headers["x-revisit-image-keys"] == f"{first_key},{first_key}"
+
+
+def test_stream_matches_non_stream_at_temperature_zero(client, gateway, image_a):
+    kwargs = dict(model=gateway.config.model, messages=[user(image_a, QUESTION)],
+                  max_completion_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    wire = raw_stream(gateway, {**kwargs, "stream": True, "stream_options": {"include_usage": True}})
+    assert wire[-1] == "[DONE]"
+    for chunk in wire[:-1]:
+        assert_valid(json.loads(chunk), "CreateChatCompletionStreamResponse")
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    # include_usage: one last chunk with usage and no choices
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_sequence_truncates(client, gateway, image_a):
+    kwargs = dict(model=gateway.config.model, messages=[user(image_a, QUESTION)], temperature=0)
+    full = client.chat.completions.create(**kwargs, max_completion_tokens=16).choices[0].message.content
+    assert len(full) > 4
+    stop = full[len(full) // 2:][:3]
+    cut = client.chat.completions.create(**kwargs, max_completion_tokens=16, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert full.startswith(cut.choices[0].message.content)
+    assert stop not in cut.choices[0].message.content
+
+
+def test_seeded_sampling_repeats(client, gateway, image_a):
+    kwargs = dict(model=gateway.config.model, messages=[user(image_a, QUESTION)],
+                  max_completion_tokens=10, temperature=1.0, top_p=0.95, seed=1234)
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == \
+        client.chat.completions.create(**kwargs).choices[0].message.content
+
+
+def test_n_choices(client, gateway, image_a):
+    response = client.chat.completions.create(
+        model=gateway.config.model, messages=[user(image_a, QUESTION)], max_completion_tokens=4,
+        temperature=1.0, n=2,
+    )
+    assert sorted(c.index for c in response.choices) == [0, 1]
+
+
+def test_logprobs(client, gateway, image_a):
+    response = client.chat.completions.create(
+        model=gateway.config.model, messages=[user(image_a, QUESTION)], max_completion_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=3,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3
+        assert item.logprob == pytest.approx(max(t.logprob for t in item.top_logprobs), abs=1e-4)
+
+
+async def test_twelve_concurrent_mixed_requests(async_client, gateway, image_a, image_b):
+    kinds = [[user(image_a, QUESTION)], [user(image_b, QUESTION)], [user(QUESTION)]]
+
+    async def one(i: int):
+        messages = kinds[i % 3]
+        if i % 2:
+            stream = await async_client.chat.completions.create(
+                model=gateway.config.model, messages=messages, max_completion_tokens=6, temperature=0,
+                stream=True, stream_options={"include_usage": True},
+            )
+            chunks = [c async for c in stream]
+            return i, chunks[-1].usage.prompt_tokens, "".join(
+                c.choices[0].delta.content or "" for c in chunks if c.choices)
+        response = await async_client.chat.completions.create(
+            model=gateway.config.model, messages=messages, max_completion_tokens=6, temperature=0
+        )
+        return i, response.usage.prompt_tokens, response.choices[0].message.content
+
+    results = await asyncio.gather(*(one(i) for i in range(12)))
+    assert len(results) == 12
+    prompt_tokens = {}
+    for i, tokens, text in results:
+        assert text
+        prompt_tokens.setdefault(i % 3, set()).add(tokens)
+    assert all(len(v) == 1 for v in prompt_tokens.values())
+    assert prompt_tokens[0] != prompt_tokens[2] and prompt_tokens[1] != prompt_tokens[2]
+    # both workers took a share of the load
+    served = [w.served for w in gateway.app.state.services.pool.workers]
+    assert all(s > 0 for s in served), served
+
+
+def test_health_lists_the_workers(gateway):
+    import httpx
+
+    response = httpx.get(gateway.url + "/health")
+    assert response.status_code == 200
+    assert [w["healthy"] for w in response.json()["workers"]] == [True, True]
