@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +52,10 @@ async def _start_all(workers: list, timeout: float) -> None:
                 f"({time.monotonic() - started:.0f} s)")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -> int:
     from engine_ext.errors import EngineExtError
     from engine_ext.launcher import WorkerSpec, start_worker
@@ -60,9 +65,13 @@ def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -
     model_path, model_id = resolve_model(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="revisit-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (docker stop, systemd) must unwind like Ctrl-C so the workers, which run
+    # in sessions of their own, are stopped rather than orphaned.
+    signal.signal(signal.SIGTERM, _interrupt)
     say(f"starting {args.workers} SGLang worker(s) on {args.device} for {model_id} (logs in {log_dir})")
     started = time.monotonic()
     workers = []
+    serving = False
     try:
         for i in range(args.workers):
             spec = WorkerSpec(
@@ -82,6 +91,8 @@ def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -
         elapsed = time.monotonic() - started
 
         def ready() -> None:
+            nonlocal serving
+            serving = True
             say(f"ready: http://{args.host}:{args.port}/v1 serves {model_id} "
                 f"with {len(workers)} worker(s) (started in {elapsed:.0f} s); Ctrl-C stops")
 
@@ -91,7 +102,7 @@ def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -
         say(f"a worker failed to start: {exc}")
         return 1
     except KeyboardInterrupt:
-        return 130
+        return 0 if serving else 130
     finally:
         if workers:
             say(f"stopping {len(workers)} worker(s)")

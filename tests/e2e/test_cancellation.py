@@ -1,0 +1,72 @@
+"""A client that goes away stops the work on the worker, streaming or not."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.images_lib import data_url, encode, small
+
+pytestmark = pytest.mark.sglang
+
+IMAGE = data_url(encode(small("rocket.jpg", (84, 84))))
+LONG = 4000  # tokens: tens of seconds of decoding on a CPU worker, unless cancelled
+
+
+def running_requests(worker_url: str) -> int:
+    loads = httpx.get(worker_url + "/v1/loads", params={"include": "core"}, timeout=10).json()["loads"]
+    return sum(load["num_running_reqs"] + load.get("num_waiting_reqs", 0) for load in loads)
+
+
+def body(stream: bool) -> dict:
+    return {
+        "model": "revisit-tiny",
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}},
+                                                  {"type": "text", "text": "Talk."}]}],
+        "max_completion_tokens": LONG, "ignore_eos": True, "temperature": 0, "stream": stream,
+    }
+
+
+def wait_for(predicate, timeout: float) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, "condition not reached in time"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def busy_worker(gateway):
+    busy = [w for w in gateway.app.state.services.pool.workers if w.inflight]
+    assert len(busy) == 1
+    return busy[0]
+
+
+def test_stream_closed_by_the_client_aborts_the_upstream_request(gateway):
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body(True), timeout=60) as response:
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert received
+        worker = busy_worker(gateway)
+        assert running_requests(worker.url) == 1
+    # The client hung up: the gateway lets go of the worker and the worker stops decoding.
+    wait_for(lambda: worker.inflight == 0, timeout=10)
+    wait_for(lambda: running_requests(worker.url) == 0, timeout=20)
+
+
+def test_non_streaming_client_gone_aborts_the_upstream_request(gateway):
+    def doomed() -> None:
+        try:
+            httpx.post(gateway.url + "/v1/chat/completions", json=body(False), timeout=3)
+        except httpx.TimeoutException:
+            pass  # the client gives up and closes its connection
+
+    thread = threading.Thread(target=doomed)
+    thread.start()
+    wait_for(lambda: any(w.inflight for w in gateway.app.state.services.pool.workers), timeout=10)
+    worker = busy_worker(gateway)
+    thread.join()
+    wait_for(lambda: worker.inflight == 0, timeout=10)
+    wait_for(lambda: running_requests(worker.url) == 0, timeout=20)
