@@ -1,0 +1,166 @@
+"""Gateway overhead: the same requests straight to SGLang and through the gateway, side by side.
+
+Starts one SGLang CPU worker on a bundled model and a gateway process in front of it,
+then sends each request twice in alternation (direct, gateway, direct, gateway, ...),
+so drift in machine load hits both paths alike. Prints p50/p95 latency per request
+kind and path, the overhead, worker start time and peak memory.
+
+    .venv/bin/python bench/gateway_overhead.py [--size tiny|bench] [--rounds 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine_ext.bundled import DEFAULT_ARCH, build_model  # noqa: E402
+from engine_ext.launcher import WorkerSpec, start_worker  # noqa: E402
+from tests.images_lib import data_url, encode, small  # noqa: E402
+
+MODEL_ID = "bench-model"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tree_rss(pid: int) -> int:
+    try:
+        root = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+    except psutil.NoSuchProcess:
+        return 0
+
+
+class PeakRss:
+    def __init__(self, pid: int):
+        self.pid, self.peak = pid, 0
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, tree_rss(self.pid))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def request_kinds(size: int) -> dict[str, dict]:
+    png = data_url(encode(small("astronaut.png", (size, size))))
+    jpeg = data_url(encode(small("coffee.png", (size, size)), "JPEG", quality=90), "image/jpeg")
+
+    def body(*parts: dict, stream: bool = False) -> dict:
+        return {"model": MODEL_ID, "messages": [{"role": "user", "content": list(parts)}],
+                "max_completion_tokens": 1, "temperature": 0, "stream": stream}
+
+    text = {"type": "text", "text": "Describe the picture in one word."}
+    return {
+        "text only": body(text),
+        "png image": body({"type": "image_url", "image_url": {"url": png}}, text),
+        "jpeg image": body({"type": "image_url", "image_url": {"url": jpeg}}, text),
+        "png image, stream TTFT": body({"type": "image_url", "image_url": {"url": png}}, text, stream=True),
+    }
+
+
+def timed(client: httpx.Client, url: str, body: dict) -> float:
+    started = time.perf_counter()
+    if body.get("stream"):
+        with client.stream("POST", url, json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if line.startswith("data: {") and '"content":"' in line:
+                    break  # first token
+    else:
+        response = client.post(url, json=body)
+        response.raise_for_status()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="tiny", choices=("tiny", "bench"))
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--image-side", type=int, default=224)
+    args = parser.parse_args()
+
+    model_path = build_model(DEFAULT_ARCH, args.size, on_progress=print)
+    logs = Path(tempfile.mkdtemp(prefix="bench-"))
+    worker_port, gateway_port = free_port(), free_port()
+    started = time.monotonic()
+    worker = start_worker(WorkerSpec(model_path=model_path, port=worker_port, served_model_name=MODEL_ID,
+                                     log_file=logs / "worker.log"))
+    gateway = None
+    try:
+        worker.wait_ready(900)
+        worker_start_s = time.monotonic() - started
+        env = {**os.environ, "REVISIT_MODEL": MODEL_ID, "REVISIT_WORKERS": worker.url,
+               "REVISIT_MODEL_DIR": str(model_path)}
+        gateway = subprocess.Popen(
+            [str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(gateway_port),
+             "--log-level", "warning"], env=env, stdout=open(logs / "gateway.log", "w"), stderr=subprocess.STDOUT,
+        )
+        gateway_url = f"http://127.0.0.1:{gateway_port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(gateway_url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, (logs / "gateway.log").read_text()
+            time.sleep(0.2)
+
+        worker_peak, gateway_peak = PeakRss(worker.pid), PeakRss(gateway.pid)
+        paths = {"direct": worker.url + "/v1/chat/completions", "gateway": gateway_url + "/v1/chat/completions"}
+        kinds = request_kinds(args.image_side)
+        results = {(k, p): [] for k in kinds for p in paths}
+        with httpx.Client(timeout=300) as client:
+            for kind, body in kinds.items():  # warm-up: caches, connections, lazy imports
+                for url in paths.values():
+                    timed(client, url, body)
+            for round_index in range(args.rounds):
+                for kind, body in kinds.items():
+                    order = list(paths.items()) if round_index % 2 == 0 else list(paths.items())[::-1]
+                    for name, url in order:
+                        results[(kind, name)].append(timed(client, url, body))
+                worker_peak.sample()
+                gateway_peak.sample()
+
+        print(f"\nmodel {model_path.name}, {args.rounds} rounds, image {args.image_side}x{args.image_side}, "
+              f"max_completion_tokens=1, sequential, alternating paths")
+        print(f"{'request':26} {'direct p50':>11} {'gateway p50':>12} {'direct p95':>11} {'gateway p95':>12}"
+              f" {'overhead p50':>13} {'ratio p50':>10}")
+        for kind in kinds:
+            direct, via = results[(kind, "direct")], results[(kind, "gateway")]
+            d50, g50 = statistics.median(direct), statistics.median(via)
+            print(f"{kind:26} {d50 * 1e3:9.1f}ms {g50 * 1e3:10.1f}ms {percentile(direct, 95) * 1e3:9.1f}ms "
+                  f"{percentile(via, 95) * 1e3:10.1f}ms {(g50 - d50) * 1e3:+11.1f}ms {g50 / d50:9.3f}x")
+        print(f"\nworker start to /health 200: {worker_start_s:.1f} s")
+        print(f"peak RSS: worker process tree {worker_peak.peak / 2**30:.2f} GiB, "
+              f"gateway {gateway_peak.peak / 2**20:.0f} MiB")
+    finally:
+        if gateway is not None:
+            gateway.send_signal(signal.SIGTERM)
+            gateway.wait(timeout=30)
+        worker.stop()
+
+
+if __name__ == "__main__":
+    main()
