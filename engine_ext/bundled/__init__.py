@@ -1,0 +1,39 @@
+"""The project's bundled vision-language models, built offline from recipes.
+
+Two architectures (Qwen2.5-VL and Qwen3-VL) in two sizes: ``tiny`` for tests and ``bench`` for
+timing, with a locally trained tokenizer and deterministic random weights. Nothing is downloaded.
+
+    >>> from engine_ext.bundled import build_model
+    >>> path = build_model("qwen2_5_vl", "tiny")   # idempotent; cached by recipe digest
+"""
+
+from engine_ext.bundled.build import RECIPE_FILE, build_model, is_built, model_dir
+from engine_ext.bundled.recipes import (
+    ARCHS,
+    BENCH,
+    DEFAULT_ARCH,
+    DEFAULT_SIZE,
+    QWEN2_5_VL,
+    QWEN3_VL,
+    SIZES,
+    TINY,
+    ModelRecipe,
+    get_recipe,
+)
+
+__all__ = [
+    "ARCHS",
+    "BENCH",
+    "DEFAULT_ARCH",
+    "DEFAULT_SIZE",
+    "QWEN2_5_VL",
+    "QWEN3_VL",
+    "RECIPE_FILE",
+    "SIZES",
+    "TINY",
+    "ModelRecipe",
+    "build_model",
+    "get_recipe",
+    "is_built",
+    "model_dir",
+]
