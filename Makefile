@@ -25,6 +25,7 @@ serve: $(INSTALLED)
 	$(BIN)/revisit serve $(ARGS)
 
 test: $(INSTALLED)
+	$(BIN)/ruff check gateway engine_ext store dashboards tests bench
 	$(BIN)/python -m pytest $(ARGS)
 
 bench: $(INSTALLED)

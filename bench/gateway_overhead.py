@@ -132,7 +132,7 @@ def main() -> None:
         kinds = request_kinds(args.image_side)
         results = {(k, p): [] for k in kinds for p in paths}
         with httpx.Client(timeout=300) as client:
-            for kind, body in kinds.items():  # warm-up: caches, connections, lazy imports
+            for body in kinds.values():  # warm-up: caches, connections, lazy imports
                 for url in paths.values():
                     timed(client, url, body)
             for round_index in range(args.rounds):

@@ -14,7 +14,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from gateway.config import ConfigError, GatewayConfig
 

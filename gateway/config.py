@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 ENV_PREFIX = "REVISIT_"
 
@@ -48,7 +49,7 @@ class ProcessorSettings:
         return self.patch_size * self.merge_size
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ProcessorSettings":
+    def from_model_dir(cls, model_dir: str | Path) -> ProcessorSettings:
         """Read a Hugging Face style model folder's image processor settings.
 
         ``processor_config.json`` (its ``image_processor`` section) is preferred, then
@@ -132,7 +133,7 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "GatewayConfig":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewayConfig:
         """Build from ``REVISIT_*`` variables; keyword overrides win over the environment.
 
         REVISIT_MODEL, REVISIT_WORKERS (comma-separated URLs), REVISIT_MODEL_DIR (to read

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import httpx
@@ -136,11 +137,12 @@ class Dispatcher:
 
     async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str],
                      first: str, lease) -> AsyncIterator[bytes]:
+        shaper = openai_shape.StreamShaper()
         try:
-            yield (openai_shape.stream_line(first) + "\n\n").encode()
+            yield (shaper.line(first) + "\n\n").encode()
             async for line in lines:
                 if line:
-                    yield (openai_shape.stream_line(line) + "\n\n").encode()
+                    yield (shaper.line(line) + "\n\n").encode()
             worker.served += 1
         except httpx.HTTPError as exc:
             message = f"the worker failed mid-stream: {type(exc).__name__}"

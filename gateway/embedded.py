@@ -12,8 +12,8 @@ import asyncio
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from gateway.config import GatewayConfig, ProcessorSettings
 

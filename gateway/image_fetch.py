@@ -12,7 +12,7 @@ import asyncio
 import binascii
 import ipaddress
 import socket
-from typing import Iterable
+from collections.abc import Iterable
 
 import httpcore
 import httpx
@@ -57,7 +57,7 @@ class AddressGuard(httpcore.AsyncNetworkBackend):
             infos = await asyncio.wait_for(
                 loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout
             )
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from exc
         addresses = list(dict.fromkeys(info[4][0] for info in infos))
         if not self._allow_private:
@@ -133,6 +133,7 @@ class ImageFetcher:
 
     async def _fetch_remote(self, url: str, param: str) -> bytes:
         limit = self._limits.max_image_bytes
+        too_large = PayloadTooLarge(f"{param}: image exceeds {limit} bytes", param=param, code="image_too_large")
         try:
             async with self._client.stream("GET", url) as response:
                 if response.status_code != 200:
@@ -141,12 +142,12 @@ class ImageFetcher:
                     )
                 declared = response.headers.get("content-length")
                 if declared and declared.isdigit() and int(declared) > limit:
-                    raise PayloadTooLarge(f"{param}: image exceeds {limit} bytes", param=param, code="image_too_large")
+                    raise too_large
                 chunks, size = [], 0
                 async for chunk in response.aiter_bytes():
                     size += len(chunk)
                     if size > limit:
-                        raise PayloadTooLarge(f"{param}: image exceeds {limit} bytes", param=param, code="image_too_large")
+                        raise too_large
                     chunks.append(chunk)
                 return b"".join(chunks)
         except BlockedAddress as exc:

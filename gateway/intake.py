@@ -77,7 +77,7 @@ def _rewrite_images(
         return body
     upstream = dict(body)
     upstream["messages"] = copy.deepcopy(body["messages"])
-    for ref, image in zip(refs, images):
+    for ref, image in zip(refs, images, strict=True):
         part = upstream["messages"][ref.message_index]["content"][ref.part_index]
         part["image_url"] = {**part["image_url"], "url": image.data_url}
     return upstream

@@ -34,17 +34,39 @@ def completion(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def stream_line(line: str) -> str:
-    """Mend one SSE ``data:`` line of a chat completion stream."""
-    # Only usage chunks need mending; the others pass without a JSON round trip.
-    if not line.startswith("data: {") or '"usage"' not in line:
-        return line
-    try:
-        chunk = json.loads(line[6:])
-    except ValueError:
-        return line
-    if chunk.get("usage") is None:
-        chunk.pop("usage", None)
-    else:
-        _clean_usage(chunk["usage"])
-    return "data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
+class StreamShaper:
+    """Mends the ``data:`` lines of one chat completion stream, in order.
+
+    Besides usage mending, it gives every chunk the stream's first id: with ``n`` > 1
+    SGLang numbers each choice's chunks with an id of its own, while OpenAI's streams
+    (and clients that group chunks by id) carry one id per completion.
+    """
+
+    def __init__(self) -> None:
+        self._id: str | None = None
+
+    def line(self, line: str) -> str:
+        if not line.startswith("data: {"):
+            return line
+        if self._id is not None and f'"id":"{self._id}"' in line and '"usage"' not in line:
+            return line  # the common case: nothing to mend, no JSON round trip
+        try:
+            chunk = json.loads(line[6:])
+        except ValueError:
+            return line
+        if not isinstance(chunk, dict) or "error" in chunk:
+            return line
+        changed = False
+        if self._id is None:
+            self._id = chunk.get("id")
+        elif "id" in chunk and chunk["id"] != self._id:
+            chunk["id"], changed = self._id, True
+        if "usage" in chunk:
+            changed = True
+            if chunk["usage"] is None:
+                del chunk["usage"]
+            else:
+                _clean_usage(chunk["usage"])
+        if not changed:
+            return line
+        return "data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)

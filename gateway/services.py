@@ -25,7 +25,7 @@ class Services:
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def build(cls, config: GatewayConfig) -> "Services":
+    def build(cls, config: GatewayConfig) -> Services:
         # One client for every worker call: pooled keep-alive connections, explicit
         # timeouts. The read timeout bounds the gap between two streamed chunks.
         client = httpx.AsyncClient(

@@ -9,7 +9,7 @@ it (``GatewayConfig.namespaces``).
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping
+from collections.abc import Mapping
 
 
 def namespace_for(authorization: str | None, *, mapping: Mapping[str, str], default: str) -> str:

@@ -13,8 +13,8 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable
 
 import httpx
 

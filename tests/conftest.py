@@ -6,9 +6,9 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import uvicorn
@@ -34,7 +34,8 @@ def model_path() -> Path:
 
 
 def start_worker(model_path: Path, log_dir: Path, port: int | None = None):
-    from engine_ext.launcher import WorkerSpec, start_worker as launch
+    from engine_ext.launcher import WorkerSpec
+    from engine_ext.launcher import start_worker as launch
 
     port = port or free_port()
     spec = WorkerSpec(model_path=model_path, port=port, served_model_name=MODEL_ID,

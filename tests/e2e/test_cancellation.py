@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -46,8 +47,7 @@ def busy_worker(gateway):
 
 def test_stream_closed_by_the_client_aborts_the_upstream_request(gateway):
     with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body(True), timeout=60) as response:
-        lines = response.iter_lines()
-        received = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        received = [line for line in itertools.islice(response.iter_lines(), 6) if line.startswith("data: ")]
         assert received
         worker = busy_worker(gateway)
         assert running_requests(worker.url) == 1

@@ -8,10 +8,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ from engine_ext.launcher import (
     verify_sglang_version,
 )
 from engine_ext.readiness import wait_ready, wait_ready_async
+from tests.http_server import serve_handler
 
 from .conftest import free_port
 
@@ -175,15 +175,8 @@ class _HealthAfter(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def health_server() -> Iterator[str]:
-    handler = type("Handler", (_HealthAfter,), {"calls": 0})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_handler(type("Handler", (_HealthAfter,), {"calls": 0})) as url:
+        yield url
 
 
 def test_wait_ready_sync_polls_until_200(health_server: str) -> None:

@@ -129,7 +129,7 @@ def test_logprobs_agree_with_transformers(
     with torch.no_grad():
         logprobs = model(**inputs).logits[0, -1].log_softmax(-1)  # (vocab,)
     top = logprobs.topk(5)
-    reference = {processor.tokenizer.decode([int(i)]): float(v) for v, i in zip(top.values, top.indices)}
+    reference = {processor.tokenizer.decode([int(i)]): float(v) for v, i in zip(top.values, top.indices, strict=True)}
     assert response.usage.prompt_tokens == inputs["input_ids"].shape[1]
     assert served.keys() == reference.keys()
     for token, value in reference.items():
