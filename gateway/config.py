@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +192,7 @@ class GatewayConfig:
             if (value := get(name, cast)) is not None:
                 kwargs[key] = value
         kwargs.update(overrides)
-        missing = [f.name for f in fields(cls) if f.name in ("model", "workers") and f.name not in kwargs]
+        missing = [name for name in ("model", "workers") if name not in kwargs]
         if missing:
             raise ConfigError(
                 "missing settings: " + ", ".join(ENV_PREFIX + m.upper() for m in missing)

@@ -1,0 +1,1 @@
+"""The shared KV store: patch-first entries in a pinned-DRAM tier and an LMDB tier; no policy."""
