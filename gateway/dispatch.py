@@ -133,7 +133,12 @@ class Dispatcher:
             except BaseException:
                 await _close(response, lease)
                 raise
-            return self._relay(worker, response, lines, first, lease)
+            relay = self._relay(worker, response, lines, first, lease)
+            # Start the relay now: a started async generator is closed by the event loop
+            # when dropped, so the lease and the upstream stream are released even if the
+            # client leaves before the response body is ever iterated.
+            head = await relay.__anext__()
+            return _prepend(head, relay)
 
     async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str],
                      first: str, lease) -> AsyncIterator[bytes]:
@@ -155,6 +160,15 @@ class Dispatcher:
 
 class _Retry(Exception):
     pass
+
+
+async def _prepend(head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        yield head
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 async def _first_event(lines: AsyncIterator[str]) -> str | None:

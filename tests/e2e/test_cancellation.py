@@ -47,10 +47,14 @@ def busy_worker(gateway):
 
 def test_stream_closed_by_the_client_aborts_the_upstream_request(gateway):
     with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body(True), timeout=60) as response:
-        received = [line for line in itertools.islice(response.iter_lines(), 6) if line.startswith("data: ")]
+        # Keep the line iterator referenced: closing it (even by garbage collection) closes
+        # the connection, which is the disconnect this test makes on purpose further down.
+        lines = response.iter_lines()
+        received = [line for line in itertools.islice(lines, 6) if line.startswith("data: ")]
         assert received
         worker = busy_worker(gateway)
         assert running_requests(worker.url) == 1
+        del lines
     # The client hung up: the gateway lets go of the worker and the worker stops decoding.
     wait_for(lambda: worker.inflight == 0, timeout=10)
     wait_for(lambda: running_requests(worker.url) == 0, timeout=20)
