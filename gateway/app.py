@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
-from gateway.routes import health, openai_api
+from gateway.routes import admin, health, openai_api
 from gateway.services import Services
 
 
@@ -30,4 +30,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(health.router)
+    app.include_router(admin.router)
+    app.include_router(admin.metrics_router)
     return app

@@ -8,6 +8,7 @@ loudly at start-up, never at request time.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -98,6 +99,44 @@ class ImageLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PolicySettings:
+    """Capacities and knobs of the gateway's cache policy (see :mod:`gateway.policy`).
+
+    ``preset_fraction`` of L2 is reserved for the preset victim cache: ordinary L2
+    entries use the rest, preset entries only that share.
+    """
+
+    l2_capacity_bytes: int = 16 * 1024**3
+    l3_capacity_bytes: int = 256 * 1024**3
+    preset_fraction: float = 0.1
+    max_protection_budget: int = 4
+    # Online reuse signal: an entry's preset score is its prior weight plus this much
+    # per hit (exact or approximate); it may enter the reserved share at preset_min_score.
+    preset_reuse_weight: float = 0.25
+    preset_min_score: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.l2_capacity_bytes < 0 or self.l3_capacity_bytes < 0:
+            raise ConfigError("tier capacities must not be negative")
+        if not 0.0 <= self.preset_fraction < 1.0:
+            raise ConfigError(f"preset_fraction must be in [0, 1), got {self.preset_fraction}")
+        if self.max_protection_budget < 0:
+            raise ConfigError("max_protection_budget must not be negative")
+        if self.preset_reuse_weight < 0 or not math.isfinite(self.preset_reuse_weight):
+            raise ConfigError("preset_reuse_weight must be a finite number >= 0")
+        if self.preset_min_score <= 0 or not math.isfinite(self.preset_min_score):
+            raise ConfigError("preset_min_score must be a finite number > 0")
+
+    @property
+    def preset_capacity_bytes(self) -> int:
+        return int(self.l2_capacity_bytes * self.preset_fraction)
+
+    @property
+    def l2_main_capacity_bytes(self) -> int:
+        return self.l2_capacity_bytes - self.preset_capacity_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
     """Everything the gateway needs to run; immutable once built."""
 
@@ -107,7 +146,7 @@ class GatewayConfig:
     images: ImageLimits = field(default_factory=ImageLimits)
     max_request_bytes: int = 64 * 1024 * 1024
     health_interval_s: float = 2.0
-    health_timeout_s: float = 2.0
+    health_timeout_s: float = 5.0
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0
     max_connections: int = 256
@@ -115,6 +154,11 @@ class GatewayConfig:
     # from the key; requests without a key share the default namespace.
     namespaces: Mapping[str, str] = field(default_factory=dict)
     default_namespace: str = "default"
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    # Bearer token for /admin; None disables the admin API (every call answers 403).
+    admin_token: str | None = None
+    # Whether /metrics requires the admin token too (it needs one to be set).
+    metrics_require_token: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -131,6 +175,10 @@ class GatewayConfig:
                      "connect_timeout_s", "upstream_timeout_s", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.admin_token is not None and len(self.admin_token) < 8:
+            raise ConfigError("admin_token must be at least 8 characters")
+        if self.metrics_require_token and not self.admin_token:
+            raise ConfigError("metrics_require_token needs an admin_token")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewayConfig:
@@ -140,7 +188,10 @@ class GatewayConfig:
         processor settings), REVISIT_NAMESPACES (JSON object key -> namespace),
         REVISIT_ALLOW_PRIVATE_IMAGE_URLS (0/1), REVISIT_MAX_IMAGES_PER_REQUEST,
         REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES,
-        REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S.
+        REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_ADMIN_TOKEN,
+        REVISIT_METRICS_REQUIRE_TOKEN (0/1), and the cache policy's REVISIT_L2_CAPACITY_BYTES,
+        REVISIT_L3_CAPACITY_BYTES, REVISIT_PRESET_FRACTION, REVISIT_MAX_PROTECTION_BUDGET,
+        REVISIT_PRESET_REUSE_WEIGHT, REVISIT_PRESET_MIN_SCORE.
         """
         env = os.environ if environ is None else environ
 
@@ -184,7 +235,23 @@ class GatewayConfig:
         }
         if image_kwargs:
             kwargs["images"] = ImageLimits(**image_kwargs)
+        policy_kwargs = {
+            key: value
+            for key, value in (
+                ("l2_capacity_bytes", get("L2_CAPACITY_BYTES", int)),
+                ("l3_capacity_bytes", get("L3_CAPACITY_BYTES", int)),
+                ("preset_fraction", get("PRESET_FRACTION", float)),
+                ("max_protection_budget", get("MAX_PROTECTION_BUDGET", int)),
+                ("preset_reuse_weight", get("PRESET_REUSE_WEIGHT", float)),
+                ("preset_min_score", get("PRESET_MIN_SCORE", float)),
+            )
+            if value is not None
+        }
+        if policy_kwargs:
+            kwargs["policy"] = PolicySettings(**policy_kwargs)
         for key, name, cast in (
+            ("admin_token", "ADMIN_TOKEN", str),
+            ("metrics_require_token", "METRICS_REQUIRE_TOKEN", bool),
             ("max_request_bytes", "MAX_REQUEST_BYTES", int),
             ("upstream_timeout_s", "UPSTREAM_TIMEOUT_S", float),
             ("health_interval_s", "HEALTH_INTERVAL_S", float),

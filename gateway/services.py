@@ -6,11 +6,14 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.image_fetch import ImageFetcher
 from gateway.intake import Intake
+from gateway.metrics import build_registry
+from gateway.policy import CachePolicy
 from gateway.workers import WorkerPool
 
 
@@ -22,6 +25,8 @@ class Services:
     fetcher: ImageFetcher
     intake: Intake
     dispatcher: Dispatcher
+    policy: CachePolicy
+    metrics: CollectorRegistry
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -39,6 +44,7 @@ class Services:
             config.workers, client, interval_s=config.health_interval_s, timeout_s=config.health_timeout_s
         )
         fetcher = ImageFetcher(config.images)
+        policy = CachePolicy(config.policy)
         return cls(
             config=config,
             client=client,
@@ -46,6 +52,8 @@ class Services:
             fetcher=fetcher,
             intake=Intake(config, fetcher),
             dispatcher=Dispatcher(pool, client),
+            policy=policy,
+            metrics=build_registry(policy),
         )
 
     async def start(self) -> None:

@@ -30,6 +30,7 @@ class Worker:
     inflight: int = 0
     served: int = 0
     failures: int = 0
+    missed_checks: int = 0
     last_error: str | None = None
     last_checked: float = 0.0
     _last_used: int = field(default=0, repr=False)
@@ -46,11 +47,15 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, urls: Iterable[str], client: httpx.AsyncClient, *, interval_s: float, timeout_s: float):
+    def __init__(
+        self, urls: Iterable[str], client: httpx.AsyncClient, *, interval_s: float, timeout_s: float,
+        misses_allowed: int = 3,
+    ):
         self.workers = [Worker(url) for url in urls]
         self._client = client
         self._interval_s = interval_s
         self._timeout_s = timeout_s
+        self._misses_allowed = misses_allowed
         self._task: asyncio.Task | None = None
         self._ticket = itertools.count(1)
 
@@ -81,15 +86,21 @@ class WorkerPool:
         await asyncio.gather(*(self._check(w) for w in self.workers))
 
     async def _check(self, worker: Worker) -> None:
+        refused = False
         try:
             response = await self._client.get(worker.url + "/health", timeout=self._timeout_s)
             ok, error = response.status_code == 200, f"health returned HTTP {response.status_code}"
         except httpx.HTTPError as exc:
             ok, error = False, f"health check failed: {type(exc).__name__}: {exc}"
+            refused = isinstance(exc, httpx.ConnectError)
         worker.last_checked = time.monotonic()
-        if ok != worker.healthy:
-            log.info("worker %s is now %s", worker.url, "up" if ok else f"down ({error})")
-        worker.healthy = ok
+        worker.missed_checks = 0 if ok else worker.missed_checks + 1
+        # A worker busy with long prefills can answer /health late; only a refused
+        # connection (nothing listening) or several misses in a row take it out.
+        healthy = ok or (worker.healthy and not refused and worker.missed_checks < self._misses_allowed)
+        if healthy != worker.healthy:
+            log.info("worker %s is now %s", worker.url, "up" if healthy else f"down ({error})")
+        worker.healthy = healthy
         worker.last_error = None if ok else error
 
     def choose(self, exclude: Iterable[Worker] = ()) -> Worker:

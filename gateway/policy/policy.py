@@ -1,0 +1,340 @@
+"""The gateway's cache policy: exact-priority LRU over L2 and L3 with a preset victim cache.
+
+Pure bookkeeping: no I/O, no clock, no randomness. Every mutating call applies its
+decisions to the policy's own books and returns them, in order, for the caller to carry
+out on the store.
+
+Layout. L2 is split into a *main* region (``l2_capacity - preset``) and a reserved
+*preset* region (``preset_fraction`` of L2); L3 is one region. Bytes in each region never
+exceed its capacity after a call returns.
+
+Exact-priority LRU (main region and L3). Each exact hit sets the entry's protection
+budget to ``min(exact_hits, max_protection_budget)``. To free space, eviction walks the
+region from its LRU end: a pinned entry is never a candidate; an entry with budget left
+loses one unit and moves to the MRU end; the first entry with no budget is the victim.
+Approximate-only entries (no exact hit) never have a budget, so they leave first; an
+exact entry that stops being hit leaves once its budget is spent.
+
+Hits. An exact hit makes the entry most recently used and, from L3, promotes it to L2
+(when it fits there next to the pinned entries). An approximate (sparse) read only counts:
+no recency change, no tier change, no promotion of the alias entry.
+
+Preset victim cache. An entry's preset score is its prior weight (uploaded priors, see
+:mod:`gateway.policy.priors`) plus ``preset_reuse_weight`` per hit of either type. A
+victim of the main region whose score reaches ``preset_min_score`` stays in L2's preset
+region instead of being demoted, displacing preset entries of lower (score, last access)
+if needed; displaced preset entries, and victims that do not qualify, are demoted to L3
+(or evicted when L3 cannot take them). An exact hit on a preset entry keeps it there.
+
+Not thread-safe: call it from one thread, the gateway's event loop.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import Counter, OrderedDict
+
+from gateway.config import PolicySettings
+from gateway.policy.decisions import Admit, Decision, Demote, Evict, Promote, Reject, Reserve
+from gateway.policy.entry import CacheEntry, Region, Tier, is_entry_key
+from gateway.policy.errors import EntryPinned, InvalidEntry, UnknownEntry
+from gateway.policy.priors import PresetPriors
+from gateway.policy.stats import PolicyStats, TierUsage
+
+Slot = tuple[Tier, Region]
+MAIN: Slot = (Tier.L2, Region.MAIN)
+PRESET: Slot = (Tier.L2, Region.PRESET)
+L3: Slot = (Tier.L3, Region.MAIN)
+SLOTS = (MAIN, PRESET, L3)
+HIT_TYPES = ("exact", "approximate")
+DECISION_KINDS = ("admit", "reject", "promote", "demote", "reserve", "evict")
+EVICTION_REASONS = ("capacity", "removed", "flushed")
+
+
+class CachePolicy:
+    def __init__(self, settings: PolicySettings, priors: PresetPriors | None = None):
+        self.settings = settings
+        self._priors = priors or PresetPriors()
+        self._entries: dict[str, CacheEntry] = {}
+        # Eviction order per region, LRU first. Pinned entries are left out: they are
+        # never candidates, and rejoin at the MRU end when unpinned.
+        self._order: dict[Slot, OrderedDict[str, None]] = {slot: OrderedDict() for slot in SLOTS}
+        self._used: Counter[Slot] = Counter()
+        self._pinned: Counter[Slot] = Counter()
+        self._clock = 0
+        self._counts: Counter[str] = Counter()
+
+    # ---- queries -------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def get(self, key: str) -> CacheEntry:
+        """A copy of the entry's metadata; raises :class:`UnknownEntry`."""
+        return dataclasses.replace(self._entry(key))
+
+    def entries(
+        self, *, after: str | None = None, limit: int | None = None, tier: Tier | None = None
+    ) -> list[CacheEntry]:
+        """Copies of entries sorted by key, those with key > ``after`` only, at most ``limit``."""
+        keys = sorted(self._entries)
+        start = bisect.bisect_right(keys, after) if after is not None else 0
+        found: list[CacheEntry] = []
+        for key in keys[start:]:
+            entry = self._entries[key]
+            if tier is not None and entry.tier is not tier:
+                continue
+            if limit is not None and len(found) >= limit:
+                break
+            found.append(dataclasses.replace(entry))
+        return found
+
+    @property
+    def priors(self) -> PresetPriors:
+        return self._priors
+
+    def capacity(self, slot: Slot) -> int:
+        if slot == MAIN:
+            return self.settings.l2_main_capacity_bytes
+        if slot == PRESET:
+            return self.settings.preset_capacity_bytes
+        return self.settings.l3_capacity_bytes
+
+    def preset_score(self, entry: CacheEntry) -> float:
+        return entry.prior_weight + self.settings.preset_reuse_weight * (entry.exact_hits + entry.approximate_hits)
+
+    def stats(self) -> PolicyStats:
+        entries_in: Counter[Slot] = Counter()
+        pinned_in: Counter[Slot] = Counter()
+        for entry in self._entries.values():
+            slot = (entry.tier, entry.region)
+            entries_in[slot] += 1
+            pinned_in[slot] += entry.pinned
+
+        def usage(*slots: Slot) -> TierUsage:
+            return TierUsage(
+                entries=sum(entries_in[s] for s in slots),
+                bytes=sum(self._used[s] for s in slots),
+                capacity_bytes=sum(self.capacity(s) for s in slots),
+                pinned_entries=sum(pinned_in[s] for s in slots),
+                pinned_bytes=sum(self._pinned[s] for s in slots),
+            )
+
+        c = self._counts
+        return PolicyStats(
+            tiers={Tier.L2.value: usage(MAIN, PRESET), Tier.L3.value: usage(L3)},
+            preset=usage(PRESET),
+            hits={h: {t.value: c[f"hit:{h}:{t.value}"] for t in Tier} for h in HIT_TYPES},
+            decisions={kind: c[f"decision:{kind}"] for kind in DECISION_KINDS},
+            evictions={t.value: {r: c[f"evict:{t.value}:{r}"] for r in EVICTION_REASONS} for t in Tier},
+            protections_used=c["protections_used"],
+        )
+
+    # ---- requests ------------------------------------------------------------------
+
+    def insert(self, key: str, size_bytes: int, *, family: str | None = None) -> list[Decision]:
+        """Track a newly stored entry (after a miss). A key already tracked is left as is.
+
+        The entry enters L2's main region at the MRU end, or L3 when it cannot fit in L2
+        next to L2's pinned entries, or is rejected when it cannot fit in either.
+        """
+        if not is_entry_key(key):
+            raise InvalidEntry(f"{key!r} is not a 64-digit lowercase hex image key")
+        if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 0:
+            raise InvalidEntry(f"size_bytes must be an int >= 0, got {size_bytes!r}")
+        if key in self._entries:
+            return []
+        entry = CacheEntry(
+            key=key, size_bytes=size_bytes, tier=Tier.L2, family=family,
+            prior_weight=self._priors.weight(key, family), last_access=self._tick(),
+        )
+        out: list[Decision] = []
+        for slot in (MAIN, L3):
+            if self._has_room(slot, size_bytes):
+                self._entries[key] = entry
+                self._place(entry, slot)
+                self._emit(out, Admit(key=key, tier=slot[0]))
+                self._fit(slot, out, keep=key)
+                break
+        else:
+            self._emit(out, Reject(key=key, reason="larger than the free capacity of every tier"))
+        return out
+
+    def record_exact_hit(self, key: str) -> list[Decision]:
+        """An exact hit read the whole entry: refresh its budget, make it MRU, promote from L3."""
+        entry = self._entry(key)
+        self._counts[f"hit:exact:{entry.tier.value}"] += 1
+        entry.exact_hits += 1
+        entry.protection_budget = min(entry.exact_hits, self.settings.max_protection_budget)
+        entry.last_access = self._tick()
+        out: list[Decision] = []
+        slot = (entry.tier, entry.region)
+        if slot == L3 and self._has_room(MAIN, entry.size_bytes):
+            self._unplace(entry)
+            self._place(entry, MAIN)
+            self._emit(out, Promote(key=key))
+            self._fit(MAIN, out, keep=key)
+        elif not entry.pinned:
+            self._order[slot].move_to_end(key)
+        return out
+
+    def record_approximate_hit(self, key: str) -> None:
+        """A sparse read of the alias entry: counted, but no recency or tier change."""
+        entry = self._entry(key)
+        self._counts[f"hit:approximate:{entry.tier.value}"] += 1
+        entry.approximate_hits += 1
+
+    # ---- operator actions ----------------------------------------------------------
+
+    def pin(self, key: str) -> CacheEntry:
+        """Keep the entry where it is: never evicted or demoted by the policy. Idempotent."""
+        entry = self._entry(key)
+        if not entry.pinned:
+            slot = (entry.tier, entry.region)
+            del self._order[slot][key]
+            self._pinned[slot] += entry.size_bytes
+            entry.pinned = True
+        return dataclasses.replace(entry)
+
+    def unpin(self, key: str) -> CacheEntry:
+        """Make the entry evictable again, at the MRU end of its region. Idempotent."""
+        entry = self._entry(key)
+        if entry.pinned:
+            slot = (entry.tier, entry.region)
+            self._pinned[slot] -= entry.size_bytes
+            self._order[slot][key] = None
+            entry.pinned = False
+        return dataclasses.replace(entry)
+
+    def remove(self, key: str, *, force: bool = False) -> list[Decision]:
+        """Drop one entry; a pinned one only with ``force`` (else :class:`EntryPinned`)."""
+        entry = self._entry(key)
+        if entry.pinned and not force:
+            raise EntryPinned(key)
+        out: list[Decision] = []
+        self._drop(entry, out, reason="removed")
+        return out
+
+    def flush(self, *, force: bool = False) -> list[Decision]:
+        """Drop every entry, in key order; pinned ones stay unless ``force``."""
+        out: list[Decision] = []
+        for key in sorted(self._entries):
+            entry = self._entries[key]
+            if force or not entry.pinned:
+                self._drop(entry, out, reason="flushed")
+        return out
+
+    def set_priors(self, priors: PresetPriors) -> None:
+        """Replace the preset priors. Entries already in the preset region stay until displaced."""
+        self._priors = priors
+        for entry in self._entries.values():
+            entry.prior_weight = priors.weight(entry.key, entry.family)
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _entry(self, key: str) -> CacheEntry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise UnknownEntry(key) from None
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _emit(self, out: list[Decision], decision: Decision) -> None:
+        out.append(decision)
+        self._counts[f"decision:{decision.kind}"] += 1
+        if isinstance(decision, Evict):
+            self._counts[f"evict:{decision.tier.value}:{decision.reason}"] += 1
+
+    def _has_room(self, slot: Slot, size_bytes: int) -> bool:
+        """Whether ``size_bytes`` fits in ``slot`` once every unpinned entry there has left."""
+        return size_bytes <= self.capacity(slot) - self._pinned[slot]
+
+    def _place(self, entry: CacheEntry, slot: Slot) -> None:
+        entry.tier, entry.region = slot
+        self._used[slot] += entry.size_bytes
+        if entry.pinned:
+            self._pinned[slot] += entry.size_bytes
+        else:
+            self._order[slot][entry.key] = None
+
+    def _unplace(self, entry: CacheEntry) -> None:
+        slot = (entry.tier, entry.region)
+        self._used[slot] -= entry.size_bytes
+        if entry.pinned:
+            self._pinned[slot] -= entry.size_bytes
+        else:
+            del self._order[slot][entry.key]
+
+    def _drop(self, entry: CacheEntry, out: list[Decision], *, reason: str) -> None:
+        self._unplace(entry)
+        del self._entries[entry.key]
+        self._emit(out, Evict(key=entry.key, tier=entry.tier, reason=reason))
+
+    def _fit(self, slot: Slot, out: list[Decision], *, keep: str) -> None:
+        """Free space in ``slot`` (main or L3) until it is within capacity; ``keep`` stays."""
+        while self._used[slot] > self.capacity(slot):
+            victim = self._next_victim(slot, keep)
+            assert victim is not None, "callers check _has_room before placing"
+            if slot == MAIN and self._make_preset_room(victim, out):
+                self._unplace(victim)
+                self._place(victim, PRESET)
+                self._emit(out, Reserve(key=victim.key))
+            elif slot == MAIN:
+                self._demote(victim, out)
+            else:
+                self._drop(victim, out, reason="capacity")
+
+    def _next_victim(self, slot: Slot, keep: str) -> CacheEntry | None:
+        """Exact-priority LRU: spend budgets of protected entries until an unprotected one comes up."""
+        order = self._order[slot]
+        while len(order) > (1 if keep in order else 0):
+            key = next(iter(order))
+            entry = self._entries[key]
+            if key != keep and entry.protection_budget == 0:
+                return entry
+            if key != keep:
+                entry.protection_budget -= 1
+                self._counts["protections_used"] += 1
+            order.move_to_end(key)
+        return None
+
+    def _demote(self, entry: CacheEntry, out: list[Decision]) -> None:
+        """An L2 entry leaves L2: to L3 when it can fit there, else out of the cache."""
+        if not self._has_room(L3, entry.size_bytes):
+            self._drop(entry, out, reason="capacity")
+            return
+        self._unplace(entry)
+        self._place(entry, L3)
+        self._emit(out, Demote(key=entry.key))
+        self._fit(L3, out, keep=entry.key)
+
+    def _make_preset_room(self, victim: CacheEntry, out: list[Decision]) -> bool:
+        """Whether ``victim`` may stay in the preset region; demotes the preset entries it displaces."""
+        score = self.preset_score(victim)
+        if score < self.settings.preset_min_score or not self._has_room(PRESET, victim.size_bytes):
+            return False
+        need = self._used[PRESET] + victim.size_bytes - self.capacity(PRESET)
+        displaced: list[CacheEntry] = []
+        rank = (score, victim.last_access)
+        candidates = sorted(
+            (self._entries[k] for k in self._order[PRESET]), key=lambda e: (self.preset_score(e), e.last_access)
+        )
+        for candidate in candidates:
+            if need <= 0:
+                break
+            if (self.preset_score(candidate), candidate.last_access) >= rank:
+                return False
+            displaced.append(candidate)
+            need -= candidate.size_bytes
+        if need > 0:
+            return False
+        for candidate in displaced:
+            self._demote(candidate, out)
+        return True

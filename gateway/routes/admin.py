@@ -1,0 +1,217 @@
+"""The operator's REST API under /admin, and /metrics.
+
+Every /admin route needs ``Authorization: Bearer <REVISIT_ADMIN_TOKEN>``: a missing or
+wrong token is a 401; with no token configured the admin API is disabled and answers 403.
+/metrics is open (Prometheus scrapers rarely carry tokens) unless
+``REVISIT_METRICS_REQUIRE_TOKEN=1``, which puts it behind the same token.
+
+Routes:
+  GET    /admin/stats                    the policy's figures (same as /metrics)
+  GET    /admin/entries?limit&cursor&tier entries sorted by key; ``next_cursor`` pages on
+  GET    /admin/entries/{key}            one entry
+  DELETE /admin/entries/{key}?force=     drop it (409 when pinned, unless force=true)
+  POST   /admin/entries/{key}/pin        pin;  DELETE on the same path unpins
+  GET    /admin/presets                  the preset priors in use
+  POST   /admin/presets                  replace them: {"keys": {key: w}, "families": {label: w}}
+  POST   /admin/flush?force=             drop every entry (pinned ones only with force=true)
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway.errors import ClientError, InvalidRequest, Unauthorized
+from gateway.metrics import exposition
+from gateway.policy import (
+    CacheEntry,
+    CachePolicy,
+    EntryPinned,
+    InvalidPriors,
+    PresetPriors,
+    Tier,
+    UnknownEntry,
+    decision_dict,
+    is_entry_key,
+)
+
+MAX_PAGE = 1000
+
+
+class AdminDisabled(ClientError):
+    status_code = 403
+    error_type = "permission_error"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The admin API is disabled: set REVISIT_ADMIN_TOKEN to enable it.", code="admin_disabled"
+        )
+
+
+class EntryNotFound(ClientError):
+    status_code = 404
+
+    def __init__(self, key: str):
+        super().__init__(f"No cache entry with key '{key}'.", param="key", code="entry_not_found")
+
+
+class EntryConflict(ClientError):
+    status_code = 409
+
+    def __init__(self, message: str):
+        super().__init__(message, param="key", code="entry_pinned")
+
+
+def check_admin_token(request: Request) -> None:
+    """Raise unless the request carries the configured admin bearer token."""
+    expected = request.app.state.services.config.admin_token
+    if not expected:
+        raise AdminDisabled()
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise Unauthorized("Missing admin token: send 'Authorization: Bearer <token>'.", code="missing_token")
+    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise Unauthorized("Invalid admin token.", code="invalid_token")
+
+
+def check_metrics_token(request: Request) -> None:
+    if request.app.state.services.config.metrics_require_token:
+        check_admin_token(request)
+
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin_token)])
+metrics_router = APIRouter(dependencies=[Depends(check_metrics_token)])
+
+
+def _policy(request: Request) -> CachePolicy:
+    return request.app.state.services.policy
+
+
+def _checked_key(key: str) -> str:
+    if not is_entry_key(key):
+        raise InvalidRequest(f"'{key}' is not a cache key (64 lowercase hex digits).", param="key")
+    return key
+
+
+def _entry_body(policy: CachePolicy, entry: CacheEntry) -> dict:
+    return {"object": "cache.entry", **entry.as_dict(), "preset_score": policy.preset_score(entry)}
+
+
+@metrics_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(exposition(request.app.state.services.metrics), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/stats")
+async def stats(request: Request) -> dict:
+    return {"object": "cache.stats", **_policy(request).stats().as_dict()}
+
+
+@router.get("/entries")
+async def list_entries(
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+    cursor: str | None = None,
+    tier: Literal["l2", "l3"] | None = None,
+) -> dict:
+    """Entries sorted by key; pass the answer's ``next_cursor`` as ``cursor`` for the next page."""
+    if cursor is not None:
+        _checked_key(cursor)
+    policy = _policy(request)
+    page = policy.entries(after=cursor, limit=limit + 1, tier=Tier(tier) if tier else None)
+    has_more = len(page) > limit
+    page = page[:limit]
+    return {
+        "object": "list",
+        "data": [_entry_body(policy, entry) for entry in page],
+        "has_more": has_more,
+        "next_cursor": page[-1].key if has_more else None,
+    }
+
+
+@router.get("/entries/{key}")
+async def get_entry(request: Request, key: str) -> dict:
+    policy = _policy(request)
+    try:
+        return _entry_body(policy, policy.get(_checked_key(key)))
+    except UnknownEntry:
+        raise EntryNotFound(key) from None
+
+
+@router.delete("/entries/{key}")
+async def delete_entry(request: Request, key: str, force: bool = False) -> dict:
+    try:
+        decisions = _policy(request).remove(_checked_key(key), force=force)
+    except UnknownEntry:
+        raise EntryNotFound(key) from None
+    except EntryPinned as exc:
+        raise EntryConflict(str(exc)) from None
+    return {"object": "cache.entry.deleted", "key": key, "deleted": True,
+            "decisions": [decision_dict(d) for d in decisions]}
+
+
+@router.post("/entries/{key}/pin")
+async def pin_entry(request: Request, key: str) -> dict:
+    return _set_pinned(request, key, pinned=True)
+
+
+@router.delete("/entries/{key}/pin")
+async def unpin_entry(request: Request, key: str) -> dict:
+    return _set_pinned(request, key, pinned=False)
+
+
+def _set_pinned(request: Request, key: str, *, pinned: bool) -> dict:
+    policy = _policy(request)
+    try:
+        entry = policy.pin(_checked_key(key)) if pinned else policy.unpin(_checked_key(key))
+    except UnknownEntry:
+        raise EntryNotFound(key) from None
+    return _entry_body(policy, entry)
+
+
+@router.get("/presets")
+async def get_presets(request: Request) -> dict:
+    return _presets_body(_policy(request))
+
+
+@router.post("/presets")
+async def set_presets(request: Request) -> dict:
+    """Replace the priors. Body: ``{"keys": {<key>: weight}, "families": {<label>: weight}}``, weights > 0."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise InvalidRequest(f"The body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The body must be a JSON object with 'keys' and/or 'families'.")
+    unknown = sorted(set(body) - {"keys", "families"})
+    if unknown:
+        raise InvalidRequest(f"Unknown field '{unknown[0]}'; expected 'keys' and/or 'families'.", param=unknown[0])
+    for name in ("keys", "families"):
+        if not isinstance(body.get(name, {}), dict):
+            raise InvalidRequest(f"'{name}' must be an object mapping names to weights.", param=name)
+    try:
+        priors = PresetPriors(keys=body.get("keys", {}), families=body.get("families", {}))
+    except InvalidPriors as exc:
+        raise InvalidRequest(str(exc), param=exc.param) from None
+    policy = _policy(request)
+    policy.set_priors(priors)
+    return _presets_body(policy)
+
+
+def _presets_body(policy: CachePolicy) -> dict:
+    return {"object": "cache.presets", **policy.priors.as_dict(), "preset": policy.stats().preset.as_dict()}
+
+
+@router.post("/flush")
+async def flush(request: Request, force: bool = False) -> dict:
+    policy = _policy(request)
+    before = policy.stats()
+    decisions = policy.flush(force=force)
+    after = policy.stats()
+    freed = sum(u.bytes for u in before.tiers.values()) - sum(u.bytes for u in after.tiers.values())
+    return {"object": "cache.flush", "evicted": len(decisions), "evicted_bytes": freed, "remaining": len(policy)}

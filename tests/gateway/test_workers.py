@@ -1,0 +1,53 @@
+"""Worker health as the pool sees it, against real HTTP servers on loopback."""
+
+import asyncio
+import time
+from http.server import BaseHTTPRequestHandler
+
+import httpx
+
+from gateway.workers import WorkerPool
+from tests.conftest import free_port
+from tests.http_server import serve_handler
+
+
+class SlowHealth(BaseHTTPRequestHandler):
+    """Answers /health, but only after ``delay`` seconds (a worker busy with a long prefill)."""
+
+    delay = 0.0
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        time.sleep(type(self).delay)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+async def test_a_slow_health_answer_does_not_take_a_worker_out_at_once():
+    handler = type("Handler", (SlowHealth,), {"delay": 0.0})
+    with serve_handler(handler) as url:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool([url], client, interval_s=3600, timeout_s=0.2, misses_allowed=3)
+            await pool.check_all()
+            assert pool.ready
+            handler.delay = 0.5
+            for _ in range(2):
+                await pool.check_all()
+                assert pool.ready, "two slow answers in a row must not take the worker out"
+            await pool.check_all()
+            assert not pool.ready and pool.workers[0].missed_checks == 3
+            handler.delay = 0.0
+            await asyncio.sleep(1.0)  # let the server finish the slow answers
+            await pool.check_all()
+            assert pool.ready and pool.workers[0].missed_checks == 0
+
+
+async def test_nothing_listening_takes_a_worker_out_at_once():
+    async with httpx.AsyncClient() as client:
+        pool = WorkerPool([f"http://127.0.0.1:{free_port()}"], client, interval_s=3600, timeout_s=1)
+        pool.workers[0].healthy = True
+        await pool.check_all()
+        assert not pool.ready and "ConnectError" in pool.workers[0].last_error
