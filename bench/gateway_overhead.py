@@ -11,6 +11,7 @@ kind and path, the overhead, worker start time and peak memory.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import signal
 import statistics
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -62,20 +64,33 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def request_kinds(size: int) -> dict[str, dict]:
-    png = data_url(encode(small("astronaut.png", (size, size))))
-    jpeg = data_url(encode(small("coffee.png", (size, size)), "JPEG", quality=90), "image/jpeg")
+def request_kinds(size: int) -> dict[str, Callable[[int], dict]]:
+    """Request builders by kind; each takes a serial number (distinct per call)."""
+    photo, page = small("coffee.png", (size, size)), small("astronaut.png", (size, size))
+    png, jpeg = data_url(encode(page)), data_url(encode(photo, "JPEG", quality=90), "image/jpeg")
+
+    def variant(image, serial: int, fmt: str) -> str:
+        # A picture never sent before: one pixel differs, so no cache anywhere knows it.
+        fresh = image.copy()
+        fresh.putpixel((serial % size, serial // size % size), (serial % 251, 7, 11))
+        return data_url(encode(fresh, fmt, **({"quality": 90} if fmt == "JPEG" else {})),
+                        "image/jpeg" if fmt == "JPEG" else "image/png")
 
     def body(*parts: dict, stream: bool = False) -> dict:
         return {"model": MODEL_ID, "messages": [{"role": "user", "content": list(parts)}],
                 "max_completion_tokens": 1, "temperature": 0, "stream": stream}
 
+    def image(url: str) -> dict:
+        return {"type": "image_url", "image_url": {"url": url}}
+
     text = {"type": "text", "text": "Describe the picture in one word."}
     return {
-        "text only": body(text),
-        "png image": body({"type": "image_url", "image_url": {"url": png}}, text),
-        "jpeg image": body({"type": "image_url", "image_url": {"url": jpeg}}, text),
-        "png image, stream TTFT": body({"type": "image_url", "image_url": {"url": png}}, text, stream=True),
+        "text only": lambda n: body(text),
+        "png image, repeated": lambda n: body(image(png), text),
+        "jpeg image, repeated": lambda n: body(image(jpeg), text),
+        "png image, stream TTFT": lambda n: body(image(png), text, stream=True),
+        "png image, first sight": lambda n: body(image(variant(page, n, "PNG")), text),
+        "jpeg image, first sight": lambda n: body(image(variant(photo, n, "JPEG")), text),
     }
 
 
@@ -132,14 +147,15 @@ def main() -> None:
         kinds = request_kinds(args.image_side)
         results = {(k, p): [] for k in kinds for p in paths}
         with httpx.Client(timeout=300) as client:
-            for body in kinds.values():  # warm-up: caches, connections, lazy imports
+            serial = itertools.count(1)
+            for build in kinds.values():  # warm-up: caches, connections, lazy imports
                 for url in paths.values():
-                    timed(client, url, body)
+                    timed(client, url, build(next(serial)))
             for round_index in range(args.rounds):
-                for kind, body in kinds.items():
+                for kind, build in kinds.items():
                     order = list(paths.items()) if round_index % 2 == 0 else list(paths.items())[::-1]
                     for name, url in order:
-                        results[(kind, name)].append(timed(client, url, body))
+                        results[(kind, name)].append(timed(client, url, build(next(serial))))
                 worker_peak.sample()
                 gateway_peak.sample()
 

@@ -145,6 +145,8 @@ class GatewayConfig:
     processor: ProcessorSettings = field(default_factory=ProcessorSettings)
     images: ImageLimits = field(default_factory=ImageLimits)
     max_request_bytes: int = 64 * 1024 * 1024
+    # Repeat uploads of the same bytes skip decoding (gateway/image_memo.py).
+    image_memo_bytes: int = 256 * 1024 * 1024
     health_interval_s: float = 2.0
     health_timeout_s: float = 5.0
     connect_timeout_s: float = 5.0
@@ -171,6 +173,8 @@ class GatewayConfig:
         object.__setattr__(self, "workers", tuple(u.rstrip("/") for u in self.workers))
         if len(set(self.workers)) != len(self.workers):
             raise ConfigError("worker URLs must be distinct")
+        if self.image_memo_bytes < 0:
+            raise ConfigError(f"image_memo_bytes must not be negative, got {self.image_memo_bytes}")
         for name in ("max_request_bytes", "health_interval_s", "health_timeout_s",
                      "connect_timeout_s", "upstream_timeout_s", "max_connections"):
             if getattr(self, name) <= 0:
@@ -187,7 +191,7 @@ class GatewayConfig:
         REVISIT_MODEL, REVISIT_WORKERS (comma-separated URLs), REVISIT_MODEL_DIR (to read
         processor settings), REVISIT_NAMESPACES (JSON object key -> namespace),
         REVISIT_ALLOW_PRIVATE_IMAGE_URLS (0/1), REVISIT_MAX_IMAGES_PER_REQUEST,
-        REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES,
+        REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES, REVISIT_IMAGE_MEMO_BYTES,
         REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_ADMIN_TOKEN,
         REVISIT_METRICS_REQUIRE_TOKEN (0/1), and the cache policy's REVISIT_L2_CAPACITY_BYTES,
         REVISIT_L3_CAPACITY_BYTES, REVISIT_PRESET_FRACTION, REVISIT_MAX_PROTECTION_BUDGET,
@@ -253,6 +257,7 @@ class GatewayConfig:
             ("admin_token", "ADMIN_TOKEN", str),
             ("metrics_require_token", "METRICS_REQUIRE_TOKEN", bool),
             ("max_request_bytes", "MAX_REQUEST_BYTES", int),
+            ("image_memo_bytes", "IMAGE_MEMO_BYTES", int),
             ("upstream_timeout_s", "UPSTREAM_TIMEOUT_S", float),
             ("health_interval_s", "HEALTH_INTERVAL_S", float),
         ):

@@ -25,6 +25,7 @@ ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"})
 MAX_ASPECT_RATIO = 200  # the Qwen-VL processors refuse more elongated images
 KEY_VERSION = b"revisit-image-key-v1"
 _EXIF_ORIENTATION = 0x0112
+_FORWARDED_AS_IS = {"PNG": "image/png", "JPEG": "image/jpeg"}  # single-frame formats only
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +48,12 @@ class CanonicalImage:
     width: int
     height: int
     grid: TokenGrid
-    png: bytes  # lossless canonical pixels, what the worker receives
+    payload: bytes  # what the worker receives: bytes that decode to exactly the keyed pixels
+    mime: str
 
     @property
     def data_url(self) -> str:
-        return "data:image/png;base64," + base64.b64encode(self.png).decode("ascii")
+        return f"data:{self.mime};base64," + base64.b64encode(self.payload).decode("ascii")
 
 
 def smart_resize(height: int, width: int, processor: ProcessorSettings) -> tuple[int, int]:
@@ -140,7 +142,12 @@ def canonicalize(
     model: str,
     namespace: str,
 ) -> CanonicalImage:
-    """Decode, orient, key and re-encode one image. CPU-bound: run it off the event loop."""
+    """Decode, orient and key one image. CPU-bound: run it off the event loop.
+
+    An RGB PNG or JPEG with no orientation to apply is forwarded as it came: the worker
+    decodes those bytes with the same Pillow to the same pixels. Anything else (a rotation,
+    alpha, palette, CMYK, another format) is re-encoded as a lossless PNG of the keyed pixels.
+    """
     image = _open_checked(data, limits)
     source_format = image.format
     rotated = image.getexif().get(_EXIF_ORIENTATION, 1) not in (0, 1)
@@ -148,10 +155,10 @@ def canonicalize(
     rgb = _to_rgb(oriented)
     grid = token_grid(rgb.height, rgb.width, processor)
     key = content_key(rgb, model=model, namespace=namespace, processor=processor)
-    if source_format == "PNG" and image.mode == "RGB" and not rotated and not getattr(image, "is_animated", False):
-        png = data  # already canonical and lossless: forward as is
+    if source_format in _FORWARDED_AS_IS and image.mode == "RGB" and not rotated:
+        payload, mime = data, _FORWARDED_AS_IS[source_format]
     else:
         out = io.BytesIO()
         rgb.save(out, format="PNG", compress_level=1)
-        png = out.getvalue()
-    return CanonicalImage(key=key, width=rgb.width, height=rgb.height, grid=grid, png=png)
+        payload, mime = out.getvalue(), "image/png"
+    return CanonicalImage(key=key, width=rgb.width, height=rgb.height, grid=grid, payload=payload, mime=mime)

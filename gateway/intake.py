@@ -15,6 +15,7 @@ from typing import Any
 from gateway.config import GatewayConfig
 from gateway.errors import ClientError, InvalidRequest, ModelNotFound
 from gateway.image_fetch import ImageFetcher
+from gateway.image_memo import CanonicalMemo
 from gateway.images import CanonicalImage, canonicalize
 from gateway.protocol import ChatCompletionParams, ImagePartRef, iter_image_parts, parse_body
 
@@ -31,6 +32,7 @@ class Intake:
     def __init__(self, config: GatewayConfig, fetcher: ImageFetcher):
         self._config = config
         self._fetcher = fetcher
+        self.memo = CanonicalMemo(config.image_memo_bytes)
 
     async def process(self, raw: bytes, *, namespace: str) -> IntakeResult:
         body, params = parse_body(raw)
@@ -54,8 +56,13 @@ class Intake:
 
     async def _resolve(self, ref: ImagePartRef, namespace: str) -> CanonicalImage:
         data = await self._fetcher.fetch(ref.url, param=ref.param)
+        # Hashing a large upload would stall the event loop: do it on a thread.
+        large = len(data) > 256 * 1024
+        digest = await asyncio.to_thread(CanonicalMemo.digest, data) if large else CanonicalMemo.digest(data)
+        if (known := self.memo.get(namespace, digest)) is not None:
+            return known
         try:
-            return await asyncio.to_thread(
+            image = await asyncio.to_thread(
                 canonicalize,
                 data,
                 limits=self._config.images,
@@ -68,6 +75,8 @@ class Intake:
             exc.param = exc.param or ref.param
             exc.args = (exc.message,)
             raise
+        self.memo.put(namespace, digest, image)
+        return image
 
 
 def _rewrite_images(

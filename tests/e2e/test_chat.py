@@ -11,6 +11,7 @@ import json
 
 import httpx
 import pytest
+from PIL import Image
 
 from gateway.images import token_grid
 from tests.images_lib import data_url, encode, small
@@ -224,3 +225,19 @@ def test_health_lists_the_workers(gateway):
     response = httpx.get(gateway.url + "/health")
     assert response.status_code == 200
     assert [w["healthy"] for w in response.json()["workers"]] == [True, True]
+
+
+def test_jpeg_and_rotated_jpeg(client, gateway):
+    photo = small("coffee.png", (140, 84))
+    exif = Image.Exif()
+    # Stored sideways: forwarded as an upright PNG. The token count cannot tell orientation apart;
+    # tests/gateway/test_images.py checks the pixels. Here: the worker accepts both forms.
+    exif[0x0112] = 6
+    for data, size in ((encode(photo, "JPEG"), (140, 84)),
+                       (encode(photo.transpose(Image.Transpose.ROTATE_90), "JPEG", exif=exif), (140, 84))):
+        text_only = client.chat.completions.create(
+            model=gateway.config.model, messages=[user("Compare.")], max_completion_tokens=2)
+        response = client.chat.completions.create(
+            model=gateway.config.model, messages=[user(data_url(data, "image/jpeg"), "Compare.")],
+            max_completion_tokens=2)
+        assert response.usage.prompt_tokens - text_only.usage.prompt_tokens == image_tokens(gateway, size)

@@ -67,17 +67,29 @@ def test_key_depends_on_namespace_model_and_pixels():
     assert canon(encode(changed)).key != base
 
 
-def test_forwarded_png_decodes_to_the_keyed_pixels():
-    jpeg = encode(load("astronaut.png").convert("RGB"), "JPEG", quality=80)
+def test_rotated_jpeg_is_forwarded_as_png_of_the_keyed_pixels():
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    jpeg = encode(load("astronaut.png").convert("RGB"), "JPEG", quality=80, exif=exif)
     image = canon(jpeg)
-    decoded = Image.open(io.BytesIO(image.png))
-    assert decoded.format == "PNG" and decoded.mode == "RGB"
-    assert canon(image.png).key == image.key
+    decoded = Image.open(io.BytesIO(image.payload))
+    assert image.mime == "image/png" and decoded.format == "PNG" and decoded.mode == "RGB"
+    assert canon(image.payload).key == image.key
 
 
-def test_canonical_rgb_png_is_forwarded_without_reencoding():
-    data = encode(load("astronaut.png").convert("RGB"))
-    assert canon(data).png is data
+@pytest.mark.parametrize("fmt,mime", [("PNG", "image/png"), ("JPEG", "image/jpeg")])
+def test_canonical_rgb_png_and_jpeg_are_forwarded_as_they_came(fmt, mime):
+    data = encode(load("astronaut.png").convert("RGB"), fmt)
+    image = canon(data)
+    assert image.payload is data and image.mime == mime
+    assert image.data_url.startswith(f"data:{mime};base64,")
+
+
+def test_palette_and_alpha_images_are_forwarded_as_rgb_png():
+    for source in (load("astronaut.png").convert("RGBA"), load("astronaut.png").convert("P")):
+        image = canon(encode(source))
+        assert image.mime == "image/png"
+        assert Image.open(io.BytesIO(image.payload)).mode == "RGB"
 
 
 def test_grid_follows_the_processor():

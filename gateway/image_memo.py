@@ -1,0 +1,60 @@
+"""Canonicalisation results remembered by the bytes that were uploaded.
+
+Decoding and keying an image costs milliseconds to tens of milliseconds, and the images
+this gateway exists for come back again and again (the same screenshot, page or frame).
+The key is a pure function of the uploaded bytes and the namespace, so a repeat upload
+can skip decoding: look it up by a digest of the raw bytes.
+
+Entries are per namespace: a shared memo would let one tenant learn, from response
+times, whether another tenant recently sent a given image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+from gateway.images import CanonicalImage
+
+_ENTRY_OVERHEAD = 512  # bytes of bookkeeping counted per entry besides its payload
+
+
+class CanonicalMemo:
+    """An LRU of :class:`CanonicalImage` within a byte budget. Event-loop only (no locking)."""
+
+    def __init__(self, budget_bytes: int):
+        self._budget = budget_bytes
+        self._entries: OrderedDict[tuple[str, bytes], CanonicalImage] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def digest(data: bytes) -> bytes:
+        return hashlib.blake2b(data, digest_size=32).digest()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def get(self, namespace: str, digest: bytes) -> CanonicalImage | None:
+        image = self._entries.get((namespace, digest))
+        if image is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end((namespace, digest))
+        self.hits += 1
+        return image
+
+    def put(self, namespace: str, digest: bytes, image: CanonicalImage) -> None:
+        cost = len(image.payload) + _ENTRY_OVERHEAD
+        if cost > self._budget or (namespace, digest) in self._entries:
+            return
+        self._entries[(namespace, digest)] = image
+        self._bytes += cost
+        while self._bytes > self._budget:
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= len(evicted.payload) + _ENTRY_OVERHEAD
