@@ -1,0 +1,125 @@
+"""KVStore: the one interface every tier and the tiered composition implement. No policy lives here."""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from store.entry import Entry, parse_header
+from store.errors import DamagedEntryError, EntryFormatError, InvalidKeyError
+from store.views import EntryView, SparseRead
+
+_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def validate_key(key: str) -> str:
+    """Keys are the gateway's exact key: 64 lowercase hex characters. Raises InvalidKeyError."""
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise InvalidKeyError(f"key must be 64 lowercase hex characters, got {key!r:.80}")
+    return key
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreStats:
+    """A tier's contents now (shared across processes) and this process's read counters."""
+
+    entries: int
+    bytes: int  # sum of stored entry sizes
+    capacity_bytes: int  # 0: unlimited / not tracked
+    pinned: int
+    damaged_reads: int  # reads in this process that found a damaged entry and reported it absent
+
+
+EntryLike = Entry | bytes | bytearray | memoryview
+
+
+class KVStore(ABC):
+    """Stores verified, patch-first entries by key. Thread-safe; several processes may open the same store.
+
+    Reads verify what they read (checksums); a damaged or truncated entry reads as absent (None) and is counted in
+    stats().damaged_reads. Returned handles are context managers: their buffers stay valid until the handle is
+    closed (see each tier for what happens when another process removes or replaces the entry meanwhile).
+    """
+
+    name: str
+
+    @abstractmethod
+    def contains(self, key: str) -> bool:
+        """Whether an entry is stored under key. Cheap; does not verify it (get() may still return None)."""
+
+    @abstractmethod
+    def put(self, key: str, entry: EntryLike) -> int:
+        """Store an entry atomically (readers see the old entry, the new one, or none; never a partial one).
+
+        Replaces an existing entry under key and keeps its pin. Bytes are checked for a well-formed header
+        (EntryFormatError otherwise). Returns the stored size in bytes. Raises StoreFullError.
+        """
+
+    @abstractmethod
+    def get(self, key: str) -> EntryView | None:
+        """The whole entry, verified, as a zero-copy handle; None when absent or damaged. Close the handle."""
+
+    @abstractmethod
+    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int]) -> SparseRead | None:
+        """Layers [start, stop) of the given tokens (strictly increasing indices), reading and verifying only those
+        byte ranges plus the header. None when absent or when the header or any read block is damaged.
+        An empty token list reads and verifies only the header (positions, shapes). Never moves the entry.
+        Raises InvalidReadError for tokens or layers the entry does not have. Close the handle.
+        """
+
+    @abstractmethod
+    def remove(self, key: str, *, force: bool = False) -> bool:
+        """Delete the entry and its pin. False if absent. Raises EntryPinnedError if pinned and not force.
+
+        Handles already returned for this key stay valid.
+        """
+
+    @abstractmethod
+    def pin(self, key: str) -> bool:
+        """Mark the entry pinned (a flag, not a count) so remove() refuses it. False if absent."""
+
+    @abstractmethod
+    def unpin(self, key: str) -> bool:
+        """Clear the pin flag. False if the entry was absent or not pinned."""
+
+    @abstractmethod
+    def is_pinned(self, key: str) -> bool:
+        """Whether the entry is stored and pinned."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]:
+        """Stored keys, in no particular order (a snapshot: concurrent changes may or may not show)."""
+
+    @abstractmethod
+    def size_of(self, key: str) -> int | None:
+        """Stored size in bytes, or None when absent."""
+
+    @abstractmethod
+    def stats(self) -> StoreStats:
+        """Entries, bytes and pins now; damaged reads seen by this process."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the tier's resources; later calls raise StoreClosedError. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def entry_bytes(entry: EntryLike) -> memoryview:
+    """The bytes to store for an Entry, or raw entry bytes after checking their header (not their payload: reads
+    verify that). Raises EntryFormatError.
+    """
+    if isinstance(entry, Entry):
+        return memoryview(entry.data)
+    data = memoryview(entry).cast("B")
+    try:
+        parse_header(data)
+    except DamagedEntryError as exc:
+        raise EntryFormatError(f"not a well-formed entry: {exc}") from None
+    return data

@@ -1,0 +1,93 @@
+"""StoreConfig: the store's one frozen configuration, and the only place REVISIT_STORE_* variables are read."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from store.errors import ConfigError
+
+ENV_PREFIX = "REVISIT_STORE_"
+TIER_NAMES = ("dram", "lmdb")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Where the tiers live and how large they may grow. Policy (what goes where, eviction) is not here."""
+
+    name: str = "default"
+    tiers: tuple[str, ...] = TIER_NAMES  # fastest first
+    dram_dir: Path | None = None  # None: /dev/shm/revisit-store-<name>
+    dram_capacity_bytes: int = 0  # 0: unlimited; otherwise put() refuses past it (advisory across processes)
+    pin_host_memory: bool = True  # cudaHostRegister mapped DRAM entries when CUDA is available
+    lmdb_dir: Path | None = None  # None: ~/.cache/revisit/store-<name>
+    lmdb_map_size: int = GiB  # initial map size; grows geometrically on MapFullError
+    lmdb_max_map_size: int = 1 << 40
+    lmdb_growth_factor: float = 2.0
+    lmdb_max_readers: int = 1024
+    lmdb_grow_wait_s: float = 5.0  # how long a put waits for this process's read handles before growing the map
+    lmdb_sync: bool = True  # fsync on commit; False trades crash durability of recent puts for write speed
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise ConfigError(f"store name must match {_NAME_RE.pattern}, got {self.name!r}")
+        if not self.tiers or len(set(self.tiers)) != len(self.tiers) or set(self.tiers) - set(TIER_NAMES):
+            raise ConfigError(f"tiers must be distinct names from {TIER_NAMES}, got {self.tiers!r}")
+        if self.dram_capacity_bytes < 0:
+            raise ConfigError("dram_capacity_bytes must be >= 0")
+        if not 0 < self.lmdb_map_size <= self.lmdb_max_map_size:
+            raise ConfigError("need 0 < lmdb_map_size <= lmdb_max_map_size")
+        if self.lmdb_growth_factor <= 1.0:
+            raise ConfigError("lmdb_growth_factor must be > 1")
+        if self.lmdb_max_readers < 1 or self.lmdb_grow_wait_s < 0:
+            raise ConfigError("lmdb_max_readers must be >= 1 and lmdb_grow_wait_s >= 0")
+
+    @property
+    def dram_path(self) -> Path:
+        return self.dram_dir if self.dram_dir is not None else Path("/dev/shm") / f"revisit-store-{self.name}"
+
+    @property
+    def lmdb_path(self) -> Path:
+        if self.lmdb_dir is not None:
+            return self.lmdb_dir
+        return Path.home() / ".cache" / "revisit" / f"store-{self.name}"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreConfig:
+        """Build from REVISIT_STORE_<FIELD> variables (e.g. REVISIT_STORE_LMDB_MAP_SIZE); unknown ones are errors."""
+        environ = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, object] = {}
+        for var, raw in environ.items():
+            if not var.startswith(ENV_PREFIX):
+                continue
+            field_name = var[len(ENV_PREFIX) :].lower()
+            if field_name not in known:
+                raise ConfigError(f"unknown variable {var}")
+            values[field_name] = _parse(var, raw, str(known[field_name].type))
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse(var: str, raw: str, type_name: str) -> object:
+    try:
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+        if type_name.startswith("bool"):
+            lowered = raw.strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return lowered in ("1", "true", "yes")
+        if type_name.startswith("Path"):
+            return Path(raw) if raw else None
+        if type_name.startswith("tuple"):
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        return raw
+    except ValueError as exc:
+        raise ConfigError(f"{var}={raw!r}: expected {type_name}") from exc

@@ -1,0 +1,266 @@
+"""L2: DRAM shared by the processes of one host: one file per entry in a shared-memory directory, read via mmap.
+
+Directory layout (default /dev/shm/revisit-store-<name>):
+    <key>.kv                          a complete entry (entry.py layout)
+    <key>.pin                         empty; present while the entry is pinned
+    .tmp.<pid>.<key>.<random>         a put in progress; renamed onto <key>.kv when complete
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from store.base import EntryLike, KVStore, StoreStats, entry_bytes, validate_key
+from store.errors import DamagedEntryError, EntryPinnedError, StoreClosedError, StoreError, StoreFullError
+from store.views import EntryView, SparseRead, open_full, open_sparse, release_view
+
+ENTRY_SUFFIX = ".kv"
+PIN_SUFFIX = ".pin"
+TEMP_PREFIX = ".tmp."
+STALE_TEMP_AGE_S = 3600.0
+_CUDA_HOST_REGISTER_PORTABLE = 0x01
+_CUDA_HOST_REGISTER_READ_ONLY = 0x08
+
+
+class DramTier(KVStore):
+    """Entries as files in a tmpfs directory (one host); every reader maps them, nobody copies on read.
+
+    Buffers returned by get/get_sparse are views of a read-only shared mapping of the file. They stay valid until
+    the handle is closed, even if another process removes or replaces the entry meanwhile (remove unlinks, put
+    renames a new file over the name; a mapped file is never modified in place by the store; something outside the
+    store that truncates a mapped file makes readers of the lost pages fault with SIGBUS). Page-locking: when
+    CUDA is available and pin_host_memory is set, each mapping is registered with cudaHostRegister (read-only,
+    portable) for the life of the handle, so host-to-device copies from it are DMA without staging; on CPU-only
+    hosts nothing is registered. Registration costs a page-table walk per get; when the driver refuses it the handle
+    is served unlocked and host_register_failures counts it (page_locks tells whether it is attempted).
+
+    Capacity: stats() reports bytes in the directory; if capacity_bytes > 0, put() raises StoreFullError past it
+    (checked, not reserved: concurrent writers in several processes may overshoot). The store never evicts.
+    """
+
+    name = "dram"
+
+    def __init__(self, path: Path, *, capacity_bytes: int = 0, pin_host_memory: bool = True) -> None:
+        self.path = Path(path)
+        self.capacity_bytes = capacity_bytes
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create {self.path}: {exc}") from exc
+        self._lock = threading.Lock()
+        self._damaged = 0
+        self.host_register_failures = 0
+        self._closed = False
+        self._cudart = _cudart() if pin_host_memory else None
+        self.removed_stale_temps = self._remove_stale_temps()
+
+    @property
+    def page_locks(self) -> bool:
+        """Whether mappings handed out are registered with cudaHostRegister (CUDA present and asked for)."""
+        return self._cudart is not None
+
+    def _entry(self, key: str) -> Path:
+        self._check_open()
+        return self.path / (validate_key(key) + ENTRY_SUFFIX)
+
+    def _pin(self, key: str) -> Path:
+        return self.path / (key + PIN_SUFFIX)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self.path} is closed")
+
+    def _remove_stale_temps(self) -> int:
+        """Delete temp files of writers that died mid-put (their pid is gone) or that are very old."""
+        removed = 0
+        for child in self.path.iterdir():
+            if not child.name.startswith(TEMP_PREFIX):
+                continue
+            pid_text = child.name[len(TEMP_PREFIX) :].split(".", 1)[0]
+            try:
+                age = time.time() - child.stat().st_mtime
+                if not _pid_alive(int(pid_text)) or age > STALE_TEMP_AGE_S:
+                    child.unlink()
+                    removed += 1
+            except (FileNotFoundError, ValueError):
+                continue
+        return removed
+
+    def contains(self, key: str) -> bool:
+        return self._entry(key).exists()
+
+    def put(self, key: str, entry: EntryLike) -> int:
+        target = self._entry(key)
+        data = entry_bytes(entry)
+        if self.capacity_bytes:
+            replaced = self.size_of(key) or 0
+            if self.stats().bytes - replaced + data.nbytes > self.capacity_bytes:
+                raise StoreFullError(f"{self.path}: {data.nbytes} bytes would exceed {self.capacity_bytes}")
+        temp = self.path / f"{TEMP_PREFIX}{os.getpid()}.{key}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(fd, "wb", closefd=True) as f:
+                f.write(data)
+            os.replace(temp, target)
+        except BaseException as exc:
+            temp.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFullError(f"{self.path}: {exc}") from exc
+            if isinstance(exc, OSError):
+                raise StoreError(f"{self.path}: {exc}") from exc
+            raise
+        return data.nbytes
+
+    def _map(self, key: str) -> tuple[memoryview, Callable[[], None]] | None:
+        try:
+            fd = os.open(self._entry(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                self._count_damaged()
+                return None
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        view = memoryview(mapping)
+        address = self._register(mapping, size)
+
+        def release() -> None:
+            if address is not None:
+                self._cudart.cudaHostUnregister(address)
+            release_view(view)
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # numpy arrays made from the handle are alive; the mapping goes when they do
+
+        return view, release
+
+    def _register(self, mapping: mmap.mmap, size: int) -> int | None:
+        if self._cudart is None:
+            return None
+        address = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+        flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_READ_ONLY
+        status = self._cudart.cudaHostRegister(address, size, flags)
+        if int(getattr(status, "value", status)) == 0:
+            return address
+        with self._lock:
+            self.host_register_failures += 1
+        return None
+
+    def get(self, key: str) -> EntryView | None:
+        return self._read(key, lambda view, release: open_full(self.name, view, release))
+
+    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int]) -> SparseRead | None:
+        return self._read(key, lambda view, release: open_sparse(self.name, view, token_indices, layer_range,
+                                                                  release))
+
+    def _read(self, key, opener):
+        mapped = self._map(key)
+        if mapped is None:
+            return None
+        view, release = mapped
+        try:
+            return opener(view, release)
+        except DamagedEntryError:
+            release()
+            self._count_damaged()
+            return None
+        except BaseException:
+            release()
+            raise
+
+    def _count_damaged(self) -> None:
+        with self._lock:
+            self._damaged += 1
+
+    def remove(self, key: str, *, force: bool = False) -> bool:
+        target = self._entry(key)
+        if not force and self._pin(key).exists() and target.exists():
+            raise EntryPinnedError(f"{key} is pinned")
+        try:
+            target.unlink()
+        except FileNotFoundError:
+            return False
+        finally:
+            self._pin(key).unlink(missing_ok=True)
+        return True
+
+    def pin(self, key: str) -> bool:
+        if not self._entry(key).exists():
+            return False
+        self._pin(key).touch()
+        return True
+
+    def unpin(self, key: str) -> bool:
+        self._entry(key)
+        try:
+            self._pin(key).unlink()
+        except FileNotFoundError:
+            return False
+        return self.contains(key)
+
+    def is_pinned(self, key: str) -> bool:
+        return self._entry(key).exists() and self._pin(key).exists()
+
+    def keys(self) -> Iterator[str]:
+        self._check_open()
+        for child in self.path.iterdir():
+            if child.name.endswith(ENTRY_SUFFIX) and not child.name.startswith("."):
+                yield child.name[: -len(ENTRY_SUFFIX)]
+
+    def size_of(self, key: str) -> int | None:
+        try:
+            return self._entry(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def stats(self) -> StoreStats:
+        self._check_open()
+        entries = total = pinned = 0
+        names = {child.name for child in self.path.iterdir()}
+        for name in names:
+            if name.endswith(ENTRY_SUFFIX) and not name.startswith("."):
+                try:
+                    total += (self.path / name).stat().st_size
+                except FileNotFoundError:
+                    continue
+                entries += 1
+                pinned += name[: -len(ENTRY_SUFFIX)] + PIN_SUFFIX in names
+        return StoreStats(entries=entries, bytes=total, capacity_bytes=self.capacity_bytes, pinned=pinned,
+                          damaged_reads=self._damaged)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cudart():
+    """torch's CUDA runtime bindings when a GPU is usable, else None (CPU-only hosts skip page-locking)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.cudart()

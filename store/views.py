@@ -1,0 +1,174 @@
+"""Read results: EntryView (a whole verified entry) and SparseRead (some tokens' layers), both zero-copy handles.
+
+Both are context managers. Their memoryviews point into tier-owned memory (an mmap of a shared-memory file, or an
+LMDB page inside a read transaction) and stay valid only until the handle is closed; copy what must outlive it
+(bytes(view), np.array(...)). Each tier documents what else holds across close (see DramTier, LmdbTier).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from store.entry import DTYPES, EntryHeader, ParsedHeader, kv_array, parse_header, verify_blocks, verify_full
+from store.errors import InvalidReadError
+
+
+class _Handle:
+    """Owns the release of the tier memory its views point into."""
+
+    def __init__(self, tier: str, release: Callable[[], None]) -> None:
+        self.tier = tier
+        self._release: Callable[[], None] | None = release
+
+    @property
+    def closed(self) -> bool:
+        return self._release is None
+
+    def close(self) -> None:
+        """Release the tier memory. Views handed out earlier must not be used afterwards. Idempotent."""
+        release, self._release = self._release, None
+        if release is not None:
+            self._drop_views()
+            release()
+
+    def _drop_views(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class EntryView(_Handle):
+    """A whole entry whose header, encoder output and KV were verified when it was read."""
+
+    def __init__(self, *, tier: str, buffer: memoryview, parsed: ParsedHeader, release: Callable[[], None]) -> None:
+        super().__init__(tier, release)
+        self.header: EntryHeader = parsed.header
+        self.buffer = buffer  # the whole entry, read-only
+
+    @property
+    def encoder_output(self) -> memoryview:
+        r = self.header.encoder_range
+        return self.buffer[r.start : r.stop]
+
+    @property
+    def kv(self) -> memoryview:
+        """The KV region: (T, L, 2, kv_heads, head_dim) patch-first bytes."""
+        r = self.header.kv_range
+        return self.buffer[r.start : r.stop]
+
+    def kv_array(self) -> np.ndarray:
+        """Zero-copy numpy view (T, L, 2, kv_heads, head_dim); bfloat16 as uint16. Valid until close()."""
+        return kv_array(self.buffer, self.header)
+
+    def encoder_array(self) -> np.ndarray:
+        """Zero-copy numpy view of the encoder output in its stored shape. Valid until close()."""
+        dtype = DTYPES[self.header.encoder_dtype]
+        return np.frombuffer(self.encoder_output, dtype=dtype).reshape(self.header.encoder_shape)
+
+    def _drop_views(self) -> None:
+        release_view(self.buffer)
+
+
+class SparseSegment(NamedTuple):
+    """Consecutive requested tokens whose requested layers lie in one byte range.
+
+    data: (token_count, layer_stop - layer_start, 2, kv_heads, head_dim) bytes; tokens are
+    token_indices[first : first + token_count] of the SparseRead.
+    """
+
+    first: int
+    token_count: int
+    data: memoryview
+
+
+class SparseRead(_Handle):
+    """Layers [layer_start, layer_stop) of chosen tokens; every block read was verified. Nothing else was read.
+
+    bytes_read counts KV bytes read from the tier (the header area is read too, and not counted here).
+    """
+
+    def __init__(self, *, tier: str, header: EntryHeader, token_indices: tuple[int, ...], layer_start: int,
+                 layer_stop: int, segments: tuple[SparseSegment, ...], release: Callable[[], None]) -> None:
+        super().__init__(tier, release)
+        self.header = header
+        self.token_indices = token_indices
+        self.layer_start = layer_start
+        self.layer_stop = layer_stop
+        self.segments = segments
+        self.bytes_read = sum(s.data.nbytes for s in segments)
+
+    def gather(self) -> bytes:
+        """One copy in request order: (len(token_indices), layer_stop - layer_start, 2, kv_heads, head_dim)."""
+        return b"".join(s.data for s in self.segments)
+
+    def gather_array(self) -> np.ndarray:
+        h = self.header
+        out = np.frombuffer(self.gather(), dtype=DTYPES[h.kv_dtype])
+        return out.reshape(len(self.token_indices), self.layer_stop - self.layer_start, 2, h.kv_heads, h.head_dim)
+
+    def _drop_views(self) -> None:
+        for segment in self.segments:
+            release_view(segment.data)
+
+
+def release_view(view: memoryview) -> None:
+    """Release a view unless numpy arrays made from it are still alive; then the memory is freed when they are."""
+    try:
+        view.release()
+    except BufferError:
+        pass  # an array from kv_array()/encoder_array() still refers to it; the caller was told not to use it
+
+
+def open_full(tier: str, buffer: memoryview, release: Callable[[], None]) -> EntryView:
+    """Verify a whole entry. Raises DamagedEntryError (the caller releases and reports absent)."""
+    parsed = parse_header(buffer)
+    verify_full(buffer, parsed)
+    return EntryView(tier=tier, buffer=buffer, parsed=parsed, release=release)
+
+
+def check_sparse_request(header: EntryHeader, token_indices: Sequence[int],
+                         layer_range: tuple[int, int]) -> tuple[tuple[int, ...], int, int]:
+    tokens = tuple(int(t) for t in token_indices)
+    layer_start, layer_stop = (int(x) for x in layer_range)
+    if not 0 <= layer_start < layer_stop <= header.num_layers:
+        raise InvalidReadError(f"layer range {layer_range} outside [0, {header.num_layers}]")
+    if tokens and not (0 <= tokens[0] and tokens[-1] < header.num_tokens
+                       and all(a < b for a, b in zip(tokens, tokens[1:], strict=False))):
+        raise InvalidReadError(f"token indices must be strictly increasing within [0, {header.num_tokens})")
+    return tokens, layer_start, layer_stop
+
+
+def open_sparse(tier: str, buffer: memoryview, token_indices: Sequence[int], layer_range: tuple[int, int],
+                release: Callable[[], None]) -> SparseRead:
+    """Verify the header and exactly the requested blocks; coalesce requested ranges that touch.
+
+    Raises DamagedEntryError, or InvalidReadError for a request the entry cannot satisfy.
+    """
+    parsed = parse_header(buffer)
+    header = parsed.header
+    tokens, layer_start, layer_stop = check_sparse_request(header, token_indices, layer_range)
+    segments: list[SparseSegment] = []
+    run_first, run_start, run_stop = 0, 0, -1
+    for position, token in enumerate(tokens):
+        verify_blocks(buffer, parsed, token, layer_start, layer_stop)
+        start, stop = header.token_layers_range(token, layer_start, layer_stop)
+        if start == run_stop:  # only when all layers are requested and tokens are consecutive
+            run_stop = stop
+            continue
+        if run_stop >= 0:
+            segments.append(SparseSegment(run_first, position - run_first, buffer[run_start:run_stop]))
+        run_first, run_start, run_stop = position, start, stop
+    if run_stop >= 0:
+        segments.append(SparseSegment(run_first, len(tokens) - run_first, buffer[run_start:run_stop]))
+    return SparseRead(tier=tier, header=header, token_indices=tokens, layer_start=layer_start,
+                      layer_stop=layer_stop, segments=tuple(segments), release=release)

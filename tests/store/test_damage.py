@@ -1,0 +1,127 @@
+"""Flipped bytes in stored entries read as absent, only where they were read; tiered falls through to a healthy copy."""
+
+from __future__ import annotations
+
+import lmdb
+import pytest
+
+from store import DramTier, EntryFormatError, LmdbTier, TieredStore, open_tier
+from store.entry import PREFIX
+from store.lmdb_tier import ENTRIES_DB
+from tests.store.entries import expected_sparse, key_for, make_entry
+
+KEY = key_for("damaged")
+
+
+def flip(data: bytes, offset: int) -> bytes:
+    damaged = bytearray(data)
+    damaged[offset] ^= 0x40
+    return bytes(damaged)
+
+
+def damage_dram_file(tier: DramTier, offset: int) -> None:
+    with open(tier.path / f"{KEY}.kv", "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x40]))
+
+
+def damage_lmdb_value(tier: LmdbTier, offset: int) -> LmdbTier:
+    """Close the tier, rewrite the stored value with LMDB directly, reopen."""
+    path = tier.path
+    tier.close()
+    env = lmdb.open(str(path), max_dbs=2)
+    db = env.open_db(ENTRIES_DB)
+    with env.begin(write=True) as txn:
+        txn.put(KEY.encode(), flip(bytes(txn.get(KEY.encode(), db=db)), offset), db=db)
+    env.close()
+    return LmdbTier(path)
+
+
+@pytest.fixture(params=["dram", "lmdb"])
+def damaged_store(request, store_config):
+    """A tier holding KEY with one flipped byte in block (token 5, layer 3), and the original arrays."""
+    entry, k, v, _ = make_entry(7)
+    tier = open_tier(request.param, store_config)
+    tier.put(KEY, entry)
+    offset = entry.header.token_layers_range(5, 3, 4).start + 9
+    if request.param == "dram":
+        damage_dram_file(tier, offset)
+    else:
+        tier = damage_lmdb_value(tier, offset)
+    yield tier, entry, k, v
+    tier.close()
+
+
+def test_damaged_block_reads_absent_only_where_read(damaged_store):
+    tier, entry, k, v = damaged_store
+    assert tier.contains(KEY)
+    assert tier.get(KEY) is None
+    assert tier.get_sparse(KEY, [5], (3, 4)) is None
+    assert tier.get_sparse(KEY, [2, 5, 9], (2, 4)) is None
+    assert tier.stats().damaged_reads == 3
+    with tier.get_sparse(KEY, [5], (0, 3)) as read:  # the same token's earlier layers are intact
+        assert read.gather() == expected_sparse(k, v, [5], 0, 3)
+    with tier.get_sparse(KEY, [4, 6], (0, 4)) as read:
+        assert read.gather() == expected_sparse(k, v, [4, 6], 0, 4)
+    assert tier.stats().damaged_reads == 3
+
+
+@pytest.mark.parametrize("where", ["magic", "metadata", "positions", "encoder", "truncated"])
+def test_dram_damage_anywhere_reads_absent(store_config, where):
+    entry, *_ = make_entry(8)
+    tier = DramTier(store_config.dram_path, pin_host_memory=False)
+    tier.put(KEY, entry)
+    h = entry.header
+    if where == "truncated":
+        with open(tier.path / f"{KEY}.kv", "r+b") as f:
+            f.truncate(len(entry.data) - 100)
+    else:
+        offset = {"magic": 1, "metadata": PREFIX.size + 2, "positions": h.positions_offset + 1,
+                  "encoder": h.encoder_range.start + 3}[where]
+        damage_dram_file(tier, offset)
+    assert tier.get(KEY) is None
+    sparse = tier.get_sparse(KEY, [0], (0, 1))
+    if where == "encoder":  # sparse reads do not touch the encoder output
+        assert sparse is not None and sparse.bytes_read == h.block_nbytes
+        sparse.close()
+    else:
+        assert sparse is None
+    tier.close()
+
+
+def test_empty_dram_file_reads_absent(store_config):
+    tier = DramTier(store_config.dram_path, pin_host_memory=False)
+    (tier.path / f"{KEY}.kv").touch()
+    assert tier.contains(KEY) and tier.get(KEY) is None and tier.stats().damaged_reads == 1
+
+
+def test_put_refuses_bytes_with_a_bad_header(store_config):
+    entry, *_ = make_entry(8)
+    tier = LmdbTier(store_config.lmdb_path, map_size=store_config.lmdb_map_size)
+    for bad in (flip(entry.data, 1), flip(entry.data, PREFIX.size + 1), entry.data[:-1], b""):
+        with pytest.raises(EntryFormatError):
+            tier.put(KEY, bad)
+    assert not tier.contains(KEY)
+    tier.close()
+
+
+def test_tiered_falls_through_to_a_healthy_copy(store_config):
+    entry, k, v, _ = make_entry(9)
+    dram, lmdb_tier = open_tier("dram", store_config), open_tier("lmdb", store_config)
+    store = TieredStore([dram, lmdb_tier])
+    store.put(KEY, entry, tier="lmdb")
+    store.put(KEY, flip(entry.data, entry.header.token_layers_range(5, 3, 4).start), tier="dram")
+    assert store.tiers_holding(KEY) == ["dram", "lmdb"]
+    with store.get(KEY) as view:
+        assert view.tier == "lmdb" and bytes(view.buffer) == entry.data
+    with store.get_sparse(KEY, [5], (2, 4)) as read:
+        assert read.tier == "lmdb" and read.gather() == expected_sparse(k, v, [5], 2, 4)
+    with store.get_sparse(KEY, [6], (2, 4)) as read:  # the damage is elsewhere: the fast tier serves it
+        assert read.tier == "dram"
+    assert store.tier_stats()["dram"].damaged_reads == 2 and store.tier_stats()["lmdb"].damaged_reads == 0
+    assert store.copy(KEY, src="lmdb", dst="dram")  # the gateway repairs by copying the healthy one up
+    with store.get(KEY) as view:
+        assert view.tier == "dram"
+    store.close()
