@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from store.entry import Entry, parse_header
 from store.errors import DamagedEntryError, EntryFormatError, InvalidKeyError
-from store.views import EntryView, SparseRead
+from store.views import EntryView, SparseRead, open_full, open_sparse
 
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -109,6 +109,26 @@ class KVStore(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class BufferTier(KVStore):
+    """A tier whose reads hand out a verified view over one stored buffer (DRAM, LMDB).
+
+    Subclasses implement ``_read(key, opener)``: find the entry's buffer, call
+    ``opener(view, release)`` with it and a function that releases it, and return the
+    result, or None when the key is absent or the entry damaged.
+    """
+
+    def get(self, key: str) -> EntryView | None:
+        return self._read(key, lambda view, release: open_full(self.name, view, release))
+
+    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int]) -> SparseRead | None:
+        return self._read(
+            key, lambda view, release: open_sparse(self.name, view, token_indices, layer_range, release)
+        )
+
+    @abstractmethod
+    def _read(self, key: str, opener): ...
 
 
 def entry_bytes(entry: EntryLike) -> memoryview:

@@ -14,14 +14,14 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-from store.base import EntryLike, KVStore, StoreStats, entry_bytes, validate_key
+from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, validate_key
 from store.errors import DamagedEntryError, EntryPinnedError, StoreClosedError, StoreError, StoreFullError
-from store.views import EntryView, SparseRead, open_full, open_sparse, release_view
+from store.views import release_view
 
 ENTRY_SUFFIX = ".kv"
 PIN_SUFFIX = ".pin"
@@ -31,7 +31,7 @@ _CUDA_HOST_REGISTER_PORTABLE = 0x01
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08
 
 
-class DramTier(KVStore):
+class DramTier(BufferTier):
     """Entries as files in a tmpfs directory (one host); every reader maps them, nobody copies on read.
 
     Buffers returned by get/get_sparse are views of a read-only shared mapping of the file. They stay valid until
@@ -158,13 +158,6 @@ class DramTier(KVStore):
         with self._lock:
             self.host_register_failures += 1
         return None
-
-    def get(self, key: str) -> EntryView | None:
-        return self._read(key, lambda view, release: open_full(self.name, view, release))
-
-    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int]) -> SparseRead | None:
-        return self._read(key, lambda view, release: open_sparse(self.name, view, token_indices, layer_range,
-                                                                  release))
 
     def _read(self, key, opener):
         mapped = self._map(key)

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lmdb
 
-from store.base import EntryLike, KVStore, StoreStats, entry_bytes, validate_key
+from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, validate_key
 from store.errors import DamagedEntryError, EntryPinnedError, StoreClosedError, StoreError, StoreFullError
-from store.views import EntryView, SparseRead, open_full, open_sparse
 
 ENTRIES_DB = b"entries"  # key (64 hex chars, ascii) -> entry bytes
 PINS_DB = b"pins"  # key -> b"" while the entry is pinned
 
 
-class LmdbTier(KVStore):
+class LmdbTier(BufferTier):
     """Entries in one LMDB environment; any number of processes may open it and read concurrently.
 
     Reads are zero-copy: a handle holds an LMDB read transaction and its views point into LMDB's map. They stay
@@ -150,13 +149,6 @@ class LmdbTier(KVStore):
         if current >= self._max_map_size:
             raise StoreFullError(f"{self.path}: map is at its maximum {self._max_map_size}")
         return min(wanted, self._max_map_size)
-
-    def get(self, key: str) -> EntryView | None:
-        return self._read(key, lambda view, release: open_full(self.name, view, release))
-
-    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int]) -> SparseRead | None:
-        return self._read(key, lambda view, release: open_sparse(self.name, view, token_indices, layer_range,
-                                                                  release))
 
     def _read(self, key, opener):
         key_b = validate_key(key).encode()
