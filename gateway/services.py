@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry
 
+from gateway.cache import CacheManager
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.image_fetch import ImageFetcher
@@ -26,6 +27,7 @@ class Services:
     intake: Intake
     dispatcher: Dispatcher
     policy: CachePolicy
+    cache: CacheManager
     metrics: CollectorRegistry
     started_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -53,6 +55,8 @@ class Services:
             intake=Intake(config, fetcher),
             dispatcher=Dispatcher(pool, client),
             policy=policy,
+            # The store is attached once workers write entries; until then the books alone.
+            cache=CacheManager(policy, store=None),
             metrics=build_registry(policy),
         )
 

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.cache import CacheManager
 from gateway.errors import ClientError, InvalidRequest, Unauthorized
 from gateway.metrics import exposition
 from gateway.policy import (
@@ -92,6 +93,10 @@ def _policy(request: Request) -> CachePolicy:
     return request.app.state.services.policy
 
 
+def _cache(request: Request) -> CacheManager:
+    return request.app.state.services.cache
+
+
 def _checked_key(key: str) -> str:
     if not is_entry_key(key):
         raise InvalidRequest(f"'{key}' is not a cache key (64 lowercase hex digits).", param="key")
@@ -146,7 +151,7 @@ async def get_entry(request: Request, key: str) -> dict:
 @router.delete("/entries/{key}")
 async def delete_entry(request: Request, key: str, force: bool = False) -> dict:
     try:
-        decisions = _policy(request).remove(_checked_key(key), force=force)
+        decisions = _cache(request).remove(_checked_key(key), force=force)
     except UnknownEntry:
         raise EntryNotFound(key) from None
     except EntryPinned as exc:
@@ -168,7 +173,7 @@ async def unpin_entry(request: Request, key: str) -> dict:
 def _set_pinned(request: Request, key: str, *, pinned: bool) -> dict:
     policy = _policy(request)
     try:
-        entry = policy.pin(_checked_key(key)) if pinned else policy.unpin(_checked_key(key))
+        entry = _cache(request).set_pinned(_checked_key(key), pinned)
     except UnknownEntry:
         raise EntryNotFound(key) from None
     return _entry_body(policy, entry)
@@ -211,7 +216,7 @@ def _presets_body(policy: CachePolicy) -> dict:
 async def flush(request: Request, force: bool = False) -> dict:
     policy = _policy(request)
     before = policy.stats()
-    decisions = policy.flush(force=force)
+    decisions = _cache(request).flush(force=force)
     after = policy.stats()
     freed = sum(u.bytes for u in before.tiers.values()) - sum(u.bytes for u in after.tiers.values())
     return {"object": "cache.flush", "evicted": len(decisions), "evicted_bytes": freed, "remaining": len(policy)}

@@ -1,0 +1,89 @@
+"""Where the policy meets the data: applying the policy's decisions to the KV store.
+
+The policy (gateway/policy) keeps the books and decides; the store (store/) only
+stores. :class:`CacheManager` turns each decision into store operations, in order,
+and counts what could not be applied (an entry a worker never wrote, or one damaged
+and dropped by the store), so the books and the bytes can be compared.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+from gateway.policy import CachePolicy
+from gateway.policy.decisions import Admit, Decision, Demote, Evict, Promote
+from gateway.policy.entry import Tier
+from store.errors import StoreError
+from store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+# The policy's tiers and the store's tier names.
+STORE_TIER = {Tier.L2: "dram", Tier.L3: "lmdb"}
+
+
+@dataclass(slots=True)
+class ApplyReport:
+    applied: Counter = field(default_factory=Counter)
+    missing: Counter = field(default_factory=Counter)  # the store had no valid copy to act on
+
+
+class CacheManager:
+    """Applies decisions to a :class:`TieredStore`; without a store it only keeps the books."""
+
+    def __init__(self, policy: CachePolicy, store: TieredStore | None):
+        self.policy = policy
+        self.store = store
+        self.report = ApplyReport()
+
+    def apply(self, decisions: list[Decision]) -> list[Decision]:
+        if self.store is None:
+            return decisions
+        for decision in decisions:
+            try:
+                done = self._apply_one(decision)
+            except StoreError as exc:
+                log.warning("could not apply %s to the store: %s", decision, exc)
+                done = False
+            (self.report.applied if done else self.report.missing)[decision.kind] += 1
+        return decisions
+
+    def _apply_one(self, decision: Decision) -> bool:
+        store = self.store
+        assert store is not None
+        match decision:
+            case Promote(key=key, source=source, target=target) | Demote(key=key, source=source, target=target):
+                return store.move(key, src=STORE_TIER[source], dst=STORE_TIER[target])
+            case Evict(key=key, tier=tier, reason=reason):
+                # The policy never evicts a pinned entry for capacity; an operator's remove may force.
+                return store.tier(STORE_TIER[tier]).remove(key, force=reason != "capacity")
+            case Admit(key=key, tier=tier):
+                # Workers write new entries to the fastest tier; an entry admitted lower moves there.
+                holding = store.tiers_holding(key)
+                if STORE_TIER[tier] in holding:
+                    return True
+                return bool(holding) and store.move(key, src=holding[0], dst=STORE_TIER[tier])
+            case _:
+                return True  # Reject and Reserve move no data
+
+    # The operations the admin API and the request path call: policy first, then data.
+    def insert(self, key: str, size_bytes: int, *, family: str | None = None) -> list[Decision]:
+        return self.apply(self.policy.insert(key, size_bytes, family=family))
+
+    def record_exact_hit(self, key: str) -> list[Decision]:
+        return self.apply(self.policy.record_exact_hit(key))
+
+    def remove(self, key: str, *, force: bool = False) -> list[Decision]:
+        return self.apply(self.policy.remove(key, force=force))
+
+    def flush(self, *, force: bool = False) -> list[Decision]:
+        return self.apply(self.policy.flush(force=force))
+
+    def set_pinned(self, key: str, pinned: bool):
+        """Pin or unpin in the books and, where the store holds the entry, in the store too."""
+        entry = self.policy.pin(key) if pinned else self.policy.unpin(key)
+        if self.store is not None and self.store.contains(key):
+            self.store.pin(key) if pinned else self.store.unpin(key)
+        return entry
