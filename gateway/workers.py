@@ -95,9 +95,12 @@ class WorkerPool:
             refused = isinstance(exc, httpx.ConnectError)
         worker.last_checked = time.monotonic()
         worker.missed_checks = 0 if ok else worker.missed_checks + 1
-        # A worker busy with long prefills can answer /health late; only a refused
-        # connection (nothing listening) or several misses in a row take it out.
-        healthy = ok or (worker.healthy and not refused and worker.missed_checks < self._misses_allowed)
+        # SGLang's /health waits for its scheduler, which is deaf during a long prefill.
+        # So: a refused connection (nothing listening) takes a worker out at once; slow or
+        # failed answers only after several in a row, and never while the worker has our
+        # requests in flight (those report their own failures).
+        tolerated = worker.inflight > 0 or worker.missed_checks < self._misses_allowed
+        healthy = ok or (worker.healthy and not refused and tolerated)
         if healthy != worker.healthy:
             log.info("worker %s is now %s", worker.url, "up" if healthy else f"down ({error})")
         worker.healthy = healthy

@@ -45,6 +45,23 @@ async def test_a_slow_health_answer_does_not_take_a_worker_out_at_once():
             assert pool.ready and pool.workers[0].missed_checks == 0
 
 
+async def test_a_busy_worker_is_not_taken_out_for_slow_health_answers():
+    handler = type("Handler", (SlowHealth,), {"delay": 0.0})
+    with serve_handler(handler) as url:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool([url], client, interval_s=3600, timeout_s=0.2, misses_allowed=2)
+            await pool.check_all()
+            handler.delay = 0.5
+            async with pool.lease(pool.workers[0]):  # a request in flight
+                for _ in range(4):
+                    await pool.check_all()
+                assert pool.ready and pool.workers[0].missed_checks == 4
+            await pool.check_all()  # idle again, still slow: out
+            assert not pool.ready
+            handler.delay = 0.0
+            await asyncio.sleep(1.0)
+
+
 async def test_nothing_listening_takes_a_worker_out_at_once():
     async with httpx.AsyncClient() as client:
         pool = WorkerPool([f"http://127.0.0.1:{free_port()}"], client, interval_s=3600, timeout_s=1)
