@@ -30,17 +30,12 @@ sys.path.insert(0, str(ROOT))
 
 from engine_ext.bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from engine_ext.launcher import WorkerSpec, start_worker  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 from tests.images_lib import data_url, encode, small  # noqa: E402
 
 MODEL_ID = "bench-model"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tree_rss(pid: int) -> int:

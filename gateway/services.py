@@ -26,7 +26,6 @@ class Services:
     fetcher: ImageFetcher
     intake: Intake
     dispatcher: Dispatcher
-    policy: CachePolicy
     cache: CacheManager
     metrics: CollectorRegistry
     started_at: int = field(default_factory=lambda: int(time.time()))
@@ -54,11 +53,14 @@ class Services:
             fetcher=fetcher,
             intake=Intake(config, fetcher),
             dispatcher=Dispatcher(pool, client),
-            policy=policy,
             # The store is attached once workers write entries; until then the books alone.
             cache=CacheManager(policy, store=None),
             metrics=build_registry(policy),
         )
+
+    @property
+    def policy(self) -> CachePolicy:
+        return self.cache.policy
 
     async def start(self) -> None:
         await self.pool.start()

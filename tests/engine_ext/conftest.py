@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import io
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +9,8 @@ import pytest
 from PIL import Image
 
 from engine_ext.bundled import ARCHS, TINY, build_model
+from tests.conftest import free_port  # noqa: F401 (re-exported to this package's tests)
+from tests.images_lib import data_url, encode
 
 
 @pytest.fixture(scope="session")
@@ -40,9 +39,7 @@ def coffee() -> Image.Image:
 
 
 def png_data_url(image: Image.Image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return data_url(encode(image))
 
 
 def image_message(image: Image.Image, text: str) -> list[dict]:
@@ -56,11 +53,6 @@ def image_message(image: Image.Image, text: str) -> list[dict]:
         }
     ]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def noise_image(height: int, width: int, seed: int = 0) -> Image.Image:
