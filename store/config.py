@@ -25,6 +25,7 @@ class StoreConfig:
     dram_dir: Path | None = None  # None: /dev/shm/revisit-store-<name>
     dram_capacity_bytes: int = 0  # 0: unlimited; otherwise put() refuses past it (advisory across processes)
     pin_host_memory: bool = True  # cudaHostRegister mapped DRAM entries when CUDA is available
+    dram_mapping_cache_bytes: int = 8 << 30  # per process: mappings kept for reuse by later reads (0: none)
     lmdb_dir: Path | None = None  # None: ~/.cache/revisit/store-<name>
     lmdb_map_size: int = GiB  # initial map size; grows geometrically on MapFullError
     lmdb_max_map_size: int = 1 << 40
@@ -40,6 +41,8 @@ class StoreConfig:
             raise ConfigError(f"tiers must be distinct names from {TIER_NAMES}, got {self.tiers!r}")
         if self.dram_capacity_bytes < 0:
             raise ConfigError("dram_capacity_bytes must be >= 0")
+        if self.dram_mapping_cache_bytes < 0:
+            raise ConfigError("dram_mapping_cache_bytes must be >= 0")
         if not 0 < self.lmdb_map_size <= self.lmdb_max_map_size:
             raise ConfigError("need 0 < lmdb_map_size <= lmdb_max_map_size")
         if self.lmdb_growth_factor <= 1.0:

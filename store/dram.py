@@ -14,6 +14,7 @@ import os
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,11 +38,20 @@ class DramTier(BufferTier):
     Buffers returned by get/get_sparse are views of a read-only shared mapping of the file. They stay valid until
     the handle is closed, even if another process removes or replaces the entry meanwhile (remove unlinks, put
     renames a new file over the name; a mapped file is never modified in place by the store; something outside the
-    store that truncates a mapped file makes readers of the lost pages fault with SIGBUS). Page-locking: when
-    CUDA is available and pin_host_memory is set, each mapping is registered with cudaHostRegister (read-only,
-    portable) for the life of the handle, so host-to-device copies from it are DMA without staging; on CPU-only
-    hosts nothing is registered. Registration costs a page-table walk per get; when the driver refuses it the handle
-    is served unlocked and host_register_failures counts it (page_locks tells whether it is attempted).
+    store that truncates a mapped file makes readers of the lost pages fault with SIGBUS).
+
+    Mapping cache: mapping a file costs a page-table entry per 4 KiB page (about 17 ms for 160 MB, three times the
+    checksum pass), so each process keeps the mappings it made, up to mapping_cache_bytes, least recently used
+    going first, and later reads of the same file reuse them (every read still verifies the bytes). A cached
+    mapping belongs to one file (device, inode, size): a put that replaced the entry is seen by the next read, which
+    maps the new file. A mapping of a removed or replaced file keeps that file's memory allocated, so stale
+    mappings are dropped by this process's own put/remove at once and by a sweep (a stat per cached entry) at most
+    every sweep_interval_s while the tier is being read. mapping_cache_bytes=0 maps and unmaps on every read.
+
+    Page-locking: when CUDA is available and pin_host_memory is set, each mapping is registered with
+    cudaHostRegister (read-only, portable) once, for the life of the mapping, so host-to-device copies from it are
+    DMA without staging; on CPU-only hosts nothing is registered. When the driver refuses, the mapping is served
+    unlocked and host_register_failures counts it (page_locks tells whether it is attempted).
 
     Capacity: stats() reports bytes in the directory; if capacity_bytes > 0, put() raises StoreFullError past it
     (checked, not reserved: concurrent writers in several processes may overshoot). The store never evicts.
@@ -49,7 +59,8 @@ class DramTier(BufferTier):
 
     name = "dram"
 
-    def __init__(self, path: Path, *, capacity_bytes: int = 0, pin_host_memory: bool = True) -> None:
+    def __init__(self, path: Path, *, capacity_bytes: int = 0, pin_host_memory: bool = True,
+                 mapping_cache_bytes: int = 8 << 30, sweep_interval_s: float = 1.0) -> None:
         self.path = Path(path)
         self.capacity_bytes = capacity_bytes
         try:
@@ -61,6 +72,7 @@ class DramTier(BufferTier):
         self.host_register_failures = 0
         self._closed = False
         self._cudart = _cudart() if pin_host_memory else None
+        self._mappings = _MappingCache(mapping_cache_bytes, sweep_interval_s, self._entry_path, self._unregister)
         self.removed_stale_temps = self._remove_stale_temps()
 
     @property
@@ -70,7 +82,10 @@ class DramTier(BufferTier):
 
     def _entry(self, key: str) -> Path:
         self._check_open()
-        return self.path / (validate_key(key) + ENTRY_SUFFIX)
+        return self._entry_path(validate_key(key))
+
+    def _entry_path(self, key: str) -> Path:
+        return self.path / (key + ENTRY_SUFFIX)
 
     def _pin(self, key: str) -> Path:
         return self.path / (key + PIN_SUFFIX)
@@ -111,6 +126,7 @@ class DramTier(BufferTier):
             with open(fd, "wb", closefd=True) as f:
                 f.write(data)
             os.replace(temp, target)
+            self._mappings.forget(key)
         except BaseException as exc:
             temp.unlink(missing_ok=True)
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -121,31 +137,25 @@ class DramTier(BufferTier):
         return data.nbytes
 
     def _map(self, key: str) -> tuple[memoryview, Callable[[], None]] | None:
+        path = self._entry(key)
         try:
-            fd = os.open(self._entry(key), os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
+            self._mappings.forget(key)
             return None
         try:
-            size = os.fstat(fd).st_size
-            if size == 0:
+            st = os.fstat(fd)
+            if st.st_size == 0:
                 self._count_damaged()
                 return None
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            return self._mappings.acquire(key, (st.st_dev, st.st_ino, st.st_size), lambda: self._new_mapping(fd))
         finally:
             os.close(fd)
-        view = memoryview(mapping)
-        address = self._register(mapping, size)
 
-        def release() -> None:
-            if address is not None:
-                self._cudart.cudaHostUnregister(address)
-            release_view(view)
-            try:
-                mapping.close()
-            except BufferError:
-                pass  # numpy arrays made from the handle are alive; the mapping goes when they do
-
-        return view, release
+    def _new_mapping(self, fd: int) -> _Mapping:
+        size = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return _Mapping(mapping, self._register(mapping, size))
 
     def _register(self, mapping: mmap.mmap, size: int) -> int | None:
         if self._cudart is None:
@@ -158,6 +168,9 @@ class DramTier(BufferTier):
         with self._lock:
             self.host_register_failures += 1
         return None
+
+    def _unregister(self, address: int) -> None:
+        self._cudart.cudaHostUnregister(address)
 
     def _read(self, key, opener):
         mapped = self._map(key)
@@ -188,6 +201,7 @@ class DramTier(BufferTier):
             return False
         finally:
             self._pin(key).unlink(missing_ok=True)
+            self._mappings.forget(key)
         return True
 
     def pin(self, key: str) -> bool:
@@ -235,7 +249,143 @@ class DramTier(BufferTier):
                           damaged_reads=self._damaged)
 
     def close(self) -> None:
+        """Later calls raise StoreClosedError; cached mappings go once no handle uses them."""
         self._closed = True
+        self._mappings.clear()
+
+    @property
+    def mapping_cache_stats(self) -> dict[str, int]:
+        """This process's cached mappings: entries, bytes, and reads served from the cache (hits) or not (misses)."""
+        return self._mappings.stats()
+
+
+class _Mapping:
+    """One mmap of one entry file, shared by the read handles over it; closed when uncached and unused."""
+
+    def __init__(self, mapping: mmap.mmap, address: int | None) -> None:
+        self.mapping = mapping
+        self.address = address  # the cudaHostRegister'ed address, or None
+        self.ident: tuple[int, int, int] = (0, 0, 0)
+        self.users = 0
+        self.cached = False
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.mapping)
+
+
+class _MappingCache:
+    """Per-process LRU of mappings by key, bounded in mapped bytes; see DramTier's docstring."""
+
+    def __init__(self, capacity_bytes: int, sweep_interval_s: float, path_of: Callable[[str], Path],
+                 unregister: Callable[[int], None]) -> None:
+        self._capacity = capacity_bytes
+        self._sweep_interval_s = sweep_interval_s
+        self._path_of = path_of
+        self._unregister = unregister
+        self._lock = threading.Lock()
+        self._by_key: OrderedDict[str, _Mapping] = OrderedDict()
+        self._bytes = 0
+        self._hits = self._misses = 0
+        self._last_sweep = time.monotonic()
+
+    def acquire(self, key: str, ident: tuple[int, int, int],
+                create: Callable[[], _Mapping]) -> tuple[memoryview, Callable[[], None]]:
+        """A view over the mapping of the file ident names (reusing a cached one) and its release function."""
+        self._maybe_sweep()
+        with self._lock:
+            held = self._by_key.get(key)
+            if held is not None and held.ident == ident:
+                self._by_key.move_to_end(key)
+                self._hits += 1
+                return self._lend(held)
+        mapping = create()  # outside the lock: mapping and page-locking take milliseconds
+        mapping.ident = ident
+        with self._lock:
+            self._misses += 1
+            self._drop(key)
+            if 0 < mapping.nbytes <= self._capacity:
+                mapping.cached = True
+                self._by_key[key] = mapping
+                self._bytes += mapping.nbytes
+                while self._bytes > self._capacity:
+                    self._drop(next(iter(self._by_key)))
+            return self._lend(mapping)
+
+    def _lend(self, held: _Mapping) -> tuple[memoryview, Callable[[], None]]:
+        held.users += 1
+        view = memoryview(held.mapping)
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            release_view(view)
+            with self._lock:
+                if done:
+                    return
+                done = True
+                held.users -= 1
+                closing = held.users == 0 and not held.cached
+            if closing:
+                self._close(held)
+
+        return view, release
+
+    def forget(self, key: str) -> None:
+        """Drop the cached mapping of key (the file was replaced or removed by this process)."""
+        with self._lock:
+            self._drop(key)
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in list(self._by_key):
+                self._drop(key)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"entries": len(self._by_key), "bytes": self._bytes, "hits": self._hits, "misses": self._misses}
+
+    def _drop(self, key: str) -> None:
+        """Uncache key's mapping (lock held); close it now if no handle uses it."""
+        held = self._by_key.pop(key, None)
+        if held is None:
+            return
+        held.cached = False
+        self._bytes -= held.nbytes
+        if held.users == 0:
+            self._close(held)
+
+    def _close(self, held: _Mapping) -> None:
+        if held.address is not None:
+            self._unregister(held.address)
+            held.address = None
+        try:
+            held.mapping.close()
+        except BufferError:
+            pass  # numpy arrays made from a handle are alive; the mapping goes when they do
+
+    def _maybe_sweep(self) -> None:
+        """Drop mappings whose file another process removed or replaced (their memory stays allocated while
+        mapped), at most once per sweep interval."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_sweep < self._sweep_interval_s or not self._by_key:
+                return
+            self._last_sweep = now
+            cached = {key: held.ident for key, held in self._by_key.items()}
+        stale = []
+        for key, ident in cached.items():
+            try:
+                st = os.stat(self._path_of(key))
+                if (st.st_dev, st.st_ino, st.st_size) != ident:
+                    stale.append(key)
+            except FileNotFoundError:
+                stale.append(key)
+        with self._lock:
+            for key in stale:
+                held = self._by_key.get(key)
+                if held is not None and held.ident == cached[key]:
+                    self._drop(key)
 
 
 def _pid_alive(pid: int) -> bool:

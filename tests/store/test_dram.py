@@ -68,3 +68,64 @@ def test_unwritable_directory_is_a_store_error(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(StoreError):
         DramTier(blocker / "dram")
+
+
+def test_reads_reuse_their_mapping_and_see_a_replacement_made_elsewhere(store_config):
+    first, second = make_entry(1)[0], make_entry(2)[0]
+    writer = DramTier(store_config.dram_path, pin_host_memory=False)
+    reader = DramTier(store_config.dram_path, pin_host_memory=False)
+    writer.put(key_for(1), first)
+    for _ in range(3):
+        with reader.get(key_for(1)) as view:
+            assert view.header.model_id == "seed-1"
+    assert reader.mapping_cache_stats == {"entries": 1, "bytes": len(first.data), "hits": 2, "misses": 1}
+    writer.put(key_for(1), second)  # a new file renamed over the name: the cached mapping is of the old one
+    with reader.get(key_for(1)) as view:
+        assert view.header.model_id == "seed-2" and bytes(view.buffer) == second.data
+    assert reader.mapping_cache_stats["misses"] == 2 and reader.mapping_cache_stats["entries"] == 1
+
+
+def test_a_removal_elsewhere_unmaps_on_the_next_sweep(store_config):
+    entry = make_entry(1)[0]
+    writer = DramTier(store_config.dram_path, pin_host_memory=False)
+    reader = DramTier(store_config.dram_path, pin_host_memory=False, sweep_interval_s=0.0)
+    writer.put(key_for(1), entry)
+    writer.put(key_for(2), entry)
+    for key in (key_for(1), key_for(2)):
+        reader.get(key).close()
+    assert reader.mapping_cache_stats["entries"] == 2
+    writer.remove(key_for(1))
+    with reader.get(key_for(2)):  # any read sweeps: the removed file's memory is no longer held here
+        assert reader.mapping_cache_stats["entries"] == 1
+    assert reader.get(key_for(1)) is None
+
+
+def test_mapping_cache_is_bounded_and_handles_outlive_eviction(store_config):
+    entries = [make_entry(seed)[0] for seed in range(4)]
+    size = len(entries[0].data)
+    tier = DramTier(store_config.dram_path, pin_host_memory=False, mapping_cache_bytes=2 * size + size // 2)
+    for seed, entry in enumerate(entries):
+        tier.put(key_for(seed), entry)
+    held = tier.get(key_for(0))
+    for seed in range(1, 4):
+        tier.get(key_for(seed)).close()
+    stats = tier.mapping_cache_stats
+    assert stats["entries"] == 2 and stats["bytes"] == 2 * size
+    assert bytes(held.buffer) == entries[0].data  # evicted from the cache while in use: still mapped
+    held.close()
+    uncached = DramTier(store_config.dram_path, pin_host_memory=False, mapping_cache_bytes=0)
+    with uncached.get(key_for(3)) as view:
+        assert bytes(view.buffer) == entries[3].data
+    assert uncached.mapping_cache_stats["entries"] == 0
+
+
+def test_damage_under_a_cached_mapping_reads_absent(store_config):
+    entry = make_entry(1)[0]
+    tier = DramTier(store_config.dram_path, pin_host_memory=False)
+    tier.put(key_for(1), entry)
+    tier.get(key_for(1)).close()
+    with open(tier.path / f"{key_for(1)}.kv", "r+b") as f:  # in place: same file, the cached mapping sees it
+        f.seek(entry.header.kv_range.start + 5)
+        f.write(b"\xff")
+    assert tier.get(key_for(1)) is None and tier.stats().damaged_reads == 1
+    assert tier.mapping_cache_stats["hits"] == 1
