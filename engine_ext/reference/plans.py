@@ -5,7 +5,7 @@ Per image of a prompt, one of:
     Fresh(encoder)                      a miss: every row computed from the vision tower's output
     Reuse(cached, ratios)               an exact hit: the image's encoder output and KV come from cached (taken from
                                         any earlier prompt); keys are moved to this prompt's positions; at layer l the
-                                        first ceil(ratios[l] * n) image rows are recomputed, the rest reused.
+                                        first floor(ratios[l] * n) image rows are recomputed, the rest reused.
                                         Same text before the image and ratios all 0: identical to a miss.
     Approximate(encoder, alias, ...)    a similar image: layers < warmup run every row on the new image's encoder
                                         output; at layers >= warmup the rows in `recompute` are computed, the rows
@@ -17,12 +17,12 @@ Text rows are always computed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine_ext.plan import check_ratios, recompute_count
 from engine_ext.reference.driver import COMPUTE, DROP, REUSE, KVState, RowPlan, reposition
 from engine_ext.reference.model import EncoderOutput, ImageSpan, Prompt, ReferenceModel
 
@@ -73,10 +73,6 @@ class Approximate:
 ImagePlan = Fresh | Reuse | Approximate
 
 
-def recompute_count(ratio: float, n: int) -> int:
-    return min(n, math.ceil(ratio * n - 1e-9))
-
-
 def uniform(ratio: float, layers: int) -> tuple[float, ...]:
     return (ratio,) * layers
 
@@ -113,8 +109,8 @@ def build(model: ReferenceModel, prompt: Prompt, images: Sequence[ImagePlan]) ->
         reuse_v[:, span.start : span.stop] = cached.v
         image_modes = modes[:, span.start : span.stop]
         if isinstance(plan, Reuse):
-            _check_ratios(plan.ratios, layers)
-            for layer_index, ratio in enumerate(plan.ratios):
+            ratios = check_ratios(plan.ratios, layers) or (0.0,) * layers  # none given: nothing recomputed
+            for layer_index, ratio in enumerate(ratios):
                 image_modes[layer_index, recompute_count(ratio, len(span)) :] = REUSE
         else:
             _approximate_modes(image_modes, plan, len(span))
@@ -132,13 +128,6 @@ def _shift(cached: torch.Tensor, now: torch.Tensor) -> int:
     if not (delta == delta[0, 0]).all():
         raise ValueError("the image's positions do not differ by one offset (different grid or layout)")
     return int(delta[0, 0])
-
-
-def _check_ratios(ratios: Sequence[float], layers: int) -> None:
-    if len(ratios) != layers:
-        raise ValueError(f"need one ratio per layer ({layers}), got {len(ratios)}")
-    if any(not 0.0 <= r <= 1.0 for r in ratios) or any(b > a for a, b in zip(ratios, ratios[1:], strict=False)):
-        raise ValueError(f"ratios must be in [0, 1] and non-increasing, got {list(ratios)}")
 
 
 def _approximate_modes(image_modes: torch.Tensor, plan: Approximate, n: int) -> None:

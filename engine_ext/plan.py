@@ -1,0 +1,198 @@
+"""The reuse plan the gateway sends with a request and the worker executes; and the recompute profile.
+
+Shared by the gateway (which builds plans and loads profiles) and the engine extension (which executes plans and
+writes profiles). Plain dataclasses and JSON, no torch, so the gateway stays light.
+
+A ``RequestPlan`` holds one ``ImagePlan`` per image of the request, in the order the images appear:
+
+    miss         full prefill; the worker stores the image's entry (encoder output + KV) under ``key``
+    exact        the entry under ``key`` is reused: the vision tower is skipped, keys are moved to this request's
+                 positions, and at layer l the first floor(ratios[l] * n) image tokens are recomputed (empty ratios:
+                 none; that is exact when the text before the image is the same as when the entry was made)
+    approximate  the image is new but similar to the entry ``alias`` (same grid): warmup layers on every token,
+                 then ``reuse`` tokens read the alias' late-layer KV, the worker picks ``recompute_share`` of the
+                 tokens by attention to recompute, and drops the rest (see engine_ext.reference.plans)
+
+The wire form is compact JSON with a version; a worker refuses a version it does not know (PlanError) rather than
+guess, and the gateway then sends the request without a plan (a full prefill).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PLAN_VERSION = 1
+PROFILE_VERSION = 1
+PROFILE_KIND = "revisit.recompute_profile"
+
+MISS, EXACT, APPROXIMATE = "miss", "exact", "approximate"
+STRATEGIES = (MISS, EXACT, APPROXIMATE)
+_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class PlanError(ValueError):
+    """A plan or profile that is malformed, of an unknown version, or inconsistent."""
+
+
+def recompute_count(ratio: float, tokens: int) -> int:
+    """How many of an image's first tokens a layer with this ratio recomputes: floor(ratio * tokens)."""
+    return min(tokens, math.floor(ratio * tokens + 1e-9))
+
+
+def check_ratios(ratios: Sequence[float], layers: int | None = None) -> tuple[float, ...]:
+    """Per-layer recompute ratios: in [0, 1], non-increasing with depth (a token recomputed at a layer must have
+    been computed at every layer before it). Raises PlanError."""
+    values = tuple(float(r) for r in ratios)
+    if layers is not None and values and len(values) != layers:
+        raise PlanError(f"need one ratio per layer ({layers}), got {len(values)}")
+    if any(not 0.0 <= r <= 1.0 for r in values):
+        raise PlanError(f"ratios must be in [0, 1], got {list(values)}")
+    if any(b > a for a, b in zip(values, values[1:], strict=False)):
+        raise PlanError(f"ratios must be non-increasing with depth, got {list(values)}")
+    return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImagePlan:
+    key: str  # this image's exact key
+    strategy: str
+    tokens: int  # LLM tokens of the image (grid h * w)
+    grid: tuple[int, int]
+    ratios: tuple[float, ...] = ()  # exact: per layer
+    alias: str | None = None  # approximate: the matched entry's key
+    warmup_layers: int = 0  # approximate: W
+    reuse: tuple[int, ...] = ()  # approximate: B, token indices
+    recompute_share: float = 0.0  # approximate: rho
+    selector: str = "default"  # which token selection (baselines are chosen per request for evaluation)
+    store: bool = True  # miss: whether the worker writes the entry
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not _KEY_RE.match(self.key):
+            raise PlanError(f"key must be 64 lowercase hex characters, got {self.key!r:.80}")
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if len(self.grid) != 2 or any(not isinstance(g, int) or g <= 0 for g in self.grid):
+            raise PlanError(f"grid must be two positive ints, got {self.grid!r}")
+        if self.tokens != self.grid[0] * self.grid[1]:
+            raise PlanError(f"tokens {self.tokens} != grid {self.grid[0]} x {self.grid[1]}")
+        object.__setattr__(self, "ratios", check_ratios(self.ratios))
+        if self.strategy != EXACT and self.ratios:
+            raise PlanError("ratios belong to exact plans")
+        if self.strategy == APPROXIMATE:
+            if self.alias is None or not _KEY_RE.match(self.alias) or self.alias == self.key:
+                raise PlanError("an approximate plan needs an alias key other than its own")
+            reuse = tuple(int(i) for i in self.reuse)
+            if any(not 0 <= i < self.tokens for i in reuse) or len(set(reuse)) != len(reuse):
+                raise PlanError(f"reuse must be distinct token indices in [0, {self.tokens})")
+            object.__setattr__(self, "reuse", tuple(sorted(reuse)))
+            if not 0.0 <= self.recompute_share <= 1.0 or self.warmup_layers < 0:
+                raise PlanError("recompute_share must be in [0, 1] and warmup_layers >= 0")
+        elif self.alias is not None or self.reuse or self.recompute_share or self.warmup_layers:
+            raise PlanError("alias, reuse, recompute_share and warmup_layers belong to approximate plans")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["grid"] = list(self.grid)
+        data["ratios"] = list(self.ratios)
+        data["reuse"] = list(self.reuse)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ImagePlan:
+        if not isinstance(data, Mapping):
+            raise PlanError("an image plan must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise PlanError(f"unknown image plan fields {sorted(unknown)}")
+        try:
+            values = dict(data)
+            values["grid"] = tuple(values["grid"])
+            values["ratios"] = tuple(values.get("ratios", ()))
+            values["reuse"] = tuple(values.get("reuse", ()))
+            return cls(**values)
+        except (KeyError, TypeError) as exc:
+            raise PlanError(f"bad image plan: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestPlan:
+    images: tuple[ImagePlan, ...] = field(default_factory=tuple)
+    version: int = PLAN_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "images": [p.to_dict() for p in self.images]},
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RequestPlan:
+        try:
+            data = json.loads(text)
+        except (ValueError, TypeError) as exc:
+            raise PlanError(f"plan is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise PlanError("a plan must be a JSON object")
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan version {data.get('version')!r} is not {PLAN_VERSION}")
+        images = data.get("images")
+        if not isinstance(images, list):
+            raise PlanError("plan images must be a list")
+        return cls(images=tuple(ImagePlan.from_dict(p) for p in images))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputeProfile:
+    """Per-layer recompute ratios for position-independent reuse, found offline (engine_ext.profiler)."""
+
+    model: str  # the model directory's name (arch, size and recipe digest)
+    layers: int
+    budget: float  # the mean ratio the search was allowed
+    ratios: tuple[float, ...]
+    metric: str = ""
+    calibration: Mapping[str, Any] = field(default_factory=dict)  # what it was measured on, and the errors seen
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        if len(self.ratios) != self.layers:
+            raise PlanError(f"need one ratio per layer ({self.layers}), got {len(self.ratios)}")
+        object.__setattr__(self, "ratios", check_ratios(self.ratios, self.layers))
+        if not 0.0 <= self.budget <= 1.0:
+            raise PlanError(f"budget must be in [0, 1], got {self.budget}")
+        if sum(self.ratios) > self.budget * self.layers + 1e-9:
+            raise PlanError(f"ratios average {sum(self.ratios) / self.layers:.4f}, over the budget {self.budget}")
+
+    @property
+    def mean_ratio(self) -> float:
+        return sum(self.ratios) / self.layers
+
+    def to_json(self) -> str:
+        data = {"kind": PROFILE_KIND, **asdict(self), "ratios": list(self.ratios),
+                "calibration": dict(self.calibration)}
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def save(self, path: Path | str) -> None:
+        target = Path(path)
+        temp = target.with_name(target.name + ".tmp")
+        temp.write_text(self.to_json())
+        temp.replace(target)
+
+    @classmethod
+    def load(cls, path: Path | str) -> RecomputeProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise PlanError(f"cannot read recompute profile {path}: {exc}") from None
+        if not isinstance(data, dict) or data.pop("kind", None) != PROFILE_KIND:
+            raise PlanError(f"{path} is not a recompute profile")
+        if data.get("version") != PROFILE_VERSION:
+            raise PlanError(f"{path}: profile version {data.get('version')!r} is not {PROFILE_VERSION}")
+        try:
+            return cls(**{**data, "ratios": tuple(data["ratios"])})
+        except (KeyError, TypeError) as exc:
+            raise PlanError(f"{path}: bad profile: {exc}") from None
