@@ -76,6 +76,7 @@ class RunResult:
     logits: torch.Tensor  # (vocab,) float32, at the last row
     state: KVState
     attention: dict[int, torch.Tensor]  # layer -> (heads, computed rows, all rows) probabilities, when asked
+    tail_logits: torch.Tensor | None = None  # (tail, vocab) float32 at the last `tail` rows, when asked
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -106,8 +107,12 @@ def reposition(k: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Ten
 
 @torch.no_grad()
 def run(model: ReferenceModel, plan: RowPlan, positions: torch.Tensor, past: KVState | None = None,
-        capture_attention: frozenset[int] = frozenset()) -> RunResult:
-    """Run the rows of plan after the rows already in past (a prefill: past None; a decode step: one new row)."""
+        capture_attention: frozenset[int] = frozenset(), tail: int = 1) -> RunResult:
+    """Run the rows of plan after the rows already in past (a prefill: past None; a decode step: one new row).
+
+    tail > 1 also returns the logits of the last `tail` rows (all computed at every layer), e.g. to score a
+    known continuation in one pass.
+    """
     plan.validate()
     past = past or KVState()
     layers, rows = plan.modes.shape
@@ -160,9 +165,10 @@ def run(model: ReferenceModel, plan: RowPlan, positions: torch.Tensor, past: KVS
         if layer_index < len(plan.deepstack):
             x = x + plan.deepstack[layer_index][active].to(x.dtype)
 
-    if active[-1] != rows - 1:
-        raise ValueError("the last row was not computed")
-    return RunResult(logits=model.logits(x[-1]).float(), state=state, attention=attention)
+    if not torch.equal(active[len(active) - tail :], torch.arange(rows - tail, rows)):
+        raise ValueError(f"the last {tail} rows were not all computed")
+    logits = model.logits(x[-tail:]).float()
+    return RunResult(logits=logits[-1], state=state, attention=attention, tail_logits=logits if tail > 1 else None)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_index: torch.Tensor,

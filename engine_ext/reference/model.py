@@ -48,6 +48,16 @@ class Prompt:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def extended(self, tokens: Sequence[int]) -> Prompt:
+        """This prompt followed by text tokens (e.g. a known answer), at the next text positions."""
+        extra = torch.tensor(list(tokens), dtype=self.input_ids.dtype)
+        start = int(self.positions.max()) + 1
+        positions = torch.arange(start, start + len(extra)).expand(3, -1)
+        return Prompt(input_ids=torch.cat([self.input_ids, extra]), positions=torch.cat([self.positions, positions], 1),
+                      images=self.images, pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw,
+                      mm_token_type_ids=torch.cat([self.mm_token_type_ids, torch.zeros(1, len(extra),
+                                                   dtype=self.mm_token_type_ids.dtype)], 1))
+
 
 @dataclass(frozen=True)
 class EncoderOutput:
