@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,8 @@ class IntakeResult:
     params: ChatCompletionParams
     images: tuple[CanonicalImage, ...]
     namespace: str
+    # Per image: a digest of everything the prompt holds before it (see prefix_digests).
+    prefixes: tuple[str, ...] = ()
 
 
 class Intake:
@@ -52,6 +56,7 @@ class Intake:
             params=params,
             images=tuple(images),
             namespace=namespace,
+            prefixes=prefix_digests(body, refs, images),
         )
 
     async def _resolve(self, ref: ImagePartRef, namespace: str) -> CanonicalImage:
@@ -77,6 +82,37 @@ class Intake:
             raise
         self.memo.put(namespace, digest, image)
         return image
+
+
+# Top-level fields that the chat template renders before the messages (a tool list goes into the system turn).
+_TEMPLATE_FIELDS = ("model", "tools", "tool_choice", "chat_template_kwargs")
+
+
+def prefix_digests(body: dict[str, Any], refs: list[ImagePartRef], images: list[CanonicalImage]) -> tuple[str, ...]:
+    """For each image, a digest of everything before it in the prompt: the template fields, the earlier messages
+    and the parts of its own message before it, with earlier images named by their exact keys.
+
+    Equal digests mean equal token prefixes (the chat template is deterministic), so the image sits at the same
+    positions after the same context: its cached KV can be reused as is. Any difference, even one that would not
+    change the tokens, only makes the planner choose the position-independent plan, which is also correct.
+    """
+    if not refs:
+        return ()
+    keys = {(ref.message_index, ref.part_index): image.key for ref, image in zip(refs, images, strict=True)}
+    head = {name: body[name] for name in _TEMPLATE_FIELDS if name in body}
+    digests = []
+    for ref in refs:
+        messages = []
+        for i, message in enumerate(body["messages"][: ref.message_index + 1]):
+            content = message.get("content")
+            if isinstance(content, list):
+                stop = ref.part_index if i == ref.message_index else len(content)
+                content = [{"type": "image", "key": keys[(i, j)]} if (i, j) in keys else part
+                           for j, part in enumerate(content[:stop])]
+            messages.append({**message, "content": content})
+        blob = json.dumps({"head": head, "messages": messages}, sort_keys=True, separators=(",", ":"))
+        digests.append(hashlib.blake2b(blob.encode(), digest_size=16).hexdigest())
+    return tuple(digests)
 
 
 def _rewrite_images(
