@@ -14,20 +14,29 @@ A ``RequestPlan`` holds one ``ImagePlan`` per image of the request, in the order
                  tokens by attention to recompute, and drops the rest (see engine_ext.reference.plans)
 
 The wire form is compact JSON with a version; a worker refuses a version it does not know (PlanError) rather than
-guess, and the gateway then sends the request without a plan (a full prefill).
+guess, and runs the request without a plan (a full prefill).
+
+Transport: the plan rides in the request id (SGLang's ``rid``, which reaches the model's forward and is unique
+among requests in flight): ``rv1.<request id>.<base64 of the zlib'd JSON>.`` The gateway replaces the id in what
+it returns to clients, so the plan is never shown to them; anything SGLang appends after the last dot (it suffixes
+ids of parallel samples) is ignored.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 PLAN_VERSION = 1
+RID_PREFIX = f"rv{PLAN_VERSION}."
 PROFILE_VERSION = 1
 PROFILE_KIND = "revisit.recompute_profile"
 
@@ -129,6 +138,27 @@ class RequestPlan:
     def to_json(self) -> str:
         return json.dumps({"version": self.version, "images": [p.to_dict() for p in self.images]},
                           separators=(",", ":"))
+
+    def to_rid(self, request_id: str) -> str:
+        """A request id for SGLang that carries this plan (see the module docstring)."""
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", request_id):
+            raise PlanError("request_id must be 1-64 characters of [A-Za-z0-9_-]")
+        packed = base64.b64encode(zlib.compress(self.to_json().encode(), 6)).decode()
+        return f"{RID_PREFIX}{request_id}.{packed}."
+
+    @classmethod
+    def from_rid(cls, rid: object) -> RequestPlan | None:
+        """The plan a request id carries; None for ids without one. Raises PlanError for a damaged one."""
+        if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
+            return None
+        parts = rid[len(RID_PREFIX) :].split(".")
+        if len(parts) < 3:
+            raise PlanError("request id has the plan prefix but no plan")
+        try:
+            text = zlib.decompress(base64.b64decode(parts[1], validate=True), bufsize=1 << 16)
+        except (binascii.Error, zlib.error, ValueError) as exc:
+            raise PlanError(f"request id carries a damaged plan: {exc}") from None
+        return cls.from_json(text)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RequestPlan:

@@ -11,8 +11,8 @@ A row computed at layer l must have been computed at every layer before it (its 
 the computed set only shrinks with depth. With every row COMPUTE the run is an ordinary prefill, and matches
 transformers' forward (tests/engine_ext/test_reference.py).
 
-Keys are kept after RoPE, as serving engines keep them in their KV pools; ``reposition`` moves keys computed at
-one position to another (see its docstring).
+Keys are kept after RoPE, as serving engines keep them in their KV pools; ``engine_ext.rope.reposition`` moves
+keys computed at one position to another.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_ext.reference.model import ReferenceModel
+from engine_ext.rope import reposition, rotate_half  # noqa: F401 (reposition re-exported)
 
 COMPUTE, REUSE, DROP = 0, 1, 2
 
@@ -79,30 +80,9 @@ class RunResult:
     tail_logits: torch.Tensor | None = None  # (tail, vocab) float32 at the last `tail` rows, when asked
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (rows, heads, head_dim); cos/sin (rows, head_dim)."""
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
-
-
-def reposition(k: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Keys after RoPE at positions p, moved to p + delta (the same delta on all three M-RoPE axes).
-
-    Every rotary frequency j of M-RoPE turns by (its axis' position) * inv_freq[j]. Moving an image as a whole
-    shifts its temporal, height and width positions by the same delta, so each frequency turns by a further
-    delta * inv_freq[j] whichever axis it belongs to: a plain 1-D rotation of the cached keys, the same for
-    Qwen2.5-VL's sectioned layout and Qwen3-VL's interleaved one. k: (..., head_dim).
-    """
-    if delta == 0:
-        return k
-    angle = delta * inv_freq.double()
-    cos = torch.cat((angle.cos(), angle.cos())).to(torch.float32)
-    sin = torch.cat((angle.sin(), angle.sin())).to(torch.float32)
-    return (k.float() * cos + rotate_half(k.float()) * sin).to(k.dtype)
 
 
 @torch.no_grad()

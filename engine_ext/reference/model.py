@@ -95,7 +95,7 @@ class ReferenceModel:
         self.num_heads = self.config.num_attention_heads
         self.kv_heads = self.config.num_key_value_heads
         self.head_dim = getattr(self.config, "head_dim", None) or self.hidden // self.num_heads
-        self.inv_freq = text.rotary_emb.inv_freq.float()  # (head_dim / 2,)
+        self.inv_freq = text.rotary_emb.inv_freq.double()  # (head_dim / 2,)
         self.image_token_id = hf_model.config.image_token_id
         self.dtype = hf_model.dtype
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from engine_ext.plan import check_ratios, recompute_count
-from engine_ext.reference.driver import COMPUTE, DROP, REUSE, KVState, RowPlan, reposition
+from engine_ext.reference.driver import COMPUTE, DROP, REUSE, KVState, RowPlan
 from engine_ext.reference.model import EncoderOutput, ImageSpan, Prompt, ReferenceModel
+from engine_ext.rope import reposition
 
 
 @dataclass(frozen=True)

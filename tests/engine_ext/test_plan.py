@@ -83,3 +83,18 @@ def test_profile_saves_loads_and_is_checked(tmp_path) -> None:
         RecomputeProfile.load(tmp_path / "other.json")
     with pytest.raises(PlanError, match="cannot read"):
         RecomputeProfile.load(tmp_path / "missing.json")
+
+
+def test_plans_ride_in_the_request_id() -> None:
+    plan = RequestPlan(images=(ImagePlan(key=A, strategy=EXACT, tokens=64, grid=(8, 8), ratios=(0.5,) * 12),))
+    rid = plan.to_rid("req-1")
+    assert rid.startswith("rv1.req-1.") and rid.endswith(".")
+    assert RequestPlan.from_rid(rid) == plan
+    assert RequestPlan.from_rid(rid + "_1") == plan  # a suffix after the last dot is ignored
+    assert RequestPlan.from_rid("chatcmpl-123") is None and RequestPlan.from_rid(None) is None
+    with pytest.raises(PlanError, match="damaged"):
+        RequestPlan.from_rid("rv1.req-1.not*base64.")
+    with pytest.raises(PlanError):
+        RequestPlan.from_rid("rv1.req-1")
+    with pytest.raises(PlanError, match="request_id"):
+        plan.to_rid("has.dots")
