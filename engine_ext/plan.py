@@ -39,6 +39,8 @@ PLAN_VERSION = 1
 RID_PREFIX = f"rv{PLAN_VERSION}."
 PROFILE_VERSION = 1
 PROFILE_KIND = "revisit.recompute_profile"
+PROFILE_FILE = "recompute_profile.json"  # where the profiler writes by default, in the model's folder
+DEFAULT_RECOMPUTE_RATIO = 0.1  # uniform ratio for moved images when no profile is found
 
 MISS, EXACT, APPROXIMATE = "miss", "exact", "approximate"
 STRATEGIES = (MISS, EXACT, APPROXIMATE)
@@ -80,10 +82,13 @@ class ImagePlan:
     recompute_share: float = 0.0  # approximate: rho
     selector: str = "default"  # which token selection (baselines are chosen per request for evaluation)
     store: bool = True  # miss: whether the worker writes the entry
+    prefix: str = ""  # the gateway's digest of the prompt before the image; the worker records it in the entry
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not _KEY_RE.match(self.key):
             raise PlanError(f"key must be 64 lowercase hex characters, got {self.key!r:.80}")
+        if not isinstance(self.prefix, str) or len(self.prefix) > 128:
+            raise PlanError("prefix must be a string of at most 128 characters")
         if self.strategy not in STRATEGIES:
             raise PlanError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if len(self.grid) != 2 or any(not isinstance(g, int) or g <= 0 for g in self.grid):

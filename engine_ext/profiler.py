@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from engine_ext.plan import RecomputeProfile, check_ratios
+from engine_ext.plan import PROFILE_FILE, RecomputeProfile, check_ratios
 from engine_ext.reference import (
     Fresh,
     ImageKV,
@@ -47,7 +47,6 @@ from engine_ext.reference import (
     run,
 )
 
-PROFILE_FILE = "recompute_profile.json"
 GRID = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 # Real images bundled with scikit-image (no download), and questions about them.
 IMAGES = ("astronaut", "coffee", "chelsea", "rocket", "page", "text", "camera", "hubble_deep_field",

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_ext.plan import DEFAULT_RECOMPUTE_RATIO, PROFILE_FILE, PlanError, RecomputeProfile, check_ratios
+from store.config import StoreConfig
+from store.errors import ConfigError as StoreConfigError
+
 ENV_PREFIX = "REVISIT_"
 
 
@@ -99,6 +103,60 @@ class ImageLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReuseSettings:
+    """Reuse planning (gateway/planner.py): the store it reads, and how much of a moved image to recompute.
+
+    ``store`` None attaches no store and plans nothing (every request runs as in plain SGLang). ``ratios`` are
+    per-layer recompute ratios for an image stored after another prefix; None (the layer count is unknown) has
+    such images recomputed in full.
+    """
+
+    enabled: bool = True
+    store: StoreConfig | None = None
+    ratios: tuple[float, ...] | None = None
+    ratios_source: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.ratios is not None:
+            try:
+                object.__setattr__(self, "ratios", check_ratios(self.ratios))
+            except PlanError as exc:
+                raise ConfigError(f"recompute ratios: {exc}") from None
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path | None, *, store: StoreConfig | None, enabled: bool = True,
+                  profile: str | Path | None = None, uniform_ratio: float = DEFAULT_RECOMPUTE_RATIO) -> ReuseSettings:
+        """Ratios from a recompute profile (the given path, else MODEL_DIR/recompute_profile.json when present),
+        else uniform_ratio at every layer of the model in model_dir; none when the layer count is unknown."""
+        if not 0.0 <= uniform_ratio <= 1.0:
+            raise ConfigError(f"recompute ratio must be in [0, 1], got {uniform_ratio}")
+        candidate = Path(profile) if profile else (Path(model_dir) / PROFILE_FILE if model_dir else None)
+        if candidate is not None and (profile or candidate.is_file()):
+            try:
+                loaded = RecomputeProfile.load(candidate)
+            except PlanError as exc:
+                raise ConfigError(str(exc)) from None
+            return cls(enabled=enabled, store=store, ratios=loaded.ratios, ratios_source=f"profile {candidate}")
+        layers = model_layers(model_dir) if model_dir else None
+        if layers is None:
+            return cls(enabled=enabled, store=store)
+        return cls(enabled=enabled, store=store, ratios=(uniform_ratio,) * layers,
+                   ratios_source=f"uniform {uniform_ratio} over {layers} layers")
+
+
+def model_layers(model_dir: str | Path) -> int | None:
+    """The language model's layer count from a model folder's config.json (text_config for VL models)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (config.get("text_config") or {}, config):
+        if isinstance(section, dict) and isinstance(section.get("num_hidden_layers"), int):
+            return section["num_hidden_layers"]
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
 class PolicySettings:
     """Capacities and knobs of the gateway's cache policy (see :mod:`gateway.policy`).
 
@@ -161,6 +219,8 @@ class GatewayConfig:
     admin_token: str | None = None
     # Whether /metrics requires the admin token too (it needs one to be set).
     metrics_require_token: bool = False
+    # Reuse planning; the default (no store) plans nothing.
+    reuse: ReuseSettings = field(default_factory=lambda: ReuseSettings(enabled=False))
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -263,6 +323,14 @@ class GatewayConfig:
         ):
             if (value := get(name, cast)) is not None:
                 kwargs[key] = value
+        reuse_enabled = get("REUSE", bool, True)
+        try:
+            store = StoreConfig.from_env(env) if reuse_enabled else None
+        except StoreConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        kwargs["reuse"] = ReuseSettings.for_model(
+            model_dir, store=store, enabled=reuse_enabled, profile=get("RECOMPUTE_PROFILE", str),
+            uniform_ratio=get("RECOMPUTE_RATIO", float, DEFAULT_RECOMPUTE_RATIO))
         kwargs.update(overrides)
         missing = [name for name in ("model", "workers") if name not in kwargs]
         if missing:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -54,9 +54,9 @@ class Dispatcher:
         self._pool = pool
         self._client = client
 
-    def _next(self, tried: list[Worker], last_error: str | None) -> Worker:
+    def _next(self, tried: list[Worker], last_error: str | None, prefer: str | None = None) -> Worker:
         try:
-            worker = self._pool.choose(exclude=tried)
+            worker = self._pool.choose(exclude=tried, prefer=prefer)
         except NoHealthyWorker:
             if last_error is not None:
                 raise UpstreamError(f"every worker tried failed; last error: {last_error}") from None
@@ -64,12 +64,17 @@ class Dispatcher:
         tried.append(worker)
         return worker
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A non-streaming completion, retried on another worker when one fails."""
+    async def complete(self, body: dict[str, Any], *, prefer: str | None = None, public_id: str | None = None,
+                       on_served: Callable[[Worker], None] | None = None) -> dict[str, Any]:
+        """A non-streaming completion, retried on another worker when one fails.
+
+        prefer: a worker URL to try first (cache affinity); public_id: the id clients see (the upstream one may
+        carry a plan); on_served: called with the worker that answered.
+        """
         tried: list[Worker] = []
         last_error: str | None = None
         while True:
-            worker = self._next(tried, last_error)
+            worker = self._next(tried, last_error, prefer)
             async with self._pool.lease(worker):
                 try:
                     response = await self._client.post(worker.url + CHAT_PATH, json=body)
@@ -82,25 +87,29 @@ class Dispatcher:
             if response.status_code == 200:
                 worker.served += 1
                 try:
-                    return openai_shape.completion(response.json())
+                    result = openai_shape.completion(response.json(), public_id=public_id)
                 except ValueError as exc:
                     raise UpstreamError("worker returned a body that is not JSON") from exc
+                if on_served is not None:
+                    on_served(worker)
+                return result
             if 400 <= response.status_code < 500:
                 raise _client_error(response.status_code, response.content)
             last_error = f"worker returned HTTP {response.status_code}: {response.text[:300]}"
             log.warning("worker %s: %s", worker.url, last_error)
 
-    async def open_stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def open_stream(self, body: dict[str, Any], *, prefer: str | None = None, public_id: str | None = None,
+                          on_served: Callable[[Worker], None] | None = None) -> AsyncIterator[bytes]:
         """Start a streaming completion and return the SSE byte stream to relay.
 
         Waits for the worker's first event before returning, so that any failure up to
         that point is retried on another worker and a client error still gets its
-        proper HTTP status instead of a 200 stream.
+        proper HTTP status instead of a 200 stream. Arguments as for complete().
         """
         tried: list[Worker] = []
         last_error: str | None = None
         while True:
-            worker = self._next(tried, last_error)
+            worker = self._next(tried, last_error, prefer)
             lease = self._pool.lease(worker)
             await lease.__aenter__()
             response: httpx.Response | None = None
@@ -133,22 +142,24 @@ class Dispatcher:
             except BaseException:
                 await _close(response, lease)
                 raise
-            relay = self._relay(worker, response, lines, first, lease)
+            shaper = openai_shape.StreamShaper(public_id=public_id, upstream_id=body.get("rid"))
+            relay = self._relay(worker, response, lines, first, lease, shaper, on_served)
             # Start the relay now: a started async generator is closed by the event loop
             # when dropped, so the lease and the upstream stream are released even if the
             # client leaves before the response body is ever iterated.
             head = await relay.__anext__()
             return _prepend(head, relay)
 
-    async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str],
-                     first: str, lease) -> AsyncIterator[bytes]:
-        shaper = openai_shape.StreamShaper()
+    async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str], first: str, lease,
+                     shaper: openai_shape.StreamShaper, on_served) -> AsyncIterator[bytes]:
         try:
             yield (shaper.line(first) + "\n\n").encode()
             async for line in lines:
                 if line:
                     yield (shaper.line(line) + "\n\n").encode()
             worker.served += 1
+            if on_served is not None:
+                on_served(worker)
         except httpx.HTTPError as exc:
             message = f"the worker failed mid-stream: {type(exc).__name__}"
             self._pool.mark_failed(worker, message)

@@ -23,8 +23,10 @@ def _clean_usage(usage: Any) -> None:
                 del value[key]
 
 
-def completion(body: dict[str, Any]) -> dict[str, Any]:
-    """Mend a non-streaming chat completion in place and return it."""
+def completion(body: dict[str, Any], public_id: str | None = None) -> dict[str, Any]:
+    """Mend a non-streaming chat completion in place and return it (with public_id as its id, when given)."""
+    if public_id is not None:
+        body["id"] = public_id
     for choice in body.get("choices") or ():
         message = choice.get("message")
         if isinstance(message, dict):
@@ -37,17 +39,23 @@ def completion(body: dict[str, Any]) -> dict[str, Any]:
 class StreamShaper:
     """Mends the ``data:`` lines of one chat completion stream, in order.
 
-    Besides usage mending, it gives every chunk the stream's first id: with ``n`` > 1
-    SGLang numbers each choice's chunks with an id of its own, while OpenAI's streams
-    (and clients that group chunks by id) carry one id per completion.
+    Besides usage mending, it gives every chunk one id: public_id when given (the id
+    the gateway sent upstream may carry a reuse plan, which clients never see), else the
+    stream's first id. With ``n`` > 1 SGLang numbers each choice's chunks with an id of
+    its own, while OpenAI's streams (and clients that group chunks by id) carry one id
+    per completion.
     """
 
-    def __init__(self) -> None:
-        self._id: str | None = None
+    def __init__(self, public_id: str | None = None, upstream_id: str | None = None) -> None:
+        self._id: str | None = public_id
+        # The upstream id as it appears in chunks, swapped for the public one without a JSON round trip.
+        self._swap = (f'"id":"{upstream_id}"', f'"id":"{public_id}"') if public_id and upstream_id else None
 
     def line(self, line: str) -> str:
         if not line.startswith("data: {"):
             return line
+        if self._swap is not None:
+            line = line.replace(*self._swap, 1)
         if self._id is not None and f'"id":"{self._id}"' in line and '"usage"' not in line:
             return line  # the common case: nothing to mend, no JSON round trip
         try:

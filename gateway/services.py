@@ -14,8 +14,10 @@ from gateway.dispatch import Dispatcher
 from gateway.image_fetch import ImageFetcher
 from gateway.intake import Intake
 from gateway.metrics import build_registry
+from gateway.planner import Planner
 from gateway.policy import CachePolicy
 from gateway.workers import WorkerPool
+from store import open_store
 
 
 @dataclass(slots=True)
@@ -27,6 +29,7 @@ class Services:
     intake: Intake
     dispatcher: Dispatcher
     cache: CacheManager
+    planner: Planner
     metrics: CollectorRegistry
     started_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -46,6 +49,10 @@ class Services:
         )
         fetcher = ImageFetcher(config.images)
         policy = CachePolicy(config.policy)
+        reuse = config.reuse
+        # The store the workers write: shared-memory files and LMDB on this host (see store/config.py).
+        store = open_store(reuse.store) if reuse.enabled and reuse.store is not None else None
+        cache = CacheManager(policy, store=store)
         return cls(
             config=config,
             client=client,
@@ -53,8 +60,8 @@ class Services:
             fetcher=fetcher,
             intake=Intake(config, fetcher),
             dispatcher=Dispatcher(pool, client),
-            # The store is attached once workers write entries; until then the books alone.
-            cache=CacheManager(policy, store=None),
+            cache=cache,
+            planner=Planner(cache, reuse),
             metrics=build_registry(policy),
         )
 
@@ -67,5 +74,7 @@ class Services:
 
     async def aclose(self) -> None:
         await self.pool.stop()
+        if self.cache.store is not None:
+            self.cache.store.close()
         await self.fetcher.aclose()
         await self.client.aclose()

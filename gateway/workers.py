@@ -23,6 +23,10 @@ from gateway.errors import NoHealthyWorker
 log = logging.getLogger(__name__)
 
 
+# How many more requests in flight a preferred worker (one that holds the request's images) may have than the
+# least-loaded one and still be chosen.
+AFFINITY_SLACK = 2
+
 @dataclass(slots=True)
 class Worker:
     url: str
@@ -106,12 +110,19 @@ class WorkerPool:
         worker.healthy = healthy
         worker.last_error = None if ok else error
 
-    def choose(self, exclude: Iterable[Worker] = ()) -> Worker:
+    def choose(self, exclude: Iterable[Worker] = (), prefer: str | None = None) -> Worker:
+        """The least-loaded healthy worker; the preferred one (cache affinity) unless it is busier than that by
+        more than AFFINITY_SLACK requests."""
         excluded = {id(w) for w in exclude}
         candidates = [w for w in self.workers if w.healthy and id(w) not in excluded]
         if not candidates:
             raise NoHealthyWorker("no healthy worker is available; try again shortly")
-        return min(candidates, key=lambda w: (w.inflight, w._last_used))
+        best = min(candidates, key=lambda w: (w.inflight, w._last_used))
+        if prefer is not None:
+            for worker in candidates:
+                if worker.url == prefer and worker.inflight <= best.inflight + AFFINITY_SLACK:
+                    return worker
+        return best
 
     @contextlib.asynccontextmanager
     async def lease(self, worker: Worker) -> AsyncIterator[Worker]:

@@ -91,8 +91,12 @@ class EntryHeader:
     encoder_shape: tuple[int, ...]
     encoder_dtype: str
     position_dims: int = 1
+    # Free-form provenance from the writer (the gateway's digest of the prompt before the image); at most 256 chars.
+    origin: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.origin, str) or len(self.origin) > 256:
+            raise EntryFormatError("origin must be a string of at most 256 characters")
         _itemsize(self.kv_dtype)
         _itemsize(self.encoder_dtype)
         if min(self.num_layers, self.kv_heads, self.head_dim) < 1 or min(self.grid) < 1:
@@ -139,6 +143,8 @@ class EntryHeader:
             "encoder_shape": list(self.encoder_shape),
             "encoder_dtype": self.encoder_dtype,
         }
+        if self.origin:
+            meta["origin"] = self.origin
         return json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
 
     @cached_property
@@ -210,6 +216,7 @@ class Entry:
         v: Any,
         kv_dtype: str | None = None,
         encoder_dtype: str | None = None,
+        origin: str = "",
     ) -> Entry:
         """Build an entry from numpy arrays or CPU/GPU torch tensors (copied to host).
 
@@ -230,7 +237,8 @@ class Entry:
         header = EntryHeader(model_id=model_id, grid=(int(grid[0]), int(grid[1])), kv_dtype=k_dtype,
                              num_layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                              positions=tuple(positions_np.reshape(-1).tolist()), position_dims=positions_np.shape[1],
-                             encoder_shape=tuple(int(d) for d in enc_np.shape), encoder_dtype=enc_dtype)
+                             encoder_shape=tuple(int(d) for d in enc_np.shape), encoder_dtype=enc_dtype,
+                             origin=origin)
         buf = bytearray(header.total_nbytes)
         kv = np.frombuffer(buf, dtype=DTYPES[k_dtype], offset=header.kv_offset).reshape(
             tokens, layers, 2, kv_heads, head_dim)  # (T, L, 2, H, D)
@@ -312,7 +320,7 @@ def parse_header(buf: memoryview) -> ParsedHeader:
                              num_layers=meta["num_layers"], kv_heads=meta["kv_heads"], head_dim=meta["head_dim"],
                              positions=tuple(positions.tolist()), encoder_shape=tuple(meta["encoder_shape"]),
                              encoder_dtype=meta["encoder_dtype"],
-                             position_dims=meta["position_dims"])
+                             position_dims=meta["position_dims"], origin=meta.get("origin", ""))
     except (ValueError, KeyError, TypeError, EntryFormatError) as exc:
         raise DamagedEntryError(f"unreadable metadata: {exc}") from exc
     if header.header_nbytes != header_n or header.total_nbytes != total_n:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +16,8 @@ import pytest
 import uvicorn
 
 from gateway.app import create_app
-from gateway.config import GatewayConfig, ProcessorSettings
+from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings
+from store import StoreConfig
 
 WORKER_READY_TIMEOUT_S = 600
 MODEL_ID = "revisit-tiny"
@@ -33,13 +36,29 @@ def model_path() -> Path:
     return build_model(DEFAULT_ARCH, "tiny")
 
 
+# The store the session's workers and gateway share (REVISIT_STORE_* for workers), set by the shared_store fixture.
+STORE_ENV: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreConfig]:
+    """A store for this test session: shared-memory files under /dev/shm and LMDB in a temporary folder."""
+    dram = Path(tempfile.mkdtemp(prefix="revisit-test-store-", dir="/dev/shm"))
+    lmdb_dir = tmp_path_factory.mktemp("store-lmdb")
+    STORE_ENV.update({"REVISIT_STORE_DRAM_DIR": str(dram), "REVISIT_STORE_LMDB_DIR": str(lmdb_dir)})
+    try:
+        yield StoreConfig.from_env(STORE_ENV)
+    finally:
+        shutil.rmtree(dram, ignore_errors=True)
+
+
 def start_worker(model_path: Path, log_dir: Path, port: int | None = None):
     from engine_ext.launcher import WorkerSpec
     from engine_ext.launcher import start_worker as launch
 
     port = port or free_port()
     spec = WorkerSpec(model_path=model_path, port=port, served_model_name=MODEL_ID,
-                      log_file=log_dir / f"worker-{port}.log")
+                      log_file=log_dir / f"worker-{port}.log", env=dict(STORE_ENV))
     return launch(spec)
 
 
@@ -90,16 +109,20 @@ def run_gateway(config: GatewayConfig) -> GatewayServer:
     return GatewayServer(url=f"http://127.0.0.1:{port}", config=config, server=server, thread=thread)
 
 
-def gateway_config(model_path: Path, worker_urls: list[str], **overrides) -> GatewayConfig:
+def gateway_config(model_path: Path, worker_urls: list[str], *, store: StoreConfig | None = None,
+                   **overrides) -> GatewayConfig:
+    """A gateway for tests; with store, it plans reuse over it (uniform ratios over the model's layers)."""
     settings = {"health_interval_s": 0.5, **overrides}
+    if store is not None:
+        settings["reuse"] = ReuseSettings.for_model(model_path, store=store)
     return GatewayConfig(
         model=MODEL_ID, workers=tuple(worker_urls), processor=ProcessorSettings.from_model_dir(model_path), **settings
     )
 
 
 @pytest.fixture(scope="session")
-def gateway(workers, model_path) -> Iterator[GatewayServer]:
-    server = run_gateway(gateway_config(model_path, [w.url for w in workers]))
+def gateway(workers, model_path, shared_store) -> Iterator[GatewayServer]:
+    server = run_gateway(gateway_config(model_path, [w.url for w in workers], store=shared_store))
     try:
         yield server
     finally:

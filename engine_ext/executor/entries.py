@@ -23,9 +23,10 @@ class StoredImage:
         return int(self.k.shape[1])
 
 
-def to_entry(model_id: str, grid: tuple[int, int], image: StoredImage) -> Entry:
+def to_entry(model_id: str, grid: tuple[int, int], image: StoredImage, origin: str = "") -> Entry:
     return Entry.from_arrays(model_id=model_id, grid=grid, positions=image.positions.T.contiguous(),
-                             encoder_output=image.encoder, k=image.k.permute(0, 2, 1, 3), v=image.v.permute(0, 2, 1, 3))
+                             encoder_output=image.encoder, k=image.k.permute(0, 2, 1, 3), v=image.v.permute(0, 2, 1, 3),
+                             origin=origin)
 
 
 def _tensor(array: np.ndarray, dtype_name: str) -> torch.Tensor:

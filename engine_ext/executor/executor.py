@@ -243,7 +243,7 @@ class PlanExecutor:
 
     def _write(self, plan: ImagePlan, image: StoredImage) -> None:
         try:
-            size = self.store.put(plan.key, to_entry(self.model_id, plan.grid, image))
+            size = self.store.put(plan.key, to_entry(self.model_id, plan.grid, image, plan.prefix))
         except Exception:
             log.exception("revisit: storing %s failed", plan.key)
             self.stats["store_failed"] += 1

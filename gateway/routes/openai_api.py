@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import uuid
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -17,6 +19,9 @@ router = APIRouter()
 T = TypeVar("T")
 
 IMAGE_KEYS_HEADER = "x-revisit-image-keys"
+REUSE_HEADER = "x-revisit-reuse"  # per image: miss, exact_same_prefix or exact_moved
+# SGLang request fields the gateway owns: a client's value would name another request or another tenant's cache.
+_GATEWAY_FIELDS = frozenset({"rid", "extra_key"})
 
 
 def _services(request: Request) -> Services:
@@ -64,12 +69,35 @@ async def chat_completions(request: Request) -> Any:
     )
     intake = await services.intake.process(raw, namespace=namespace)
     headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
+    planned = services.planner.plan(intake)
+    if planned.kinds:
+        headers[REUSE_HEADER] = ",".join(planned.kinds)
+    request_id = uuid.uuid4().hex
+    public_id = f"chatcmpl-{request_id}"
+    body = upstream_body(intake.upstream_body, namespace=namespace,
+                         rid=planned.plan.to_rid(request_id) if planned.plan else public_id,
+                         approximate="exact_moved" in planned.kinds)
+    route = {"prefer": planned.prefer, "public_id": public_id,
+             "on_served": lambda worker: services.planner.served(intake, worker.url)}
     if intake.params.stream:
-        stream = await services.dispatcher.open_stream(intake.upstream_body)
+        stream = await services.dispatcher.open_stream(body, **route)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-    result = await _unless_disconnected(request, services.dispatcher.complete(intake.upstream_body))
+    result = await _unless_disconnected(request, services.dispatcher.complete(body, **route))
     return JSONResponse(result, headers=headers)
+
+
+def upstream_body(body: dict[str, Any], *, namespace: str, rid: str, approximate: bool) -> dict[str, Any]:
+    """The body SGLang gets: the gateway's request id (which may carry the reuse plan) instead of any the client
+    sent, and SGLang's prefix cache scoped to the tenant's namespace, so that no tenant's request is served KV that
+    another tenant's request computed. KV computed under a position-independent plan is approximate: it is kept
+    apart from exactly computed KV under a salt of its own."""
+    upstream = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
+    upstream["rid"] = rid
+    upstream["extra_key"] = "revisit-ns-" + hashlib.blake2b(namespace.encode(), digest_size=12).hexdigest()
+    if approximate:
+        upstream["cache_salt"] = "revisit-moved" + (f"-{body['cache_salt']}" if body.get("cache_salt") else "")
+    return upstream
 
 
 def _model_card(services: Services) -> dict[str, Any]:

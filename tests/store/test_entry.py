@@ -126,3 +126,17 @@ def test_torch_tensors_are_accepted():
     with pytest.raises(EntryFormatError):
         Entry.from_arrays(model_id="m", grid=(2, 2), positions=range(4), encoder_output=torch.zeros(4),
                           k=k, v=k, kv_dtype="float16")
+
+
+def test_origin_round_trips_and_is_optional() -> None:
+    import numpy as np
+
+    from store.entry import Entry, parse_header
+
+    arrays = {"k": np.zeros((2, 1, 4, 8), np.float16), "v": np.zeros((2, 1, 4, 8), np.float16),
+              "encoder_output": np.zeros((4, 3), np.float16), "positions": np.arange(4), "grid": (2, 2)}
+    plain = Entry.from_arrays(model_id="m", **arrays)
+    marked = Entry.from_arrays(model_id="m", origin="f" * 32, **arrays)
+    assert parse_header(memoryview(plain.data)).header.origin == ""
+    assert b"origin" not in plain.data  # entries without one are byte-identical to those written before it existed
+    assert parse_header(memoryview(marked.data)).header.origin == "f" * 32

@@ -1,0 +1,117 @@
+"""The planner: one plan per image of a request, from what the cache holds.
+
+For each image (in prompt order), by its exact key, which already names the pixels, the model, the processor
+settings and the tenant's namespace (so no plan ever names another tenant's entry):
+
+    not in the store                  miss: full prefill, and the worker stores the entry
+    stored after the same prefix      exact, nothing recomputed: the image sits at the same positions after the
+                                      same tokens, so reusing its KV is identical to computing it
+    stored after another prefix       exact, position-independent: keys moved, the first r_l of the image's tokens
+                                      recomputed at layer l (the recompute profile's ratios, or a uniform ratio)
+
+The planner learns about entries from the store itself: a worker writes an entry after the miss that planned it,
+recording the plan's prefix digest in it, and the next plan that finds it in the store admits it to the policy.
+The digest is read back from the entry's header each time, so it always describes the bytes that are stored.
+Entries the policy evicts leave the store; entries the store lost leave the books.
+
+Cache-aware routing: the worker that last served an image is preferred for it (its own radix and encoder caches
+may still hold it), unless it is busier than the least-loaded worker by more than ``affinity_slack``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+from engine_ext.plan import EXACT, MISS, ImagePlan, RequestPlan
+from gateway.cache import CacheManager
+from gateway.config import ReuseSettings
+from gateway.intake import IntakeResult
+from gateway.policy.decisions import Reject
+
+log = logging.getLogger(__name__)
+
+_REMEMBERED = 65536  # holders of recent images
+
+
+@dataclass(frozen=True)
+class Planned:
+    plan: RequestPlan | None
+    prefer: str | None  # worker URL to prefer, if any
+    kinds: tuple[str, ...]  # per image: "miss", "exact_same_prefix", "exact_moved"
+
+
+class Planner:
+    def __init__(self, cache: CacheManager, settings: ReuseSettings) -> None:
+        self.cache = cache
+        self.settings = settings
+        self._holder: OrderedDict[str, str] = OrderedDict()  # key -> worker URL that last served it
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.enabled and self.cache.store is not None
+
+    def plan(self, intake: IntakeResult) -> Planned:
+        if not self.enabled or not intake.images:
+            return Planned(None, None, ())
+        plans, kinds, prefer = [], [], None
+        for image, prefix in zip(intake.images, intake.prefixes, strict=True):
+            grid = (image.grid.rows, image.grid.cols)
+            origin = self._origin(image.key)
+            if origin is None:
+                plans.append(ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
+                                       prefix=prefix))
+                kinds.append("miss")
+                continue
+            same = origin == prefix
+            if not same and self.settings.ratios is None:
+                # Moving the image needs per-layer ratios, which need the model's layer count: recompute it all.
+                plans.append(ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
+                                       store=False))
+                kinds.append("miss")
+                continue
+            plans.append(ImagePlan(key=image.key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid,
+                                   ratios=() if same else self.settings.ratios, prefix=prefix))
+            kinds.append("exact_same_prefix" if same else "exact_moved")
+            self.cache.record_exact_hit(image.key)
+            prefer = prefer or self._holder.get(image.key)
+        self.counts.update(kinds)
+        return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds))
+
+    def served(self, intake: IntakeResult, worker_url: str) -> None:
+        """The request went well on this worker: it now holds its images in its own caches."""
+        for image in intake.images:
+            _remember(self._holder, image.key, worker_url)
+
+    def _origin(self, key: str) -> str | None:
+        """The prefix digest recorded in the entry stored under key ("" when unknown), or None when no usable entry
+        is stored; admits entries workers wrote since the last look."""
+        store = self.cache.store
+        in_books = key in self.cache.policy
+        header = store.get_sparse(key, [], (0, 1))  # reads and verifies the header only
+        if header is None:
+            if in_books:  # the store lost it (damaged, removed outside the gateway): the books follow
+                self.cache.remove(key, force=True)
+            return None
+        with header:
+            origin = header.header.origin
+        if in_books:
+            return origin
+        size = store.size_of(key)
+        if size is None:
+            return None
+        decisions = self.cache.insert(key, size)
+        if any(isinstance(d, Reject) and d.key == key for d in decisions):
+            store.remove(key, force=True)  # no room for it anywhere: do not keep bytes the books do not track
+            return None
+        self.counts["admitted"] += 1
+        return origin
+
+
+def _remember(mapping: OrderedDict, key: str, value) -> None:
+    mapping[key] = value
+    mapping.move_to_end(key)
+    while len(mapping) > _REMEMBERED:
+        mapping.popitem(last=False)

@@ -1,0 +1,98 @@
+"""Reuse through the gateway: plans chosen from the store, executed by the real workers, isolated per tenant."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from engine_ext.plan import RID_PREFIX, ImagePlan, RequestPlan
+from tests.images_lib import data_url, encode, small
+
+pytestmark = pytest.mark.sglang
+
+QUESTION = "What is in this image?"
+
+
+@pytest.fixture(scope="module")
+def picture() -> str:
+    return data_url(encode(small("chelsea.png", (196, 196))))
+
+
+def ask(gateway, preamble: str, picture: str, *, key: str = "sk-tenant-a", tokens: int = 12,
+        extra: dict | None = None) -> httpx.Response:
+    body = {"model": "revisit-tiny", "max_tokens": tokens, "temperature": 0, **(extra or {}),
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": preamble}, {"type": "image_url", "image_url": {"url": picture}},
+                {"type": "text", "text": QUESTION}]}]}
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=300,
+                          headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def wait_stored(gateway, key: str) -> None:
+    store = gateway.app.state.services.cache.store  # LMDB allows one open environment per process: the gateway's
+    deadline = time.monotonic() + 60
+    while not store.contains(key):
+        assert time.monotonic() < deadline, "the worker never stored the entry"
+        time.sleep(0.2)
+
+
+def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway, picture) -> None:
+    first = ask(gateway, "Look:", picture)
+    key = first.headers["x-revisit-image-keys"]
+    assert first.headers["x-revisit-reuse"] == "miss"
+    wait_stored(gateway, key)
+
+    again = ask(gateway, "Look:", picture)
+    assert again.headers["x-revisit-reuse"] == "exact_same_prefix"
+    assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+
+    moved = ask(gateway, "Before that, a much longer preamble came along. Look:", picture)
+    assert moved.headers["x-revisit-reuse"] == "exact_moved"
+    assert moved.json()["choices"][0]["message"]["content"]
+
+    entry = gateway.app.state.services.policy.get(key)
+    assert entry.exact_hits == 2 and entry.size_bytes == gateway.app.state.services.cache.store.size_of(key)
+    for response in (first, again, moved):
+        assert response.json()["id"].startswith("chatcmpl-") and RID_PREFIX not in response.text
+
+
+def test_tenants_never_share_cached_images_or_prefixes(gateway) -> None:
+    picture = data_url(encode(small("ihc.png", (168, 168))))
+    mine = ask(gateway, "Look:", picture, key="sk-tenant-a")
+    wait_stored(gateway, mine.headers["x-revisit-image-keys"])
+    repeat = ask(gateway, "Look:", picture, key="sk-tenant-a")
+    theirs = ask(gateway, "Look:", picture, key="sk-tenant-b")
+    assert theirs.headers["x-revisit-image-keys"] != mine.headers["x-revisit-image-keys"]
+    assert theirs.headers["x-revisit-reuse"] == "miss"
+    # SGLang's own prefix cache is scoped per tenant too: the same prompt from another tenant reuses nothing.
+    cached = [r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in (repeat, theirs)]
+    assert cached[0] > 0 and cached[1] == 0
+
+
+def test_a_client_cannot_smuggle_a_plan_or_a_cache_scope(gateway, picture) -> None:
+    victim = ask(gateway, "Look:", picture, key="sk-tenant-a")
+    victim_key = victim.headers["x-revisit-image-keys"]
+    wait_stored(gateway, victim_key)
+    grid = gateway.app.state.services.policy.get(victim_key)  # the victim's entry exists
+    assert grid is not None
+    forged = RequestPlan(images=(ImagePlan(key=victim_key, strategy="exact", tokens=49, grid=(7, 7)),))
+    attacker = ask(gateway, "Look:", picture, key="sk-tenant-c",
+                   extra={"rid": forged.to_rid("forged"), "extra_key": "anything"})
+    assert attacker.headers["x-revisit-reuse"] == "miss"
+    assert attacker.json()["id"].startswith("chatcmpl-") and "forged" not in attacker.text
+    assert attacker.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
+
+
+def test_streamed_answers_carry_the_public_id(gateway, picture) -> None:
+    body = {"model": "revisit-tiny", "max_tokens": 4, "temperature": 0, "stream": True, "n": 2,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
+                                                      {"type": "text", "text": QUESTION}]}]}
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=300) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    assert lines and RID_PREFIX not in "".join(lines)
+    ids = {line.split('"id":"', 1)[1].split('"', 1)[0] for line in lines}
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
