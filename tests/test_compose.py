@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from store import StoreConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,3 +36,10 @@ def test_compose_file_validates():
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         assert any("/var/lib/revisit/store" in str(v) for v in services[name]["volumes"])
     assert "kv-store" in config["volumes"]
+    # Gateway and workers name the same store, with variables the store understands.
+    stores = []
+    for name in ("gateway", "worker-0", "worker-1"):
+        env = {k: str(v) for k, v in services[name]["environment"].items() if k.startswith("REVISIT_STORE_")}
+        stores.append(StoreConfig.from_env(env))
+        assert services[name].get("ipc") == "host"
+    assert stores[0] == stores[1] == stores[2] and str(stores[0].lmdb_path).startswith("/var/lib/revisit/store")
