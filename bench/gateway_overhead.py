@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +25,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import gateway_process  # noqa: E402
 from engine_ext.bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from engine_ext.launcher import WorkerSpec, start_worker  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
@@ -112,65 +110,52 @@ def main() -> None:
 
     model_path = build_model(DEFAULT_ARCH, args.size, on_progress=print)
     logs = Path(tempfile.mkdtemp(prefix="bench-"))
-    worker_port, gateway_port = free_port(), free_port()
+    worker_port = free_port()
     started = time.monotonic()
     worker = start_worker(WorkerSpec(model_path=model_path, port=worker_port, served_model_name=MODEL_ID,
                                      log_file=logs / "worker.log"))
-    gateway = None
     try:
         worker.wait_ready(900)
         worker_start_s = time.monotonic() - started
-        env = {**os.environ, "REVISIT_MODEL": MODEL_ID, "REVISIT_WORKERS": worker.url,
-               "REVISIT_MODEL_DIR": str(model_path)}
-        gateway = subprocess.Popen(
-            [str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(gateway_port),
-             "--log-level", "warning"], env=env, stdout=open(logs / "gateway.log", "w"), stderr=subprocess.STDOUT,
-        )
-        gateway_url = f"http://127.0.0.1:{gateway_port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(gateway_url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, (logs / "gateway.log").read_text()
-            time.sleep(0.2)
-
-        worker_peak, gateway_peak = PeakRss(worker.pid), PeakRss(gateway.pid)
-        paths = {"direct": worker.url + "/v1/chat/completions", "gateway": gateway_url + "/v1/chat/completions"}
-        kinds = request_kinds(args.image_side)
-        results = {(k, p): [] for k in kinds for p in paths}
-        with httpx.Client(timeout=300) as client:
-            serial = itertools.count(1)
-            for build in kinds.values():  # warm-up: caches, connections, lazy imports
-                for url in paths.values():
-                    timed(client, url, build(next(serial)))
-            for round_index in range(args.rounds):
-                for kind, build in kinds.items():
-                    order = list(paths.items()) if round_index % 2 == 0 else list(paths.items())[::-1]
-                    for name, url in order:
-                        results[(kind, name)].append(timed(client, url, build(next(serial))))
-                worker_peak.sample()
-                gateway_peak.sample()
-
-        print(f"\nmodel {model_path.name}, {args.rounds} rounds, image {args.image_side}x{args.image_side}, "
-              f"max_completion_tokens=1, sequential, alternating paths")
-        print(f"{'request':26} {'direct p50':>11} {'gateway p50':>12} {'direct p95':>11} {'gateway p95':>12}"
-              f" {'overhead p50':>13} {'ratio p50':>10}")
-        for kind in kinds:
-            direct, via = results[(kind, "direct")], results[(kind, "gateway")]
-            d50, g50 = statistics.median(direct), statistics.median(via)
-            print(f"{kind:26} {d50 * 1e3:9.1f}ms {g50 * 1e3:10.1f}ms {percentile(direct, 95) * 1e3:9.1f}ms "
-                  f"{percentile(via, 95) * 1e3:10.1f}ms {(g50 - d50) * 1e3:+11.1f}ms {g50 / d50:9.3f}x")
-        print(f"\nworker start to /health 200: {worker_start_s:.1f} s")
-        print(f"peak RSS: worker process tree {worker_peak.peak / 2**30:.2f} GiB, "
-              f"gateway {gateway_peak.peak / 2**20:.0f} MiB")
+        # Reuse planning off: this measures what the gateway adds, not what reuse saves (bench/reuse_ttft.py).
+        env = {"REVISIT_MODEL": MODEL_ID, "REVISIT_WORKERS": worker.url, "REVISIT_MODEL_DIR": str(model_path),
+               "REVISIT_REUSE": "0"}
+        with gateway_process(env, logs / "gateway.log") as gateway:
+            measure(args, model_path.name, worker, gateway, worker_start_s)
     finally:
-        if gateway is not None:
-            gateway.send_signal(signal.SIGTERM)
-            gateway.wait(timeout=30)
         worker.stop()
+
+
+def measure(args, model_name: str, worker, gateway, worker_start_s: float) -> None:
+    worker_peak, gateway_peak = PeakRss(worker.pid), PeakRss(gateway.pid)
+    paths = {"direct": worker.url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
+    kinds = request_kinds(args.image_side)
+    results = {(k, p): [] for k in kinds for p in paths}
+    with httpx.Client(timeout=300) as client:
+        serial = itertools.count(1)
+        for build in kinds.values():  # warm-up: caches, connections, lazy imports
+            for url in paths.values():
+                timed(client, url, build(next(serial)))
+        for round_index in range(args.rounds):
+            for kind, build in kinds.items():
+                order = list(paths.items()) if round_index % 2 == 0 else list(paths.items())[::-1]
+                for name, url in order:
+                    results[(kind, name)].append(timed(client, url, build(next(serial))))
+            worker_peak.sample()
+            gateway_peak.sample()
+
+    print(f"\nmodel {model_name}, {args.rounds} rounds, image {args.image_side}x{args.image_side}, "
+          f"max_completion_tokens=1, sequential, alternating paths")
+    print(f"{'request':26} {'direct p50':>11} {'gateway p50':>12} {'direct p95':>11} {'gateway p95':>12}"
+          f" {'overhead p50':>13} {'ratio p50':>10}")
+    for kind in kinds:
+        direct, via = results[(kind, "direct")], results[(kind, "gateway")]
+        d50, g50 = statistics.median(direct), statistics.median(via)
+        print(f"{kind:26} {d50 * 1e3:9.1f}ms {g50 * 1e3:10.1f}ms {percentile(direct, 95) * 1e3:9.1f}ms "
+              f"{percentile(via, 95) * 1e3:10.1f}ms {(g50 - d50) * 1e3:+11.1f}ms {g50 / d50:9.3f}x")
+    print(f"\nworker start to /health 200: {worker_start_s:.1f} s")
+    print(f"peak RSS: worker process tree {worker_peak.peak / 2**30:.2f} GiB, "
+          f"gateway {gateway_peak.peak / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,8 @@ def build_launch(spec: WorkerSpec, base_env: Mapping[str, str] | None = None) ->
             "--attention-backend", "torch_native",
             "--mem-fraction-static", str(CPU_MEM_FRACTION_STATIC),
             "--max-total-tokens", str(spec.max_total_tokens or CPU_MAX_TOTAL_TOKENS),
+            # Without it the idle scheduler polls in a loop and keeps one core at 100%.
+            "--sleep-on-idle",
         ]  # fmt: skip
         env |= {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         stand_in = kernel_stand_in_path()

@@ -179,6 +179,7 @@ RECIPES: dict[tuple[str, str], ModelRecipe] = {
         arch=QWEN2_5_VL,
         size=BENCH,
         dtype="bfloat16",
+        max_image_tokens=4096,  # images up to ~1800x1800: long prefills for the reuse bench
         text=_BENCH_TEXT,
         vision=VisionSpec(
             depth=32,
@@ -210,6 +211,7 @@ RECIPES: dict[tuple[str, str], ModelRecipe] = {
         arch=QWEN3_VL,
         size=BENCH,
         dtype="bfloat16",
+        max_image_tokens=4096,  # images up to ~1800x1800: long prefills for the reuse bench
         text=dataclasses.replace(
             _BENCH_TEXT,
             num_kv_heads=4,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import httpx
 import pytest
@@ -62,10 +63,11 @@ def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway,
 
 def test_tenants_never_share_cached_images_or_prefixes(gateway) -> None:
     picture = data_url(encode(small("ihc.png", (168, 168))))
-    mine = ask(gateway, "Look:", picture, key="sk-tenant-a")
+    me, them = (f"sk-{uuid.uuid4().hex}" for _ in range(2))  # tenants no other test has used
+    mine = ask(gateway, "Look:", picture, key=me)
     wait_stored(gateway, mine.headers["x-revisit-image-keys"])
-    repeat = ask(gateway, "Look:", picture, key="sk-tenant-a")
-    theirs = ask(gateway, "Look:", picture, key="sk-tenant-b")
+    repeat = ask(gateway, "Look:", picture, key=me)
+    theirs = ask(gateway, "Look:", picture, key=them)
     assert theirs.headers["x-revisit-image-keys"] != mine.headers["x-revisit-image-keys"]
     assert theirs.headers["x-revisit-reuse"] == "miss"
     # SGLang's own prefix cache is scoped per tenant too: the same prompt from another tenant reuses nothing.

@@ -1,0 +1,52 @@
+"""What the benches share: a gateway process in front of workers, started and stopped cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.conftest import free_port  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Gateway:
+    url: str
+    pid: int
+
+
+@contextlib.contextmanager
+def gateway_process(env: Mapping[str, str], log_path: Path, timeout_s: float = 60) -> Iterator[Gateway]:
+    """Run `revisit gateway` with env added to this process's environment, until the block ends; yields it once
+    its /health answers 200."""
+    port = free_port()
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(port), "--log-level", "warning"],
+        env={**os.environ, **env}, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"the gateway did not come up:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield Gateway(url, process.pid)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)

@@ -1,0 +1,160 @@
+"""Time to first token: a miss vs an exact same-prefix hit vs a position-independent hit, side by side.
+
+Starts one SGLang CPU worker on a bundled model and a gateway in front of it, both on a private store. For each
+image size, rounds alternate the three cases (the order rotates every round), each measured twice:
+
+    gateway  streamed through the gateway, which plans from the store (what a client sees)
+    worker   the same request sent straight to the worker with the same plan in its request id (the worker's
+             own time, without the gateway)
+
+    miss       an image never seen (one pixel changed per request): vision tower + full prefill
+    same       the seen image after the same text: encoder output and all image KV reused
+    moved      the seen image after a different preamble: keys moved, uniform r = --ratio recomputed per layer
+
+SGLang's own prefix cache is emptied before every request (POST /flush_cache), so the same-prefix case measures
+this project's reuse, not SGLang's radix cache. Prints p50 TTFT per case and its ratio to the miss.
+
+    .venv/bin/python bench/reuse_ttft.py [--size bench] [--sides 896 1792] [--rounds 3] [--ratio 0.05]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.harness import gateway_process  # noqa: E402
+from engine_ext.bundled import DEFAULT_ARCH, build_model  # noqa: E402
+from engine_ext.launcher import WorkerSpec, start_worker  # noqa: E402
+from engine_ext.plan import EXACT, ImagePlan, RequestPlan  # noqa: E402
+from gateway.config import model_layers  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+from tests.images_lib import data_url, encode, small  # noqa: E402
+
+MODEL_ID = "bench-model"
+QUESTION = "Describe the picture in one word."
+CASES = ("miss", "same", "moved")
+
+
+def body(preamble: str, url: str, rid: str | None = None) -> dict:
+    content = [{"type": "text", "text": preamble}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": QUESTION}]
+    out = {"model": MODEL_ID, "messages": [{"role": "user", "content": content}], "max_tokens": 1,
+           "temperature": 0, "stream": True}
+    if rid:
+        out["rid"] = rid
+    return out
+
+
+def variant(base, n: int) -> str:
+    """The image with one pixel changed: never seen by any cache."""
+    image = base.copy()
+    image.putpixel((n % image.width, n // image.width % image.height), (n % 251, 3, 5))
+    return data_url(encode(image))
+
+
+def exact_rid(key: str, grid: tuple[int, int], ratios: tuple[float, ...]) -> str:
+    plan = ImagePlan(key=key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid, ratios=ratios)
+    return RequestPlan(images=(plan,)).to_rid(uuid.uuid4().hex)
+
+
+def ttft(client: httpx.Client, url: str, payload: dict) -> tuple[float, httpx.Headers]:
+    started = time.perf_counter()
+    with client.stream("POST", url, json=payload) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"content":"' in line:
+                return time.perf_counter() - started, response.headers
+    raise RuntimeError("the stream ended without a token")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="bench", choices=("tiny", "bench"))
+    parser.add_argument("--sides", type=int, nargs="+", default=[896, 1792], help="square image sides in pixels")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ratio", type=float, default=0.05, help="recompute ratio of the moved case")
+    args = parser.parse_args()
+
+    model_path = build_model(DEFAULT_ARCH, args.size, on_progress=print)
+    layers = model_layers(model_path)
+    work = Path(tempfile.mkdtemp(prefix="bench-reuse-"))
+    store_env = {"REVISIT_STORE_DRAM_DIR": tempfile.mkdtemp(prefix="bench-reuse-", dir="/dev/shm"),
+                 "REVISIT_STORE_LMDB_DIR": str(work / "lmdb")}
+    worker = start_worker(WorkerSpec(model_path=model_path, port=free_port(), served_model_name=MODEL_ID,
+                                     log_file=work / "worker.log", env=store_env))
+    try:
+        worker.wait_ready(900)
+        env = {**store_env, "REVISIT_MODEL": MODEL_ID, "REVISIT_WORKERS": worker.url,
+               "REVISIT_MODEL_DIR": str(model_path), "REVISIT_RECOMPUTE_RATIO": str(args.ratio)}
+        with gateway_process(env, work / "gateway.log") as gateway:
+            report = measure(args, worker, gateway.url, layers, store_env)
+    finally:
+        worker.stop()
+    print(f"\nmodel {model_path.name}, {layers} layers, max_tokens=1, streamed TTFT p50 over {args.rounds} "
+          f"rounds, moved case r={args.ratio} at every layer, SGLang prefix cache flushed before each request")
+    print(f"{'image':>14} {'case':6} {'gateway':>10} {'x miss':>7} {'worker':>10} {'x miss':>7}")
+    for side, tokens, times in report:
+        miss = {p: statistics.median(times[("miss", p)]) for p in ("gateway", "worker")}
+        for case in CASES:
+            g, w = (statistics.median(times[(case, p)]) for p in ("gateway", "worker"))
+            print(f"{side}px/{tokens:>5}t {case:6} {g:9.2f}s {g / miss['gateway']:6.2f}x {w:9.2f}s "
+                  f"{w / miss['worker']:6.2f}x")
+
+
+def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, str]) -> list:
+    client = httpx.Client(timeout=1800)
+    serial = itertools.count()
+    report = []
+    for side in args.sides:
+        base = small("astronaut.png", (side, side))
+        seen = data_url(encode(base))
+
+        # Make the entry, and learn its key and grid from the gateway.
+        _, headers = ttft(client, gateway_url + "/v1/chat/completions", body("Look:", seen))
+        key = headers["x-revisit-image-keys"]
+        rows = cols = side // 28
+        deadline = time.monotonic() + 300
+        while not any(Path(store_env["REVISIT_STORE_DRAM_DIR"]).glob(f"{key}.kv")):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the worker never stored the entry")
+            time.sleep(0.2)
+
+        times: dict[tuple[str, str], list[float]] = {(c, p): [] for c in CASES for p in ("gateway", "worker")}
+        for round_index in range(args.rounds):
+            order = CASES[round_index % 3:] + CASES[: round_index % 3]
+            for case in order:
+                preamble = "Look:" if case != "moved" else f"Earlier topic number {round_index}, now this. Look:"
+                for path in ("gateway", "worker"):
+                    httpx.post(worker.url + "/flush_cache", timeout=60)
+                    if path == "gateway":
+                        url, payload = gateway_url + "/v1/chat/completions", body(
+                            preamble, variant(base, next(serial)) if case == "miss" else seen)
+                    else:
+                        ratios = () if case == "same" else (args.ratio,) * layers
+                        rid = None if case == "miss" else exact_rid(key, (rows, cols), ratios)
+                        url, payload = worker.url + "/v1/chat/completions", body(
+                            preamble, variant(base, next(serial)) if case == "miss" else seen, rid)
+                    seconds, headers = ttft(client, url, payload)
+                    if path == "gateway" and case != "miss":
+                        expected = "exact_same_prefix" if case == "same" else "exact_moved"
+                        assert headers.get("x-revisit-reuse") == expected, headers.get("x-revisit-reuse")
+                    times[(case, path)].append(seconds)
+            print(f"  {side}px round {round_index + 1}/{args.rounds} done", flush=True)
+        report.append((side, rows * cols, times))
+
+    return report
+
+
+if __name__ == "__main__":
+    main()

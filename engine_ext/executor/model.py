@@ -1,0 +1,40 @@
+"""The part every plan-executing model class shares; mixed in ahead of SGLang's class of the same name."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from engine_ext.executor.executor import PlanExecutor
+from engine_ext.models import announce
+
+log = logging.getLogger(__name__)
+
+
+class ExecutesPlans:
+    """Routes extend batches through a PlanExecutor and counts the images the vision tower encodes.
+
+    Use as ``class X(ExecutesPlans, SGLangX)``; SGLang's class does everything else.
+    """
+
+    revisit_extension = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.executor = PlanExecutor(self, model_id=model_id_of(self.config))
+        announce(self)
+
+    def forward(self, input_ids, positions, forward_batch, *args, **kwargs):
+        engine = super()
+        return self.executor.forward(
+            input_ids, forward_batch, lambda: engine.forward(input_ids, positions, forward_batch, *args, **kwargs))
+
+    def get_image_feature(self, items):
+        self.executor.stats["vision_images"] += len(items)
+        log.info("revisit: vision tower encoded %d image(s)", len(items))
+        return super().get_image_feature(items)
+
+
+def model_id_of(config) -> str:
+    """Entries are tagged with the checkpoint directory's name (bundled models: arch, size and recipe digest)."""
+    return Path(getattr(config, "_name_or_path", "") or "model").name
