@@ -16,7 +16,11 @@ image size, rounds alternate the three cases (the order rotates every round), ea
 SGLang's own prefix cache is emptied before every request (POST /flush_cache), so the same-prefix case measures
 this project's reuse, not SGLang's radix cache. Prints p50 TTFT per case and its ratio to the miss.
 
-    .venv/bin/python bench/reuse_ttft.py [--size bench] [--sides 896 1792] [--rounds 3] [--ratio 0.05]
+    .venv/bin/python bench/reuse_ttft.py [--size bench] [--sides 896 1344] [--rounds 3] [--ratio 0.05]
+
+896 px is 1,024 image tokens and 1344 px 2,304 on Qwen2.5-VL. 1792 px (4,096 tokens) does not fit a 24 GiB CPU
+host: SGLang's CPU vision attention materialises the full-attention blocks' score matrices (16 heads x 16,384
+patches squared) and the worker was killed at 21.7 GB RSS.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ def ttft(client: httpx.Client, url: str, payload: dict, api_key: str = "sk-bench
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="bench", choices=("tiny", "bench"))
-    parser.add_argument("--sides", type=int, nargs="+", default=[896, 1792], help="square image sides in pixels")
+    parser.add_argument("--sides", type=int, nargs="+", default=[896, 1344], help="square image sides in pixels")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ratio", type=float, default=0.05, help="recompute ratio of the moved case")
     args = parser.parse_args()
@@ -109,13 +113,17 @@ def main() -> None:
         worker.stop()
     print(f"\nmodel {model_path.name}, {layers} layers, max_tokens=1, streamed TTFT p50 over {args.rounds} "
           f"rounds, moved case r={args.ratio} at every layer, SGLang prefix cache flushed before each request")
-    print(f"{'image':>14} {'case':6} {'gateway':>10} {'x miss':>7} {'worker':>10} {'x miss':>7}")
     for side, tokens, times in report:
-        miss = {p: statistics.median(times[("miss", p)]) for p in ("gateway", "worker")}
-        for case in CASES:
-            g, w = (statistics.median(times[(case, p)]) for p in ("gateway", "worker"))
-            print(f"{side}px/{tokens:>5}t {case:6} {g:9.2f}s {g / miss['gateway']:6.2f}x {w:9.2f}s "
-                  f"{w / miss['worker']:6.2f}x")
+        print_table(side, tokens, times)
+
+
+def print_table(side: int, tokens: int, times: dict) -> None:
+    print(f"{'image':>14} {'case':6} {'gateway':>10} {'x miss':>7} {'worker':>10} {'x miss':>7}", flush=True)
+    miss = {p: statistics.median(times[("miss", p)]) for p in ("gateway", "worker")}
+    for case in CASES:
+        g, w = (statistics.median(times[(case, p)]) for p in ("gateway", "worker"))
+        print(f"{side}px/{tokens:>5}t {case:6} {g:9.2f}s {g / miss['gateway']:6.2f}x {w:9.2f}s "
+              f"{w / miss['worker']:6.2f}x", flush=True)
 
 
 def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, str]) -> list:
@@ -160,6 +168,7 @@ def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, st
                     times[(case, path)].append(seconds)
             print(f"  {side}px round {round_index + 1}/{args.rounds} done", flush=True)
         report.append((side, rows * cols, times))
+        print_table(side, rows * cols, times)  # as soon as measured: a later size may not finish
 
     return report
 

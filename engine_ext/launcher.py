@@ -39,6 +39,7 @@ SGLANG_VERSION = "0.5.23"
 # RAM holds; without a token cap SGLang's CPU memory probe would size it from most of the RAM.
 CPU_MAX_TOTAL_TOKENS = 65536
 CPU_MEM_FRACTION_STATIC = 0.1
+CPU_WATCHDOG_TIMEOUT_S = 3600
 
 
 class LaunchPlan(NamedTuple):
@@ -150,6 +151,9 @@ def build_launch(spec: WorkerSpec, base_env: Mapping[str, str] | None = None) ->
             "--max-total-tokens", str(spec.max_total_tokens or CPU_MAX_TOTAL_TOKENS),
             # Without it the idle scheduler polls in a loop and keeps one core at 100%.
             "--sleep-on-idle",
+            # One CPU forward of a large image can take minutes (the real-size vision tower alone takes 50 s
+            # for 1,024 tokens); SGLang's default 300 s watchdog would kill the worker mid-prefill.
+            "--watchdog-timeout", str(CPU_WATCHDOG_TIMEOUT_S),
         ]  # fmt: skip
         env |= {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         stand_in = kernel_stand_in_path()

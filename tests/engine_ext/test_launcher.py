@@ -54,6 +54,7 @@ def test_cpu_launch_plan(tiny_models: dict[str, Path]) -> None:
     assert _flag(argv, "--max-total-tokens") == str(CPU_MAX_TOTAL_TOKENS)
     assert _flag(argv, "--dtype") == "float32"  # the checkpoint's, not SGLang's float16 "auto"
     assert "--sleep-on-idle" in argv  # an idle CPU scheduler would otherwise spin a core
+    assert int(_flag(argv, "--watchdog-timeout")) >= 1800  # long CPU prefills must not trip SGLang's watchdog
     assert argv[-2:] == ["--x", "1"]
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "engine_ext.models"
@@ -70,7 +71,7 @@ def test_gpu_launch_plan_keeps_sglang_defaults(tiny_models: dict[str, Path]) -> 
     assert _flag(argv, "--device") == "cuda"
     assert _flag(argv, "--dtype") == "bfloat16"
     assert "--attention-backend" not in argv and "--max-total-tokens" not in argv
-    assert "--sleep-on-idle" not in argv
+    assert "--sleep-on-idle" not in argv and "--watchdog-timeout" not in argv
     assert "SGLANG_USE_CPU_ENGINE" not in env
     assert env["SGLANG_IMAGE_MAX_PIXELS"] == str(1024 * 32 * 32)
     assert env["EXTRA"] == "1"
