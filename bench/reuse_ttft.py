@@ -43,7 +43,8 @@ from bench.harness import gateway_process  # noqa: E402
 from engine_ext.bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from engine_ext.launcher import WorkerSpec, start_worker  # noqa: E402
 from engine_ext.plan import EXACT, ImagePlan, RequestPlan  # noqa: E402
-from gateway.config import model_layers  # noqa: E402
+from gateway.config import ProcessorSettings, model_layers  # noqa: E402
+from gateway.images import token_grid  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.images_lib import data_url, encode, small  # noqa: E402
 
@@ -108,7 +109,8 @@ def main() -> None:
                # gateway (it has nothing in flight there): poll rarely, so the worker is not taken out.
                "REVISIT_HEALTH_INTERVAL_S": "3600"}
         with gateway_process(env, work / "gateway.log") as gateway:
-            report = measure(args, worker, gateway.url, layers, store_env)
+            report = measure(args, worker, gateway.url, layers, store_env,
+                             ProcessorSettings.from_model_dir(model_path))
     finally:
         worker.stop()
     print(f"\nmodel {model_path.name}, {layers} layers, max_tokens=1, streamed TTFT p50 over {args.rounds} "
@@ -126,7 +128,7 @@ def print_table(side: int, tokens: int, times: dict) -> None:
               f"{w / miss['worker']:6.2f}x", flush=True)
 
 
-def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, str]) -> list:
+def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, str], processor) -> list:
     client = httpx.Client(timeout=1800)
     serial = itertools.count()
     report = []
@@ -137,7 +139,8 @@ def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, st
         # Make the entry, and learn its key and grid from the gateway.
         _, headers = ttft(client, gateway_url + "/v1/chat/completions", body("Look:", seen))
         key = headers["x-revisit-image-keys"]
-        rows = cols = side // 28
+        grid = token_grid(side, side, processor)
+        rows, cols = grid.rows, grid.cols
         deadline = time.monotonic() + 300
         while not any(Path(store_env["REVISIT_STORE_DRAM_DIR"]).glob(f"{key}.kv")):
             if time.monotonic() > deadline:

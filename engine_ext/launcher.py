@@ -87,12 +87,20 @@ def image_max_pixels(model_path: Path) -> int | None:
     return None
 
 
+def checkpoint_config(model_path: Path | str) -> dict | None:
+    """A checkpoint's config.json, or None when it is missing or unreadable."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def checkpoint_dtype(model_path: Path) -> str | None:
     """The weights' dtype as config.json declares it (top level, then text_config)."""
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
+    config = checkpoint_config(model_path)
+    if config is None:
         return None
-    config = json.loads(path.read_text())
     for section in (config, config.get("text_config") or {}):
         value = section.get("dtype") or section.get("torch_dtype")
         if value:

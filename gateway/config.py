@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_ext.launcher import checkpoint_config
 from engine_ext.plan import DEFAULT_RECOMPUTE_RATIO, PROFILE_FILE, PlanError, RecomputeProfile, check_ratios
 from store.config import StoreConfig
 from store.errors import ConfigError as StoreConfigError
@@ -146,9 +147,8 @@ class ReuseSettings:
 
 def model_layers(model_dir: str | Path) -> int | None:
     """The language model's layer count from a model folder's config.json (text_config for VL models)."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+    config = checkpoint_config(model_dir)
+    if config is None:
         return None
     for section in (config.get("text_config") or {}, config):
         if isinstance(section, dict) and isinstance(section.get("num_hidden_layers"), int):

@@ -75,7 +75,7 @@ def key_for(label: str) -> str:
     return uuid.uuid5(uuid.NAMESPACE_URL, label).hex * 2
 
 
-def grid_of(model: ReferenceModel, prompt) -> tuple[int, int]:
+def grid_of(prompt) -> tuple[int, int]:
     _, h, w = prompt.images[0].grid
     return h, w
 
@@ -139,7 +139,7 @@ def seen(pair: Pair, picture: Image.Image) -> dict:
     """Worker A answers a miss planned to store the image under a key; returns the key and A's answer."""
     key = key_for(f"{pair.arch}-astronaut")
     prompt = pair.model.prompt(["Look:", picture, QUESTION])
-    grid = grid_of(pair.model, prompt)
+    grid = grid_of(prompt)
     answer = chat(pair.a, content("Look:", picture, QUESTION),
                   plan_rid=rid(ImagePlan(key=key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)))
     wait_stored(pair, key)
@@ -215,7 +215,7 @@ def test_two_images_only_the_seen_one_is_reused(
 def test_a_damaged_entry_falls_back_to_full_prefill(pair: Pair, picture: Image.Image) -> None:
     key = key_for(f"{pair.arch}-astronaut-damaged")
     prompt = pair.model.prompt(["Look:", picture, QUESTION])
-    grid = grid_of(pair.model, prompt)
+    grid = grid_of(prompt)
     plan = ImagePlan(key=key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)
     chat(pair.a, content("Look:", picture, QUESTION), plan_rid=rid(plan), tokens=1)
     wait_stored(pair, key)
