@@ -181,7 +181,8 @@ class PlanExecutor:
 
         Mirrors SGLang's Qwen2/Qwen3 decoder (residual adds, Qwen3's per-head q/k norms, Qwen3-VL's deepstack
         features added after the first layers), with one difference: rows are dropped from the computation as
-        their depth runs out, and their stored K/V go to the attention instead.
+        their depth runs out, and their stored K/V go to the KV pool instead. Attention is computed for the
+        active rows' queries only (_Attention), so a reused row costs neither projections nor attention.
         """
         from sglang.srt.managers.mm_utils import prepare_mm_inputs
 
@@ -197,23 +198,22 @@ class PlanExecutor:
         depth = torch.full((rows_total,), len(self.layers))
         for span in spans:
             depth[span.rows.batch_rows] = span.depth
+        attention = _Attention(forward_batch)
         hidden = embeds.clone()
         for index, layer in enumerate(self.layers):
             active = (depth > index).nonzero().flatten()
             attn = layer.self_attn
             x = hidden[active]
             q, k, v = _project(attn, positions[:, active], layer.input_layernorm(x))
-            q_all = q.new_zeros(rows_total, attn.q_size)  # a reused row asks nothing: its output is dropped
-            k_all, v_all = k.new_zeros(rows_total, attn.kv_size), v.new_zeros(rows_total, attn.kv_size)
-            q_all[active], k_all[active], v_all[active] = q, k, v
+            k_all, v_all = k.new_empty(rows_total, attn.kv_size), v.new_empty(rows_total, attn.kv_size)
+            k_all[active], v_all[active] = k, v
             for span in spans:
                 reused = span.depth <= index
                 if reused.any():
                     batch_rows = span.rows.batch_rows[reused]
                     k_all[batch_rows] = span.k[index, reused].to(k_all.dtype)
                     v_all[batch_rows] = span.v[index, reused].to(v_all.dtype)
-            out = attn.attn(q_all, k_all, v_all, forward_batch)  # writes every row's K/V to its pool slot
-            attended, _ = attn.o_proj(out[active])
+            attended, _ = attn.o_proj(attention(attn.attn, q, k_all, v_all, active))
             x = x + attended
             x = x + layer.mlp(layer.post_attention_layernorm(x), forward_batch=forward_batch)
             if index < deepstack_layers:
@@ -254,6 +254,61 @@ class PlanExecutor:
     def flush(self, timeout: float | None = None) -> None:
         """Wait for pending store writes (tests, shutdown)."""
         self._writer.submit(lambda: None).result(timeout)
+
+
+class _Attention:
+    """Causal attention for some of an extend batch's rows, over their sequences' K/V in SGLang's pool.
+
+    SGLang's extend attention needs a query for every extend row (on CPU it even pads each sequence's queries to
+    its full length), so its cost grows with the whole sequence squared whether or not a row's output is used.
+    Here every extend row's K/V is written to its pool slot, as the backend would, and then only the given rows
+    ask: per sequence, its active queries against its keys up to each query's own position.
+    """
+
+    def __init__(self, forward_batch) -> None:
+        from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+
+        self.pool = get_token_to_kv_pool()
+        self.out_cache_loc = forward_batch.out_cache_loc
+        req_to_token = get_req_to_token_pool().req_to_token
+        prefix_lens = forward_batch.extend_prefix_lens_cpu
+        extend_lens = forward_batch.extend_seq_lens_cpu
+        seq_lens = forward_batch.seq_lens.tolist()
+        self.sequences = []  # (first extend row, end extend row, the sequence's slots)
+        where = []  # per extend row: its position in its own sequence
+        start = 0
+        for index, pool_index in enumerate(forward_batch.req_pool_indices.tolist()):
+            prefix, extend = int(prefix_lens[index]), int(extend_lens[index])
+            self.sequences.append((start, start + extend, req_to_token[pool_index, : seq_lens[index]].long()))
+            where.append(torch.arange(prefix, prefix + extend))
+            start += extend
+        self.ends = torch.tensor([end for _, end, _ in self.sequences])
+        self.where = torch.cat(where)
+
+    def __call__(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """q: (len(active), heads * head_dim) for the rows `active` (sorted); k, v: for every extend row."""
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        heads, kv_heads, head_dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+        self.pool.set_kv_buffer(layer, KVWriteLoc(self.out_cache_loc), k.view(-1, kv_heads, head_dim),
+                                v.view(-1, kv_heads, layer.v_head_dim))
+        keys, values = self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
+        out = q.new_empty(q.shape[0], heads * layer.v_head_dim)
+        bounds = torch.searchsorted(active, self.ends).tolist()
+        first = 0
+        for (_, _, slots), last in zip(self.sequences, bounds, strict=True):
+            if last == first:
+                continue
+            asking = self.where[active[first:last]]
+            query = q[first:last].view(-1, heads, head_dim).transpose(0, 1).unsqueeze(0)
+            key = keys[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
+            value = values[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
+            mask = torch.arange(len(slots)).unsqueeze(0) <= asking.unsqueeze(1)
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, scale=layer.scaling, enable_gqa=heads != kv_heads)
+            out[first:last] = attended.squeeze(0).transpose(0, 1).reshape(last - first, -1)
+            first = last
+        return out
 
 
 def _project(attn, positions: torch.Tensor, h: torch.Tensor):
