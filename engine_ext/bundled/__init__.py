@@ -1,7 +1,9 @@
 """The project's bundled vision-language models, built offline from recipes.
 
 Two architectures (Qwen2.5-VL and Qwen3-VL) in two sizes: ``tiny`` for tests and ``bench`` for
-timing, with a locally trained tokenizer and deterministic random weights. Nothing is downloaded.
+timing, with a locally trained tokenizer and deterministic random weights; and ``reader``, a small
+Qwen2.5-VL whose weights were trained here to read panels (engine_ext.reader) and are committed.
+Nothing is downloaded.
 
     >>> from engine_ext.bundled import build_model
     >>> path = build_model("qwen2_5_vl", "tiny")   # idempotent; cached by recipe digest
@@ -15,6 +17,7 @@ from engine_ext.bundled.recipes import (
     DEFAULT_SIZE,
     QWEN2_5_VL,
     QWEN3_VL,
+    READER,
     SIZES,
     TINY,
     ModelRecipe,
@@ -28,6 +31,7 @@ __all__ = [
     "DEFAULT_SIZE",
     "QWEN2_5_VL",
     "QWEN3_VL",
+    "READER",
     "RECIPE_FILE",
     "SIZES",
     "TINY",

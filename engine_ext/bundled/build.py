@@ -89,8 +89,14 @@ def build_model(
     same recipe always produces byte-identical files. ``on_progress`` receives one line per
     slow step.
     """
-    recipe = get_recipe(arch, size)
-    target = model_dir(arch, size, cache_dir)
+    return build_recipe(get_recipe(arch, size), cache_dir, on_progress)
+
+
+def build_recipe(recipe: ModelRecipe, cache_dir: Path | None = None,
+                 on_progress: ProgressCallback | None = None) -> Path:
+    """``build_model`` for a recipe object (the reader's trainer builds its untrained starting point with it)."""
+    root = cache_dir if cache_dir is not None else EngineExtConfig.from_env().model_cache_dir
+    target = root / recipe.directory_name
     if is_built(target):
         return target
     report = on_progress or (lambda _: None)

@@ -25,7 +25,9 @@ DEFAULT_ARCH = QWEN2_5_VL
 
 TINY = "tiny"
 BENCH = "bench"
-SIZES = (TINY, BENCH)
+# A small Qwen2.5-VL trained here to read panels of labelled fields (engine_ext.reader): the quality oracle.
+READER = "reader"
+SIZES = (TINY, BENCH, READER)
 DEFAULT_SIZE = TINY
 
 # Bumped whenever the build code changes what it writes for an unchanged recipe.
@@ -96,6 +98,9 @@ class ModelRecipe:
     min_image_tokens: int = 4
     max_image_tokens: int = 1024
     tie_word_embeddings: bool = True
+    # Trained weights committed in engine_ext/reader/weights/<trained>/ replace the random ones; their checksum is
+    # part of the digest, so retrained weights land in a new directory.
+    trained: str = ""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -129,6 +134,10 @@ class ModelRecipe:
             "tokenizers": tokenizers.__version__,
             "torch": torch.__version__.split("+")[0],  # the random streams; not the CUDA suffix
         }
+        if self.trained:
+            from engine_ext.reader.artifacts import trained_sha256
+
+            payload["trained_sha256"] = trained_sha256(self.trained)
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -156,6 +165,18 @@ _BENCH_TEXT = TextSpec(
     intermediate_size=4096,
     rope_theta=1_000_000.0,
     mrope_section=(16, 24, 24),
+)
+
+# The reader: as small as reading needs. A low rope_theta gives tiny heads position resolution.
+_READER_TEXT = TextSpec(
+    hidden_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    intermediate_size=384,
+    rope_theta=10_000.0,
+    mrope_section=(4, 6, 6),
 )
 
 RECIPES: dict[tuple[str, str], ModelRecipe] = {
@@ -190,6 +211,23 @@ RECIPES: dict[tuple[str, str], ModelRecipe] = {
             intermediate_size=3420,
             patch_size=14,
             fullatt_block_indexes=(7, 15, 23, 31),
+            window_size=112,
+        ),
+    ),
+    (QWEN2_5_VL, READER): ModelRecipe(
+        arch=QWEN2_5_VL,
+        size=READER,
+        dtype="float32",
+        max_image_tokens=64,
+        trained="qwen2_5_vl-reader",
+        text=_READER_TEXT,
+        vision=VisionSpec(
+            depth=4,
+            hidden_size=96,
+            num_heads=3,
+            intermediate_size=256,
+            patch_size=14,
+            fullatt_block_indexes=(1, 3),
             window_size=112,
         ),
     ),

@@ -107,6 +107,8 @@ def write_weights(
     shapes = parameter_shapes(recipe, config)
     tensors: dict[str, torch.Tensor] = {}
     total = sum(math.prod(shape) for shape in shapes.values())
+    if recipe.trained:
+        return _write_trained(recipe, shapes, dtype, directory, on_progress)
     on_progress(f"initialising {total / 1e6:.1f}M parameters ({len(shapes)} tensors)")
     for name in sorted(shapes):
         tensors[checkpoint_name(recipe.arch, name)] = init_tensor(
@@ -115,3 +117,21 @@ def write_weights(
     on_progress(f"writing {WEIGHTS_FILE}")
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     return total
+
+
+def _write_trained(recipe: ModelRecipe, shapes: dict[str, torch.Size], dtype: torch.dtype, directory: Path,
+                   on_progress: Callable[[str], None]) -> int:
+    """The committed trained weights instead of random ones, after checking that they fit the recipe."""
+    from engine_ext.errors import BuildError
+    from engine_ext.reader.artifacts import load_trained
+
+    on_progress(f"loading the trained weights {recipe.trained}")
+    tensors = load_trained(recipe.trained, dtype)
+    expected = {checkpoint_name(recipe.arch, name): shape for name, shape in shapes.items()}
+    found = {name: tensor.shape for name, tensor in tensors.items()}
+    if found != expected:
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        raise BuildError(f"trained weights {recipe.trained!r} do not fit recipe {recipe.name}: missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}, or shapes differ")
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    return sum(math.prod(shape) for shape in expected.values())

@@ -1,0 +1,74 @@
+"""The reader served by a real SGLang worker behind the gateway, asked with the real openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from engine_ext.bundled import QWEN2_5_VL, READER, build_model
+from engine_ext.reader.evaluate import (
+    CHANGED,
+    UNCHANGED,
+    evaluate_gateway,
+    fresh_questions,
+    gateway_accuracy,
+    make_pairs,
+)
+from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings
+from store import StoreConfig
+from tests.conftest import WORKER_READY_TIMEOUT_S, free_port, run_gateway
+
+pytestmark = pytest.mark.sglang
+
+READER_ID = "revisit-reader"
+
+
+@pytest.fixture(scope="module")
+def reader_gateway(tmp_path_factory):
+    """One reader worker and a gateway over a store of their own (LMDB opens once per process: not the session's)."""
+    from engine_ext.launcher import WorkerSpec, start_worker
+
+    path = build_model(QWEN2_5_VL, READER)
+    dram = Path(tempfile.mkdtemp(prefix="revisit-reader-store-", dir="/dev/shm"))
+    env = {"REVISIT_STORE_DRAM_DIR": str(dram), "REVISIT_STORE_LMDB_DIR": str(tmp_path_factory.mktemp("reader-lmdb"))}
+    logs = tmp_path_factory.mktemp("reader-worker")
+    worker = start_worker(WorkerSpec(model_path=path, port=free_port(), served_model_name=READER_ID,
+                                     log_file=logs / "worker.log", env=env))
+    server = None
+    try:
+        worker.wait_ready(WORKER_READY_TIMEOUT_S)
+        config = GatewayConfig(model=READER_ID, workers=(worker.url,), processor=ProcessorSettings.from_model_dir(path),
+                               reuse=ReuseSettings.for_model(path, store=StoreConfig.from_env(env)),
+                               health_interval_s=0.5)
+        server = run_gateway(config)
+        yield server
+    finally:
+        if server is not None:
+            server.stop()
+        worker.stop()
+        shutil.rmtree(dram, ignore_errors=True)
+
+
+def test_the_served_reader_reads_and_reuse_keeps_its_answers(reader_gateway) -> None:
+    import openai
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=reader_gateway.url + "/v1", api_key="sk-reader", max_retries=0,
+                                    timeout=300)
+        accuracy = await gateway_accuracy(client, READER_ID, fresh_questions(60, seed=21))
+        report = await evaluate_gateway(client, READER_ID, make_pairs(12, seed=21), pause_s=0.5)
+        return accuracy, report
+
+    accuracy, report = asyncio.run(run())
+    assert accuracy >= 0.9
+    tallies = report.tallies
+    # A and B are different images: B is planned as a miss after A and answered from its own pixels ...
+    assert tallies["A: miss"][CHANGED].asked == 12 and tallies["A: miss"][CHANGED].right >= 10
+    assert tallies["B: miss"][CHANGED].asked == 12 and tallies["B: miss"][CHANGED].right >= 10
+    # ... and asked again after the same text, B is an exact hit from the store, still right.
+    exact = tallies["B: exact_same_prefix"][UNCHANGED]
+    assert exact.asked == 12 and exact.right >= 10
