@@ -120,12 +120,16 @@ def main() -> None:
 
 
 def print_table(side: int, tokens: int, times: dict) -> None:
-    print(f"{'image':>14} {'case':6} {'gateway':>10} {'x miss':>7} {'worker':>10} {'x miss':>7}", flush=True)
-    miss = {p: statistics.median(times[("miss", p)]) for p in ("gateway", "worker")}
+    """Each case's p50, and its ratio to the miss and to the decoder-only prefill (llm), per side of the gateway."""
+    print(f"{'image':>14} {'case':6} {'gateway':>10} {'x miss':>7} {'x llm':>6} {'worker':>10} {'x miss':>7} "
+          f"{'x llm':>6}", flush=True)
+    p50 = {(case, p): statistics.median(times[(case, p)]) for case in CASES for p in ("gateway", "worker")}
     for case in CASES:
-        g, w = (statistics.median(times[(case, p)]) for p in ("gateway", "worker"))
-        print(f"{side}px/{tokens:>5}t {case:6} {g:9.2f}s {g / miss['gateway']:6.2f}x {w:9.2f}s "
-              f"{w / miss['worker']:6.2f}x", flush=True)
+        row = [f"{side}px/{tokens:>5}t {case:6}"]
+        for p in ("gateway", "worker"):
+            t = p50[(case, p)]
+            row.append(f"{t:9.2f}s {t / p50[('miss', p)]:6.3f}x {t / p50[('llm', p)]:5.2f}x")
+        print(" ".join(row), flush=True)
 
 
 def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, str], processor) -> list:
