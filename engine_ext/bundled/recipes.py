@@ -127,8 +127,11 @@ class ModelRecipe:
 
     def digest(self) -> str:
         """A short hash of the recipe and of the library versions that shape the files."""
+        recipe = dataclasses.asdict(self)
+        if not self.trained:
+            del recipe["trained"]  # recipes from before the field keep their digests (and cached builds)
         payload = {
-            "recipe": dataclasses.asdict(self),
+            "recipe": recipe,
             "build_format": BUILD_FORMAT,
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,

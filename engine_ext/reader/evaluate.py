@@ -130,7 +130,7 @@ class Case:
     pair: Pair
     cached: object  # engine_ext.reference.ImageKV: A's entry, as a full prefill of A's prompt leaves it
     encoder: object  # engine_ext.reference.EncoderOutput: B's own vision-tower output
-    changed_rows: tuple[int, ...]  # image-local token indices of the changed fields
+    changed_rows: tuple[int, ...]  # image-local token indices of the changed fields (a word field has two)
     tokens: int
 
 
@@ -195,7 +195,7 @@ def evaluate_reference(model, pairs: Sequence[Pair], strategies: dict[str, Refer
             if b_encoder is None:
                 b_encoder = model.encode(prompt)[0]
             case = Case(pair=pair, cached=entry, encoder=b_encoder, tokens=len(prompt.images[0]),
-                        changed_rows=tuple(pair.asked.token_index(k) for k in pair.changed))
+                        changed_rows=tuple(i for k in pair.changed for i in pair.asked.token_indices(k)))
             for name, strategy in strategies.items():
                 result = prefill(model, prompt, [strategy(case)])
                 answer = names.get(int(result.logits.argmax()), "?")

@@ -1,13 +1,14 @@
 """Panels of labelled fields: the reader's pictures, questions and answers.
 
 A panel is a grid of cells, each exactly one language-model token wide and high (28 x 28 pixels for a patch of 14
-merged 2 x 2). A filled cell is a field: its key, an upper-case letter, on the left, and its value on the right:
-a digit, a lower-case letter, or a colour swatch. Cells are laid out as a table (grid lines) or as a panel (a tinted
-background per field), on a light background, in dark ink; styles vary per panel.
+merged 2 x 2). A field shows its key, an upper-case letter, on the left of its first cell, then its value: a digit,
+a lower-case letter or a colour swatch in the same cell, or a short word running on into the next cell (a word
+field is two cells wide). Cells are laid out as a table (grid lines) or as a panel (a tinted background per field),
+on a light background, in dark ink; styles and font sizes vary per panel, grids from 1 to 8 cells a side.
 
-A question names one key ("K?") and its answer is that field's value: "7", "q" or a colour name such as
-"red" (one token each in the bundled tokenizer). Because a field is one token, changing one field's value changes
-one image token's pixels, which is what the reuse oracle needs: a stale token gives the old answer.
+A question names one key ("K?") and its answer is that field's value: "7", "q", a colour name such as "red" or
+the word (one token each in the bundled tokenizer). Changing one field's value changes the pixels of its one or
+two tokens only, which is what the reuse oracle needs: stale tokens give the old answer.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "gray": (128, 128, 128),
     "black": (10, 10, 10),
 }
-VALUES = tuple(DIGITS) + tuple(LETTERS) + tuple(COLOURS)
-KINDS = ("digit", "letter", "colour")
+# Three-letter words that are one token each in the bundled tokenizer (and are not colour names).
+WORDS = ("air", "all", "and", "are", "art", "bar", "big", "box", "bus", "car", "cat", "cup", "dog", "ear", "eat",
+         "eye", "for", "hat", "hot", "ink", "man", "map", "new", "old", "one", "sea", "sky", "sun", "tab", "top")
+VALUES = tuple(DIGITS) + tuple(LETTERS) + tuple(COLOURS) + WORDS
+KINDS = ("digit", "letter", "colour", "word")
 STYLES = ("table", "panel")
 MAX_SIDE = 8  # cells per row or column
 
@@ -48,7 +52,8 @@ def _font(size: int) -> ImageFont.FreeTypeFont:
 
 @dataclass(frozen=True)
 class Panel:
-    """What a panel shows; ``render`` draws it. ``fields`` maps a cell (row, col) to (key, value)."""
+    """What a panel shows; ``render`` draws it. ``fields`` maps a field's first cell (row, col) to (key, value); a
+    word field also covers (row, col + 1)."""
 
     rows: int
     cols: int
@@ -75,10 +80,18 @@ class Panel:
                 return cell
         raise KeyError(key)
 
+    def cells_of(self, key: str) -> list[tuple[int, int]]:
+        row, col = self.cell_of(key)
+        return [(row, col), (row, col + 1)] if self.value(key) in WORDS else [(row, col)]
+
     def token_index(self, key: str) -> int:
-        """The image token (raster order) that shows this field."""
+        """The image token (raster order) that shows this field's key."""
         row, col = self.cell_of(key)
         return row * self.cols + col
+
+    def token_indices(self, key: str) -> list[int]:
+        """Every image token (raster order) that shows part of this field."""
+        return [row * self.cols + col for row, col in self.cells_of(key)]
 
     @property
     def size(self) -> tuple[int, int]:
@@ -88,21 +101,28 @@ class Panel:
         image = Image.new("RGB", self.size, self.background)
         draw = ImageDraw.Draw(image)
         font = _font(self.font_size)
+        wide = {cell for cell, (_, value) in self.fields.items() if value in WORDS}
         for (row, col), tint in self.tints.items():
             x, y = col * CELL, row * CELL
-            draw.rectangle((x + 1, y + 1, x + CELL - 2, y + CELL - 2), fill=tint)
+            width = 2 * CELL if (row, col) in wide else CELL
+            draw.rectangle((x + 1, y + 1, x + width - 2, y + CELL - 2), fill=tint)
         if self.style == "table":
-            for col in range(self.cols + 1):
-                x = min(col * CELL, self.size[0] - 1)
-                draw.line((x, 0, x, self.size[1] - 1), fill=self.ink)
             for row in range(self.rows + 1):
                 y = min(row * CELL, self.size[1] - 1)
                 draw.line((0, y, self.size[0] - 1, y), fill=self.ink)
+            for row in range(self.rows):
+                for col in range(self.cols + 1):
+                    if (row, col - 1) not in wide:  # a word field's two cells are one
+                        x = min(col * CELL, self.size[0] - 1)
+                        draw.line((x, row * CELL, x, (row + 1) * CELL), fill=self.ink)
         for (row, col), (key, value) in self.fields.items():
             x, y = col * CELL, row * CELL
             _glyph(draw, font, key, x + 1, y, self.ink)
             if value in COLOURS:
                 draw.rectangle((x + 16, y + 7, x + 25, y + 20), fill=COLOURS[value])
+            elif value in WORDS:
+                x0, y0, _, y1 = font.getbbox(value)
+                draw.text((x + 15 - x0, y + (CELL - (y1 - y0)) // 2 - y0), value, font=font, fill=self.ink)
             else:
                 _glyph(draw, font, value, x + 14, y, self.ink)
         return image
@@ -128,24 +148,35 @@ def value_of_kind(rng: random.Random, kind: str) -> str:
         return rng.choice(DIGITS)
     if kind == "letter":
         return rng.choice(LETTERS)
+    if kind == "word":
+        return rng.choice(WORDS)
     return rng.choice(tuple(COLOURS))
+
+
+def kind_of(value: str) -> str:
+    return ("digit" if value in DIGITS else "letter" if value in LETTERS else "word" if value in WORDS
+            else "colour")
 
 
 def random_panel(rng: random.Random, *, max_fields: int = len(KEYS), min_fields: int = 1,
                  max_side: int = MAX_SIDE) -> Panel:
     """A panel of ``min_fields``..``max_fields`` fields on a grid just large enough, or a little larger."""
     count = rng.randint(min_fields, max(min_fields, min(max_fields, len(KEYS))))
-    while True:
-        rows, cols = rng.randint(1, max_side), rng.randint(1, max_side)
-        if count <= rows * cols <= count * 2 + 2 and rows * cols >= 4:
+    kind_weights = rng.choice(((1, 1, 1, 1), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (2, 1, 1, 1)))
+    kinds = rng.choices(KINDS, weights=kind_weights, k=count)
+    for attempt in range(1000):
+        if attempt and attempt % 50 == 0 and "word" in kinds:  # too many words to place: one becomes a letter
+            kinds[kinds.index("word")] = "letter"
+        needed = count + kinds.count("word")
+        grids = _grids(needed, max_side, words="word" in kinds)
+        rows, cols = rng.choice(grids)
+        cells = _place(rng, rows, cols, kinds)
+        if cells is not None:
             break
-    cells = rng.sample([(r, c) for r in range(rows) for c in range(cols)], count)
+    else:
+        raise ValueError(f"cannot lay out {count} fields on {max_side} x {max_side} cells")
     keys = rng.sample(KEYS, count)
-    kind_weights = rng.choice(((1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (2, 1, 1)))
-    fields = {}
-    for cell, key in zip(cells, keys, strict=True):
-        kind = rng.choices(KINDS, weights=kind_weights)[0]
-        fields[cell] = (key, value_of_kind(rng, kind))
+    fields = {cell: (key, value_of_kind(rng, kind)) for cell, key, kind in zip(cells, keys, kinds, strict=True)}
     style = rng.choice(STYLES)
     light = rng.randint(225, 255)
     background = (light, rng.randint(225, 255), rng.randint(225, 255))
@@ -159,6 +190,33 @@ def random_panel(rng: random.Random, *, max_fields: int = len(KEYS), min_fields:
                  font_size=rng.choice((15, 16, 17)), tints=tints)
 
 
+def _grids(needed: int, max_side: int, *, words: bool) -> list[tuple[int, int]]:
+    """Grids with room for `needed` cells and not much more (at least 4 cells; two columns for a word)."""
+    fits = [(r, c) for r in range(1, max_side + 1) for c in range(2 if words else 1, max_side + 1)
+            if r * c >= max(needed, 4)]
+    snug = [(r, c) for r, c in fits if r * c <= needed * 2 + 2]
+    return snug or fits
+
+
+def _place(rng: random.Random, rows: int, cols: int, kinds: list[str]) -> list[tuple[int, int]] | None:
+    """A first cell per field (word fields first: they need two free cells side by side); None if they do not fit."""
+    free = {(r, c) for r in range(rows) for c in range(cols)}
+    cells: list[tuple[int, int] | None] = [None] * len(kinds)
+    for index in sorted(range(len(kinds)), key=lambda i: kinds[i] != "word"):
+        if kinds[index] == "word":
+            options = sorted(cell for cell in free if (cell[0], cell[1] + 1) in free)
+        else:
+            options = sorted(free)
+        if not options:
+            return None
+        cell = rng.choice(options)
+        cells[index] = cell
+        free.discard(cell)
+        if kinds[index] == "word":
+            free.discard((cell[0], cell[1] + 1))
+    return cells
+
+
 def changed(panel: Panel, rng: random.Random, count: int = 1) -> tuple[Panel, list[str]]:
     """The same panel with ``count`` fields given a different value of the same kind; returns the changed keys."""
     keys = rng.sample(panel.keys, min(count, len(panel.fields)))
@@ -166,7 +224,7 @@ def changed(panel: Panel, rng: random.Random, count: int = 1) -> tuple[Panel, li
     for key in keys:
         cell = panel.cell_of(key)
         old = fields[cell][1]
-        kind = "digit" if old in DIGITS else "letter" if old in LETTERS else "colour"
+        kind = kind_of(old)
         new = old
         while new == old:
             new = value_of_kind(rng, kind)

@@ -80,13 +80,23 @@ class Batcher:
             inputs["labels"] = labels
         keys, values = [], []
         for panel, _ in examples:
-            for row in range(panel.rows):
-                for col in range(panel.cols):
-                    key, value = panel.fields.get((row, col), (EMPTY, EMPTY))
-                    keys.append(KEY_CLASSES.index(key))
-                    values.append(VALUE_CLASSES.index(value))
+            shown = token_labels(panel)
+            for token in range(panel.rows * panel.cols):
+                key, value = shown.get(token, (EMPTY, EMPTY))
+                keys.append(KEY_CLASSES.index(key))
+                values.append(VALUE_CLASSES.index(value))
         inputs["token_keys"], inputs["token_values"] = torch.tensor(keys), torch.tensor(values)
         return inputs
+
+
+def token_labels(panel: Panel) -> dict[int, tuple[str, str]]:
+    """What each image token shows: a field's first token its key and value; a word's second token the word."""
+    labels = {}
+    for key in panel.keys:
+        first, *rest = panel.token_indices(key)
+        labels[first] = (key, panel.value(key))
+        labels.update((token, (EMPTY, panel.value(key))) for token in rest)
+    return labels
 
 
 KEY_CLASSES = (EMPTY, *KEYS)

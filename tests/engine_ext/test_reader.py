@@ -40,7 +40,7 @@ def reference(reader_path):
 
 def test_a_field_is_one_token_and_a_change_touches_only_its_cell() -> None:
     rng = random.Random(3)
-    for _ in range(20):
+    for _ in range(60):
         panel = random_panel(rng)
         image = panel.render()
         assert image.size == (panel.cols * CELL, panel.rows * CELL)
@@ -48,9 +48,9 @@ def test_a_field_is_one_token_and_a_change_touches_only_its_cell() -> None:
         assert [k for k in KEYS if k in panel.keys and panel.value(k) != other.value(k)] == keys
         diff = np.argwhere((np.asarray(image) != np.asarray(other.render())).any(-1))
         assert len(diff), "a changed value must change pixels"
-        row, col = panel.cell_of(keys[0])
-        assert {tuple(p) for p in diff // CELL} == {(row, col)}
-        assert panel.token_index(keys[0]) == row * panel.cols + col
+        cells = panel.cells_of(keys[0])
+        assert {tuple(p) for p in diff // CELL} <= set(cells) and tuple(diff[0] // CELL) in cells
+        assert panel.token_indices(keys[0]) == [row * panel.cols + col for row, col in cells]
 
 
 def test_every_question_key_and_answer_is_one_token(reader_path) -> None:
