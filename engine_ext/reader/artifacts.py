@@ -3,6 +3,7 @@
 ``engine_ext/reader/trained/<name>/`` holds what ``python -m engine_ext.reader.train`` exported:
 
     model.safetensors   the trained weights, checkpoint names as SGLang loads them, stored as bfloat16
+    config.json         the model's config, as the build writes it (a test keeps the two equal)
     SHA256SUMS          sha256 of every other file in the directory
     training-log.jsonl  one line per logged step: loss, accuracy, held-out accuracy, elapsed time
     training.json       the command, seed, steps and final held-out accuracy
@@ -26,6 +27,7 @@ WEIGHTS = "model.safetensors"
 SUMS = "SHA256SUMS"
 LOG = "training-log.jsonl"
 SUMMARY = "training.json"
+CONFIG = "config.json"
 
 
 def trained_dir(name: str) -> Path:

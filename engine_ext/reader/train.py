@@ -209,9 +209,11 @@ def accuracy(model, batcher: Batcher, questions: list[tuple[Panel, str]], batch:
     return right / len(questions)
 
 
-def export(model, recipe, out_dir: Path, summary: dict, log_path: Path) -> Path:
-    """Write the committed artifacts: bfloat16 weights under checkpoint names, the log, a summary, checksums."""
+def export(model, recipe, out_dir: Path, summary: dict, log_path: Path, config_path: Path) -> Path:
+    """Write the committed artifacts: bfloat16 weights under checkpoint names, the model's config.json, the log, a
+    summary, checksums."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / artifacts.CONFIG).write_bytes(config_path.read_bytes())
     tensors = {checkpoint_name(recipe.arch, name): param.detach().to(torch.bfloat16).contiguous()
                for name, param in model.named_parameters()}
     save_file(tensors, str(out_dir / artifacts.WEIGHTS), metadata={"format": "pt"})
@@ -286,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                    "held_out_accuracy": final,
                    "command": " ".join(["python -m engine_ext.reader.train",
                                         *(argv if argv is not None else sys.argv[1:])])}
-        print(f"exported to {export(model, recipe, args.export, summary, log_path)}")
+        written = export(model, recipe, args.export, summary, log_path, start / "config.json")
+        print(f"exported to {written}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 
@@ -69,6 +70,8 @@ def test_the_build_uses_the_committed_weights_after_checking_them(reader_path, t
     assert built.keys() == committed.keys()
     assert all(torch.equal(built[name], committed[name].float()) for name in committed)
     directory = artifacts.trained_dir(TRAINED)
+    config = json.loads((directory / artifacts.CONFIG).read_text())
+    assert config == json.loads((reader_path / "config.json").read_text())
     assert artifacts.file_sha256(directory / artifacts.WEIGHTS) == artifacts.trained_sha256(TRAINED)
     for name, digest in artifacts.read_sums(directory).items():
         assert artifacts.file_sha256(directory / name) == digest
@@ -123,4 +126,4 @@ def test_training_logs_checkpoints_resumes_and_exports(tmp_path, capsys) -> None
     assert '"held_out_accuracy"' in log[-1]
     for name, digest in artifacts.read_sums(out).items():
         assert artifacts.file_sha256(out / name) == digest
-    assert set(artifacts.read_sums(out)) == {artifacts.WEIGHTS, artifacts.LOG, artifacts.SUMMARY}
+    assert set(artifacts.read_sums(out)) == {artifacts.WEIGHTS, artifacts.CONFIG, artifacts.LOG, artifacts.SUMMARY}
