@@ -105,10 +105,10 @@ def write_weights(
     """Write ``model.safetensors`` into ``directory``; returns the number of parameters."""
     dtype = getattr(torch, recipe.dtype)
     shapes = parameter_shapes(recipe, config)
-    tensors: dict[str, torch.Tensor] = {}
-    total = sum(math.prod(shape) for shape in shapes.values())
     if recipe.trained:
         return _write_trained(recipe, shapes, dtype, directory, on_progress)
+    tensors: dict[str, torch.Tensor] = {}
+    total = sum(math.prod(shape) for shape in shapes.values())
     on_progress(f"initialising {total / 1e6:.1f}M parameters ({len(shapes)} tensors)")
     for name in sorted(shapes):
         tensors[checkpoint_name(recipe.arch, name)] = init_tensor(

@@ -164,13 +164,10 @@ REFERENCE_STRATEGIES: dict[str, ReferenceStrategy] = {
 
 
 def answer_ids(tokenizer) -> dict[int, str]:
-    from engine_ext.reader.panels import VALUES
+    """Token id -> answer, to read the reader's greedy token."""
+    from engine_ext.reader.train import value_token_ids
 
-    out = {}
-    for value in VALUES:
-        ids = tokenizer.encode(value, add_special_tokens=False)
-        out[ids[0]] = value
-    return out
+    return {token: value for value, token in value_token_ids(tokenizer).items()}
 
 
 @torch.no_grad()

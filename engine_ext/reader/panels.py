@@ -127,14 +127,11 @@ class Panel:
                 _glyph(draw, font, value, x + 14, y, self.ink)
         return image
 
-    def question(self, key: str) -> str:
-        return question(key)
-
-
-def question(key: str) -> str:
-    # "K?": the key is a token of its own for every letter (after a space, the bundled tokenizer merges some letters
-    # with the space and not others).
-    return f"{key}?"
+    @staticmethod
+    def question(key: str) -> str:
+        # "K?": the key is a token of its own for every letter (after a space, the bundled tokenizer merges some
+        # letters with the space and not others).
+        return f"{key}?"
 
 
 def _glyph(draw: ImageDraw.ImageDraw, font, text: str, left: int, top: int, ink) -> None:

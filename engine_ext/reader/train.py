@@ -2,7 +2,7 @@
 
 The model is the bundled ``qwen2_5_vl`` / ``reader`` recipe (transformers' Qwen2.5-VL classes, the bundled tokenizer
 and processor), starting from the recipe's deterministic random weights. Each example is a generated panel
-(engine_ext.reader.panels), the question "field K" and the one-token answer, in the model's chat template. Loss:
+(engine_ext.reader.panels), the question "K?" and the one-token answer, in the model's chat template. Loss:
 
     the answer token and <|im_end|> (cross-entropy on the language model's output), plus
     an auxiliary per-image-token loss: the vision tower's merged output of each image token is classified as its
@@ -51,8 +51,9 @@ class Batcher:
         self.processor = processor
         tokenizer = processor.tokenizer
         tokenizer.padding_side = "right"
-        self.value_ids = {value: _single_token(tokenizer, value) for value in VALUES}
+        self.value_ids = value_token_ids(tokenizer)
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.vision_end = tokenizer.convert_tokens_to_ids("<|vision_end|>")
 
     def prompt(self, question: str) -> str:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
@@ -69,8 +70,7 @@ class Batcher:
         # The position whose logits predict the answer: the last prompt token.
         inputs["answer_at"] = lengths - 1 - offset
         # The question's key token, right after the image.
-        vision_end = self.processor.tokenizer.convert_tokens_to_ids("<|vision_end|>")
-        inputs["key_at"] = (inputs["input_ids"] == vision_end).int().argmax(1) + 1
+        inputs["key_at"] = (inputs["input_ids"] == self.vision_end).int().argmax(1) + 1
         inputs["answers"] = answers
         if with_answers:
             labels = torch.full_like(inputs["input_ids"], -100)
@@ -101,6 +101,11 @@ def token_labels(panel: Panel) -> dict[int, tuple[str, str]]:
 
 KEY_CLASSES = (EMPTY, *KEYS)
 VALUE_CLASSES = (EMPTY, *VALUES)
+
+
+def value_token_ids(tokenizer) -> dict[str, int]:
+    """Every answer's token id (each answer is one token)."""
+    return {value: _single_token(tokenizer, value) for value in VALUES}
 
 
 def _single_token(tokenizer, text: str) -> int:
