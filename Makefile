@@ -25,7 +25,7 @@ serve: $(INSTALLED)
 	$(BIN)/revisit serve $(ARGS)
 
 test: $(INSTALLED)
-	$(BIN)/ruff check gateway engine_ext store dashboards tests bench
+	$(BIN)/ruff check gateway engine_ext store dashboards plan settings launcher bundled offline tests bench
 	$(BIN)/python -m pytest $(ARGS)
 
 bench: $(INSTALLED)

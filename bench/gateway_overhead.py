@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import gateway_process  # noqa: E402
-from engine_ext.bundled import DEFAULT_ARCH, build_model  # noqa: E402
-from engine_ext.launcher import WorkerSpec, start_worker  # noqa: E402
+from bundled import DEFAULT_ARCH, build_model  # noqa: E402
+from launcher import WorkerSpec, start_worker  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.images_lib import data_url, encode, small  # noqa: E402
 

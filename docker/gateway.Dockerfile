@@ -2,7 +2,8 @@ FROM python:3.11-slim
 WORKDIR /opt/revisit
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
-COPY engine_ext ./engine_ext
+COPY plan ./plan
+COPY settings ./settings
 COPY store ./store
 COPY dashboards ./dashboards
 RUN pip install --no-cache-dir .

@@ -3,10 +3,12 @@ ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23
 FROM ${SGLANG_IMAGE}
 WORKDIR /opt/revisit
 COPY pyproject.toml README.md ./
-COPY gateway ./gateway
 COPY engine_ext ./engine_ext
+COPY launcher ./launcher
+COPY bundled ./bundled
+COPY plan ./plan
+COPY settings ./settings
 COPY store ./store
-COPY dashboards ./dashboards
 # SGLang, torch and transformers come from the base image; add only the project.
 RUN pip install --no-cache-dir --no-deps . && pip install --no-cache-dir lmdb
-ENTRYPOINT ["python", "-m", "engine_ext.worker"]
+ENTRYPOINT ["python", "-m", "launcher.worker"]

@@ -1,10 +1,13 @@
-"""What runs next to, or inside, the SGLang workers behind the gateway.
+"""The engine extension: what runs inside each unmodified SGLang worker, and nothing else.
 
-- :mod:`engine_ext.bundled`: the project's own small models, built offline from recipes.
-- :mod:`engine_ext.launcher`: start, watch and stop unmodified SGLang workers (CPU or GPU).
-- :mod:`engine_ext.models`: model classes SGLang loads in place of its built-ins.
-- :mod:`engine_ext.cpu_support`: what SGLang needs to serve on a CPU-only host.
+SGLang loads :mod:`engine_ext.models` as its external model package (``SGLANG_EXTERNAL_MODEL_PACKAGE``); those
+classes route every extend batch through :mod:`engine_ext.executor`, which executes the reuse plan each request
+carries (:mod:`plan`) and reads and writes image entries in the shared store (:mod:`store`).
 
-Importing this package, the launcher or the models package alone pulls in neither torch nor
-SGLang; building bundled models needs the ``engine`` extra.
+- :mod:`engine_ext.models`: Qwen2.5-VL and Qwen3-VL classes registered under SGLang's own class names.
+- :mod:`engine_ext.executor`: plan execution (rows of each image in a batch, store reads and writes, the
+  layer-by-layer decoder for reused rows and its attention over the KV pool).
+- :mod:`engine_ext.rope`: moving cached keys to new positions (shared with ``offline.reference``).
+
+It never imports the gateway; the gateway never imports it. Starting workers is :mod:`launcher`'s job.
 """

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine_ext.launcher import checkpoint_config
-from engine_ext.plan import DEFAULT_RECOMPUTE_RATIO, PROFILE_FILE, PlanError, RecomputeProfile, check_ratios
+from plan import DEFAULT_RECOMPUTE_RATIO, PROFILE_FILE, PlanError, RecomputeProfile, check_ratios
+from plan.checkpoint import UnreadableProcessorConfig, image_processor_config, text_layers
 from store.config import StoreConfig
 from store.errors import ConfigError as StoreConfigError
 
@@ -61,20 +61,13 @@ class ProcessorSettings:
         ``processor_config.json`` (its ``image_processor`` section) is preferred, then
         ``preprocessor_config.json``, the older layout.
         """
-        raw: dict | None = None
-        for name, section in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
-            path = Path(model_dir) / name
-            if not path.is_file():
-                continue
-            try:
-                loaded = json.loads(path.read_text())
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"cannot read processor settings from {path}: {exc}") from exc
-            raw = loaded.get(section) if section else loaded
-            if isinstance(raw, dict):
-                break
-        if not isinstance(raw, dict):
+        try:
+            found = image_processor_config(model_dir)
+        except UnreadableProcessorConfig as exc:
+            raise ConfigError(str(exc)) from exc
+        if found is None:
             raise ConfigError(f"{model_dir} has no image processor settings (processor_config.json)")
+        raw = found[1]
         size = raw.get("size") or {}
         return cls(
             patch_size=int(raw.get("patch_size", cls.patch_size)),
@@ -138,22 +131,11 @@ class ReuseSettings:
             except PlanError as exc:
                 raise ConfigError(str(exc)) from None
             return cls(enabled=enabled, store=store, ratios=loaded.ratios, ratios_source=f"profile {candidate}")
-        layers = model_layers(model_dir) if model_dir else None
+        layers = text_layers(model_dir) if model_dir else None
         if layers is None:
             return cls(enabled=enabled, store=store)
         return cls(enabled=enabled, store=store, ratios=(uniform_ratio,) * layers,
                    ratios_source=f"uniform {uniform_ratio} over {layers} layers")
-
-
-def model_layers(model_dir: str | Path) -> int | None:
-    """The language model's layer count from a model folder's config.json (text_config for VL models)."""
-    config = checkpoint_config(model_dir)
-    if config is None:
-        return None
-    for section in (config.get("text_config") or {}, config):
-        if isinstance(section, dict) and isinstance(section.get("num_hidden_layers"), int):
-            return section["num_hidden_layers"]
-    return None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
         if not (path / "config.json").is_file():
             raise SystemExit(f"revisit: {path} is not a model folder (no config.json)")
         return path, args.served_model_name or path.name
-    from engine_ext.bundled import DEFAULT_ARCH, DEFAULT_SIZE, build_model
+    from bundled import DEFAULT_ARCH, DEFAULT_SIZE, build_model
 
     arch, size = args.arch or DEFAULT_ARCH, args.size or DEFAULT_SIZE
     path = build_model(arch, size, on_progress=say)
@@ -57,8 +57,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -> int:
-    from engine_ext.errors import EngineExtError
-    from engine_ext.launcher import WorkerSpec, start_worker
+    from bundled.errors import BuildError
+    from launcher import WorkerSpec, start_worker
+    from launcher.errors import LauncherError
 
     if args.workers < 1:
         raise SystemExit("revisit: --workers must be at least 1")
@@ -98,7 +99,7 @@ def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -
 
         run_gateway(config, args.host, args.port, args.log_level, on_ready=ready)
         return 0
-    except EngineExtError as exc:
+    except (LauncherError, BuildError) as exc:
         say(f"a worker failed to start: {exc}")
         return 1
     except KeyboardInterrupt:

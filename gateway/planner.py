@@ -24,11 +24,11 @@ import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from engine_ext.plan import EXACT, MISS, ImagePlan, RequestPlan
 from gateway.cache import CacheManager
 from gateway.config import ReuseSettings
 from gateway.intake import IntakeResult
 from gateway.policy.decisions import Reject
+from plan import EXACT, MISS, ImagePlan, RequestPlan
 
 log = logging.getLogger(__name__)
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
+from settings import EnvReader
 from store.errors import ConfigError
 
 ENV_PREFIX = "REVISIT_STORE_"
@@ -63,34 +63,4 @@ class StoreConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreConfig:
         """Build from REVISIT_STORE_<FIELD> variables (e.g. REVISIT_STORE_LMDB_MAP_SIZE); unknown ones are errors."""
-        environ = os.environ if environ is None else environ
-        known = {f.name: f for f in fields(cls)}
-        values: dict[str, object] = {}
-        for var, raw in environ.items():
-            if not var.startswith(ENV_PREFIX):
-                continue
-            field_name = var[len(ENV_PREFIX) :].lower()
-            if field_name not in known:
-                raise ConfigError(f"unknown variable {var}")
-            values[field_name] = _parse(var, raw, str(known[field_name].type))
-        return cls(**values)  # type: ignore[arg-type]
-
-
-def _parse(var: str, raw: str, type_name: str) -> object:
-    try:
-        if type_name.startswith("int"):
-            return int(raw)
-        if type_name.startswith("float"):
-            return float(raw)
-        if type_name.startswith("bool"):
-            lowered = raw.strip().lower()
-            if lowered not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(raw)
-            return lowered in ("1", "true", "yes")
-        if type_name.startswith("Path"):
-            return Path(raw) if raw else None
-        if type_name.startswith("tuple"):
-            return tuple(part.strip() for part in raw.split(",") if part.strip())
-        return raw
-    except ValueError as exc:
-        raise ConfigError(f"{var}={raw!r}: expected {type_name}") from exc
+        return cls(**EnvReader(environ, error=ConfigError).fields(cls, ENV_PREFIX))

@@ -30,8 +30,38 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private bundled-model cache for tests that build models themselves."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(model_cache: Path) -> dict[str, Path]:
+    """arch -> directory of its tiny bundled model, built into model_cache."""
+    from bundled import ARCHS, TINY, build_model
+
+    return {arch: build_model(arch, TINY, cache_dir=model_cache) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def astronaut():
+    from PIL import Image
+    from skimage import data
+
+    return Image.fromarray(data.astronaut())
+
+
+@pytest.fixture(scope="session")
+def coffee():
+    from PIL import Image
+    from skimage import data
+
+    return Image.fromarray(data.coffee())
+
+
+@pytest.fixture(scope="session")
 def model_path() -> Path:
-    from engine_ext.bundled import DEFAULT_ARCH, build_model
+    from bundled import DEFAULT_ARCH, build_model
 
     return build_model(DEFAULT_ARCH, "tiny")
 
@@ -53,8 +83,8 @@ def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreConf
 
 
 def start_worker(model_path: Path, log_dir: Path, port: int | None = None):
-    from engine_ext.launcher import WorkerSpec
-    from engine_ext.launcher import start_worker as launch
+    from launcher import WorkerSpec
+    from launcher import start_worker as launch
 
     port = port or free_port()
     spec = WorkerSpec(model_path=model_path, port=port, served_model_name=MODEL_ID,

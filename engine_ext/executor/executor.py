@@ -1,13 +1,13 @@
 """Executing reuse plans inside an SGLang worker's model forward.
 
-For each extend batch, the executor reads the plan each request carries in its id (engine_ext.plan) and, per image:
+For each extend batch, the executor reads the plan each request carries in its id (plan) and, per image:
 
     miss   the normal forward runs; afterwards the image's K/V (all layers, from the KV pool), its encoder output
            and positions are written to the store (on a background thread) under the plan's key
     exact  the entry is read from the store; its encoder output is put in SGLang's encoder cache so the vision tower
            is skipped; its keys are moved to this request's positions; then the decoder runs layer by layer with
            each image row computed only at the layers the plan's ratios give it, and its stored K/V written into
-           its pool slots at the others (engine_ext.reference is the oracle for these semantics)
+           its pool slots at the others (offline.reference is the oracle for these semantics)
 
 An exact plan whose entry is absent, damaged, or not this model's falls back to a full prefill (and stores the
 entry); a request without a plan, or with one that does not fit its images, runs exactly as in SGLang. Rows an
@@ -27,8 +27,8 @@ import torch
 
 from engine_ext.executor.entries import StoredImage, read, to_entry
 from engine_ext.executor.rows import ImageRows, locate
-from engine_ext.plan import EXACT, MISS, ImagePlan, PlanError, RequestPlan, recompute_count
 from engine_ext.rope import inv_freq, reposition
+from plan import EXACT, MISS, ImagePlan, PlanError, RequestPlan, recompute_count
 
 log = logging.getLogger(__name__)
 

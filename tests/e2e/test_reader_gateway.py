@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.bundled import QWEN2_5_VL, READER, build_model
-from engine_ext.reader.evaluate import (
+from bundled import QWEN2_5_VL, READER, build_model
+from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings
+from offline.reader_eval import (
     CHANGED,
     UNCHANGED,
     evaluate_gateway,
@@ -18,7 +19,6 @@ from engine_ext.reader.evaluate import (
     gateway_accuracy,
     make_pairs,
 )
-from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings
 from store import StoreConfig
 from tests.conftest import WORKER_READY_TIMEOUT_S, free_port, run_gateway
 
@@ -30,7 +30,7 @@ READER_ID = "revisit-reader"
 @pytest.fixture(scope="module")
 def reader_gateway(tmp_path_factory):
     """One reader worker and a gateway over a store of their own (LMDB opens once per process: not the session's)."""
-    from engine_ext.launcher import WorkerSpec, start_worker
+    from launcher import WorkerSpec, start_worker
 
     path = build_model(QWEN2_5_VL, READER)
     dram = Path(tempfile.mkdtemp(prefix="revisit-reader-store-", dir="/dev/shm"))

@@ -8,7 +8,7 @@ import uuid
 import httpx
 import pytest
 
-from engine_ext.plan import RID_PREFIX, ImagePlan, RequestPlan
+from plan import RID_PREFIX, ImagePlan, RequestPlan
 from tests.images_lib import data_url, encode, small
 
 pytestmark = pytest.mark.sglang

@@ -19,15 +19,14 @@ import pytest
 import torch
 from PIL import Image
 
-from engine_ext.bundled import ARCHS
+from bundled import ARCHS
 from engine_ext.executor import read
-from engine_ext.launcher import WorkerProcess, WorkerSpec, start_worker
-from engine_ext.plan import EXACT, MISS, ImagePlan, RequestPlan
-from engine_ext.reference import EncoderOutput, Fresh, ImageKV, ReferenceModel, Reuse, prefill, uniform
+from launcher import WorkerProcess, WorkerSpec, start_worker
+from offline.reference import EncoderOutput, Fresh, ImageKV, ReferenceModel, Reuse, prefill, uniform
+from plan import EXACT, MISS, ImagePlan, RequestPlan
 from store import StoreConfig, open_store
+from tests.conftest import free_port
 from tests.images_lib import data_url, encode
-
-from .conftest import free_port
 
 pytestmark = pytest.mark.sglang
 

@@ -19,11 +19,11 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from engine_ext.bundled import ARCHS, DEFAULT_ARCH, QWEN2_5_VL, QWEN3_VL, get_recipe
-from engine_ext.launcher import WorkerProcess, WorkerSpec, start_worker
+from bundled import ARCHS, DEFAULT_ARCH, QWEN2_5_VL, QWEN3_VL, get_recipe
 from engine_ext.models import ACTIVE_LOG_PREFIX
-
-from .conftest import free_port, image_message
+from launcher import WorkerProcess, WorkerSpec, start_worker
+from tests.conftest import free_port
+from tests.images_lib import image_message
 
 pytestmark = pytest.mark.sglang
 

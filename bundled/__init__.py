@@ -1,0 +1,44 @@
+"""Model building and training: the project's bundled vision-language models, built offline from recipes.
+
+Two architectures (Qwen2.5-VL and Qwen3-VL) in two sizes: ``tiny`` for tests and ``bench`` for
+timing, with a locally trained tokenizer and deterministic random weights; and ``reader``, a small
+Qwen2.5-VL whose weights were trained here to read panels (bundled.reader) and are committed.
+Nothing is downloaded. Neither the gateway nor the engine extension imports this package; the launcher's
+worker command and ``revisit serve`` build a bundled model before starting workers on it.
+
+    >>> from bundled import build_model
+    >>> path = build_model("qwen2_5_vl", "tiny")   # idempotent; cached by recipe digest
+"""
+
+from bundled.build import RECIPE_FILE, build_model, is_built, model_dir
+from bundled.recipes import (
+    ARCHS,
+    BENCH,
+    DEFAULT_ARCH,
+    DEFAULT_SIZE,
+    QWEN2_5_VL,
+    QWEN3_VL,
+    READER,
+    SIZES,
+    TINY,
+    ModelRecipe,
+    get_recipe,
+)
+
+__all__ = [
+    "ARCHS",
+    "BENCH",
+    "DEFAULT_ARCH",
+    "DEFAULT_SIZE",
+    "QWEN2_5_VL",
+    "QWEN3_VL",
+    "READER",
+    "RECIPE_FILE",
+    "SIZES",
+    "TINY",
+    "ModelRecipe",
+    "build_model",
+    "get_recipe",
+    "is_built",
+    "model_dir",
+]

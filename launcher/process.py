@@ -1,0 +1,115 @@
+"""A started worker process: readiness, log tail and shutdown of its whole process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from launcher.readiness import ProgressCallback, wait_ready, wait_ready_async
+from launcher.spec import WorkerSpec
+
+DEFAULT_STOP_GRACE_S = 15.0
+LOG_TAIL_LINES = 60
+_KILL_SETTLE_S = 5.0
+
+
+class WorkerProcess:
+    """A running worker: the leader of its own process group, logging to ``log_file``.
+
+    SGLang's server process starts its scheduler and detokenizer (and a multiprocessing resource
+    tracker) in the same group; ``stop()`` ends all of them. Usable as a context manager that
+    stops the worker on exit.
+    """
+
+    def __init__(self, spec: WorkerSpec, process: subprocess.Popen[bytes], log_file: Path) -> None:
+        self.spec = spec
+        self.process = process
+        self.log_file = log_file
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float, on_progress: ProgressCallback | None = None) -> float:
+        """Block until ``/health`` answers 200; see :func:`launcher.readiness.wait_ready`."""
+        return wait_ready(self.url, timeout, on_progress, worker=self)
+
+    async def wait_ready_async(self, timeout: float, on_progress: ProgressCallback | None = None) -> float:
+        """Await ``/health`` answering 200; see :func:`launcher.readiness.wait_ready_async`."""
+        return await wait_ready_async(self.url, timeout, on_progress, worker=self)
+
+    def live_processes(self) -> list[int]:
+        """Pids of the worker's process group that are still running (zombies excluded)."""
+        return live_group_members(self.pid)
+
+    def stop(self, grace: float = DEFAULT_STOP_GRACE_S) -> int:
+        """SIGTERM the process group, SIGKILL it after ``grace`` seconds; returns the leader's
+        exit code once no process of the group runs any more. Safe to call more than once."""
+        if self.is_running():
+            _signal_group(self.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # Children can outlive the leader or ignore SIGTERM: clear the whole group.
+        if self.live_processes():
+            _signal_group(self.pid, signal.SIGKILL)
+        code = self.process.wait()
+        deadline = time.monotonic() + _KILL_SETTLE_S
+        while self.live_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return code
+
+    def __enter__(self) -> WorkerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Running (not zombie) processes whose process group is ``pgid``, read from /proc.
+
+    Zombies are left out on purpose: orphaned children are re-parented to PID 1, which does not
+    reap them promptly in every container, yet they hold no resources.
+    """
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        # The fields after the parenthesised command name: state, ppid, pgrp, ...
+        state, _ppid, pgrp = stat.rpartition(")")[2].split()[:3]
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass

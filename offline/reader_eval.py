@@ -1,0 +1,331 @@
+"""The reuse oracle: does reused image KV change the reader's answers?
+
+Pairs (A cached, B asked), B being A with one or a few fields given another value. For each pair the reader is
+asked about a changed field of B (right answer: B's value; A's value means the stale KV was read) and about an
+unchanged field (right answer: the same in A and B). Two ways to run it:
+
+reference   offline.reference executes one plan per strategy for B's image, given A's entry as a full prefill
+            of A leaves it (encoder output, K/V, positions) and B's own encoder output. Strategies are functions
+            ``Case -> ImagePlan``; built in:
+                full               B from scratch (Fresh): the accuracy every strategy is held to
+                stale              A's KV as they are, nothing recomputed (Reuse, ratios 0): what an approximate
+                                   match must never do; on a reader that really reads it answers with A's value
+                recompute_changed  the changed fields' tokens computed at every layer on B's encoder output, every
+                                   other image token taken from A (Approximate, warmup 0): the cheapest plan that
+                                   knows exactly what changed
+gateway     through a running gateway and its SGLang workers, with the real ``openai`` client: per pair, A is
+            asked first (so A is cached), then B about its changed field, then B about an unchanged field. Each
+            answer is tallied under the reuse the gateway reported for it (x-revisit-reuse: miss,
+            exact_same_prefix, exact_moved, and whatever later plan kinds it reports), so a new reuse path is
+            measured by switching it on in the gateway, with no change here.
+
+``python -m offline.reader_eval reference|gateway ...`` prints a table and can write JSON. ``accuracy``
+measures plain full-prefill accuracy on fresh questions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import random
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from bundled.reader.panels import KEYS, Panel, changed, random_panel
+
+PAIR_SEED = "pairs"
+QUESTION_SEED = "questions"
+CHANGED, UNCHANGED = "changed", "unchanged"
+
+
+@dataclass(frozen=True)
+class Pair:
+    cached: Panel  # A
+    asked: Panel  # B: A with the fields in `changed` given other values
+    changed: tuple[str, ...]
+    unchanged: str  # one key whose value A and B share
+
+    def questions(self) -> tuple[tuple[str, str], tuple[str, str]]:
+        """(kind, key) for the two questions asked of B."""
+        return (CHANGED, self.changed[0]), (UNCHANGED, self.unchanged)
+
+
+def make_pairs(count: int, *, seed: int = 0, changes: int = 1, max_fields: int = len(KEYS)) -> list[Pair]:
+    rng = random.Random(f"{PAIR_SEED}:{seed}:{changes}")
+    pairs = []
+    while len(pairs) < count:
+        a = random_panel(rng, min_fields=changes + 1, max_fields=max_fields)
+        b, keys = changed(a, rng, changes)
+        unchanged = rng.choice([key for key in a.keys if key not in keys])
+        pairs.append(Pair(cached=a, asked=b, changed=tuple(keys), unchanged=unchanged))
+    return pairs
+
+
+def fresh_questions(count: int, *, seed: int = 0) -> list[tuple[Panel, str]]:
+    rng = random.Random(f"{QUESTION_SEED}:{seed}")
+    out = []
+    for _ in range(count):
+        panel = random_panel(rng)
+        out.append((panel, rng.choice(panel.keys)))
+    return out
+
+
+@dataclass
+class Tally:
+    asked: int = 0
+    right: int = 0  # B's value
+    stale: int = 0  # A's value (only for changed fields, where it differs)
+
+    def add(self, answer: str, right: str, stale: str | None = None) -> None:
+        self.asked += 1
+        self.right += answer == right
+        self.stale += stale is not None and answer == stale
+
+    def as_dict(self) -> dict:
+        rate = (lambda n: round(n / self.asked, 4)) if self.asked else (lambda n: None)
+        return {"asked": self.asked, "right": rate(self.right), "stale": rate(self.stale)}
+
+
+@dataclass
+class Report:
+    """Per strategy (reference) or per reported reuse (gateway): a tally for changed and for unchanged fields."""
+
+    mode: str
+    tallies: dict[str, dict[str, Tally]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(Tally)))
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "seconds": round(self.seconds, 1),
+                "results": {name: {kind: tally.as_dict() for kind, tally in kinds.items()}
+                            for name, kinds in self.tallies.items()}}
+
+    def table(self) -> str:
+        lines = [f"{'':22} {'changed: right':>15} {'changed: stale':>15} {'unchanged: right':>17} {'asked':>7}"]
+        for name, kinds in self.tallies.items():
+            c, u = kinds.get(CHANGED, Tally()), kinds.get(UNCHANGED, Tally())
+
+            def pct(n: int, of: int) -> str:
+                return f"{100 * n / of:.1f}%" if of else "-"
+
+            lines.append(f"{name:22} {pct(c.right, c.asked):>15} {pct(c.stale, c.asked):>15} "
+                         f"{pct(u.right, u.asked):>17} {c.asked + u.asked:>7}")
+        return "\n".join(lines)
+
+
+# --- through the reference implementation ---
+
+
+@dataclass(frozen=True)
+class Case:
+    """What a reference strategy gets to plan B's image with."""
+
+    pair: Pair
+    cached: object  # offline.reference.ImageKV: A's entry, as a full prefill of A's prompt leaves it
+    encoder: object  # offline.reference.EncoderOutput: B's own vision-tower output
+    changed_rows: tuple[int, ...]  # image-local token indices of the changed fields (a word field has two)
+    tokens: int
+
+
+ReferenceStrategy = Callable[[Case], object]  # -> offline.reference.ImagePlan
+
+
+def _full(case: Case):
+    from offline.reference import Fresh
+
+    return Fresh(case.encoder)
+
+
+def _stale(case: Case):
+    from offline.reference import Reuse
+
+    return Reuse(case.cached, ())
+
+
+def _recompute_changed(case: Case):
+    from offline.reference import Approximate
+
+    changed_rows = set(case.changed_rows)
+    return Approximate(encoder=case.encoder, alias=case.cached, warmup=0,
+                       reuse=[i for i in range(case.tokens) if i not in changed_rows],
+                       recompute=sorted(changed_rows))
+
+
+REFERENCE_STRATEGIES: dict[str, ReferenceStrategy] = {
+    "full": _full, "stale": _stale, "recompute_changed": _recompute_changed,
+}
+
+
+def answer_ids(tokenizer) -> dict[int, str]:
+    """Token id -> answer, to read the reader's greedy token."""
+    from bundled.reader.train import value_token_ids
+
+    return {token: value for value, token in value_token_ids(tokenizer).items()}
+
+
+@torch.no_grad()
+def evaluate_reference(model, pairs: Sequence[Pair], strategies: dict[str, ReferenceStrategy] | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> Report:
+    """``model`` is an offline.reference.ReferenceModel of the reader."""
+    from offline.reference import Fresh, capture, prefill
+
+    strategies = strategies or REFERENCE_STRATEGIES
+    names = answer_ids(model.processor.tokenizer)
+    report = Report(mode="reference")
+    started = time.perf_counter()
+    for done, pair in enumerate(pairs, 1):
+        a_prompt = model.prompt([pair.cached.render(), pair.cached.question(pair.unchanged)])
+        a_encoder = model.encode(a_prompt)[0]
+        a_full = prefill(model, a_prompt, [Fresh(a_encoder)])
+        entry = capture(a_full.state, a_prompt.images[0], a_encoder)
+        image = pair.asked.render()
+        b_encoder = None
+        for kind, key in pair.questions():
+            prompt = model.prompt([image, pair.asked.question(key)])
+            if b_encoder is None:
+                b_encoder = model.encode(prompt)[0]
+            case = Case(pair=pair, cached=entry, encoder=b_encoder, tokens=len(prompt.images[0]),
+                        changed_rows=tuple(i for k in pair.changed for i in pair.asked.token_indices(k)))
+            for name, strategy in strategies.items():
+                result = prefill(model, prompt, [strategy(case)])
+                answer = names.get(int(result.logits.argmax()), "?")
+                stale = pair.cached.value(key) if kind == CHANGED else None
+                report.tallies[name][kind].add(answer, pair.asked.value(key), stale)
+        if progress:
+            progress(done, len(pairs))
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+@torch.no_grad()
+def reference_accuracy(model, questions: Sequence[tuple[Panel, str]]) -> float:
+    """Full-prefill accuracy of the reader (transformers' own forward, one prompt at a time)."""
+    names = answer_ids(model.processor.tokenizer)
+    right = 0
+    for panel, key in questions:
+        prompt = model.prompt([panel.render(), panel.question(key)])
+        logits = model.hf_forward(prompt).logits[0, -1]
+        right += names.get(int(logits.argmax())) == panel.value(key)
+    return right / len(questions)
+
+
+# --- through the gateway ---
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+async def ask(client, model: str, panel: Panel, key: str) -> tuple[str, str]:
+    """The reader's answer through the gateway, and the reuse the gateway reported for the image."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model=model, temperature=0, max_tokens=1,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(panel.render())}},
+            {"type": "text", "text": panel.question(key)},
+        ]}],
+    )
+    completion = raw.parse()
+    return (completion.choices[0].message.content or "").strip(), raw.headers.get("x-revisit-reuse", "none")
+
+
+async def evaluate_gateway(client, model: str, pairs: Sequence[Pair], *, pause_s: float = 0.0,
+                           progress: Callable[[int, int], None] | None = None) -> Report:
+    """Per pair: A about its changed field (caches A), B about the changed field, B about an unchanged one.
+
+    ``pause_s`` waits after each answer, so that the worker's background store write of a new image lands before
+    the next question about it (otherwise that question may be planned as a miss again; it is tallied as such).
+    """
+    report = Report(mode="gateway")
+    started = time.perf_counter()
+    for done, pair in enumerate(pairs, 1):
+        key = pair.changed[0]
+        answer, reuse = await ask(client, model, pair.cached, key)
+        report.tallies[f"A: {reuse}"][CHANGED].add(answer, pair.cached.value(key))
+        for kind, key in pair.questions():
+            await asyncio.sleep(pause_s)
+            answer, reuse = await ask(client, model, pair.asked, key)
+            stale = pair.cached.value(key) if kind == CHANGED else None
+            report.tallies[f"B: {reuse}"][kind].add(answer, pair.asked.value(key), stale)
+        if progress:
+            progress(done, len(pairs))
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+async def gateway_accuracy(client, model: str, questions: Sequence[tuple[Panel, str]]) -> float:
+    right = 0
+    for panel, key in questions:
+        answer, _ = await ask(client, model, panel, key)
+        right += answer == panel.value(key)
+    return right / len(questions)
+
+
+# --- command line ---
+
+
+def _progress(label: str) -> Callable[[int, int], None]:
+    def show(done: int, total: int) -> None:
+        if done == total or done % max(1, total // 20) == 0:
+            print(f"  {label}: {done}/{total}", file=sys.stderr, flush=True)
+
+    return show
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Accuracy of the reader under reuse strategies.")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    ref = sub.add_parser("reference", help="through offline.reference")
+    ref.add_argument("--model", default=None, help="model directory (default: the bundled reader)")
+    gate = sub.add_parser("gateway", help="through a running gateway")
+    gate.add_argument("--url", required=True, help="the gateway's base URL, e.g. http://127.0.0.1:8000/v1")
+    gate.add_argument("--model", default="default", help="model name as the gateway serves it")
+    gate.add_argument("--api-key", default="none")
+    gate.add_argument("--pause", type=float, default=0.2, help="seconds between questions (store writes land)")
+    for command in (ref, gate):
+        command.add_argument("--pairs", type=int, default=500)
+        command.add_argument("--questions", type=int, default=1000, help="fresh questions for plain accuracy")
+        command.add_argument("--changes", type=int, default=1, help="fields changed per pair")
+        command.add_argument("--seed", type=int, default=0)
+        command.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    pairs = make_pairs(args.pairs, seed=args.seed, changes=args.changes)
+    questions = fresh_questions(args.questions, seed=args.seed)
+    if args.mode == "reference":
+        from bundled import QWEN2_5_VL, READER, build_model
+        from offline.reference import ReferenceModel
+
+        model = ReferenceModel.load(args.model or build_model(QWEN2_5_VL, READER))
+        accuracy = reference_accuracy(model, questions) if args.questions else None
+        report = evaluate_reference(model, pairs, progress=_progress("pairs"))
+    else:
+        from openai import AsyncOpenAI
+
+        async def run() -> tuple[float | None, Report]:
+            client = AsyncOpenAI(base_url=args.url, api_key=args.api_key, max_retries=0, timeout=600)
+            acc = await gateway_accuracy(client, args.model, questions) if args.questions else None
+            return acc, await evaluate_gateway(client, args.model, pairs, pause_s=args.pause,
+                                                  progress=_progress("pairs"))
+
+        accuracy, report = asyncio.run(run())
+    if accuracy is not None:
+        print(f"full-prefill accuracy on {len(questions)} fresh questions: {100 * accuracy:.1f}%")
+    print(f"{len(pairs)} pairs, {args.changes} field(s) changed, {report.seconds:.0f} s")
+    print(report.table())
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"accuracy": accuracy, "questions": len(questions), **report.as_dict()}, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""What the gateway and the workers agree on: the reuse plan a request carries, the recompute profile, and the
+facts of a model folder that both plan by.
+
+Plain dataclasses and JSON, no torch and no SGLang: the gateway imports this package, and so does the engine
+extension inside each worker; neither imports the other.
+
+- :mod:`plan.request`: ``RequestPlan`` / ``ImagePlan``, the versioned wire format, and its transport in SGLang's
+  request id.
+- :mod:`plan.ratios`: per-layer recompute ratios (``check_ratios``, ``recompute_count``).
+- :mod:`plan.profile`: ``RecomputeProfile``, written by ``offline.profiler`` and read by the gateway.
+- :mod:`plan.checkpoint`: what a model folder's JSON files say (layers, dtype, image processor settings).
+"""
+
+from plan.errors import PlanError
+from plan.profile import PROFILE_FILE, RecomputeProfile
+from plan.ratios import DEFAULT_RECOMPUTE_RATIO, check_ratios, recompute_count
+from plan.request import APPROXIMATE, EXACT, MISS, PLAN_VERSION, RID_PREFIX, STRATEGIES, ImagePlan, RequestPlan
+
+__all__ = [
+    "APPROXIMATE", "DEFAULT_RECOMPUTE_RATIO", "EXACT", "MISS", "PLAN_VERSION", "PROFILE_FILE", "RID_PREFIX",
+    "STRATEGIES", "ImagePlan", "PlanError", "RecomputeProfile", "RequestPlan", "check_ratios", "recompute_count",
+]

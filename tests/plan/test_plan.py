@@ -1,0 +1,100 @@
+"""The plan and profile types shared by the gateway and the workers: round trips and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plan import (
+    APPROXIMATE,
+    EXACT,
+    MISS,
+    ImagePlan,
+    PlanError,
+    RecomputeProfile,
+    RequestPlan,
+    recompute_count,
+)
+
+A, B = "a" * 64, "b" * 64
+
+
+def test_request_plan_round_trips_through_json() -> None:
+    plan = RequestPlan(images=(
+        ImagePlan(key=A, strategy=MISS, tokens=64, grid=(8, 8)),
+        ImagePlan(key=B, strategy=EXACT, tokens=6, grid=(2, 3), ratios=(0.5, 0.1, 0.0)),
+        ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, warmup_layers=3, reuse=(4, 1),
+                  recompute_share=0.3),
+    ))
+    wire = plan.to_json()
+    assert " " not in wire and json.loads(wire)["version"] == 1
+    back = RequestPlan.from_json(wire)
+    assert back == plan and back.images[2].reuse == (1, 4)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"key": "A" * 64}, "hex"),
+    ({"strategy": "guess"}, "strategy"),
+    ({"tokens": 5}, "tokens"),
+    ({"grid": [0, 6]}, "grid"),
+    ({"strategy": EXACT, "ratios": [0.1, 0.2]}, "non-increasing"),
+    ({"strategy": EXACT, "ratios": [1.5]}, r"\[0, 1\]"),
+    ({"ratios": [0.1]}, "exact"),
+    ({"strategy": APPROXIMATE}, "alias"),
+    ({"strategy": APPROXIMATE, "alias": A}, "alias"),  # its own key
+    ({"strategy": APPROXIMATE, "alias": B, "reuse": [6]}, "reuse"),
+    ({"strategy": APPROXIMATE, "alias": B, "reuse": [1, 1]}, "reuse"),
+    ({"reuse": [1]}, "approximate"),
+    ({"colour": "blue"}, "unknown"),
+])
+def test_bad_image_plans_are_refused(change: dict, message: str) -> None:
+    data = {"key": A, "strategy": MISS, "tokens": 6, "grid": [2, 3], **change}
+    with pytest.raises(PlanError, match=message):
+        RequestPlan.from_json(json.dumps({"version": 1, "images": [data]}))
+
+
+@pytest.mark.parametrize("wire", ["not json", "[]", '{"version": 2, "images": []}', '{"version": 1}',
+                                  '{"version": 1, "images": [3]}'])
+def test_bad_request_plans_are_refused(wire: str) -> None:
+    with pytest.raises(PlanError):
+        RequestPlan.from_json(wire)
+
+
+def test_recompute_count_is_the_floor() -> None:
+    assert [recompute_count(r, 64) for r in (0.0, 0.02, 0.05, 0.1, 0.3, 1.0)] == [0, 1, 3, 6, 19, 64]
+    assert recompute_count(0.29, 100) == 29  # no float shortfall (0.29 * 100 = 28.999...)
+
+
+def test_profile_saves_loads_and_is_checked(tmp_path) -> None:
+    profile = RecomputeProfile(model="m", layers=4, budget=0.1, ratios=(0.2, 0.1, 0.1, 0.0), metric="kl",
+                               calibration={"samples": 3})
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert RecomputeProfile.load(path) == profile and abs(profile.mean_ratio - 0.1) < 1e-12
+    with pytest.raises(PlanError, match="budget"):
+        RecomputeProfile(model="m", layers=2, budget=0.1, ratios=(0.3, 0.0))
+    with pytest.raises(PlanError, match="non-increasing"):
+        RecomputeProfile(model="m", layers=2, budget=0.5, ratios=(0.0, 0.3))
+    with pytest.raises(PlanError, match="one ratio per layer"):
+        RecomputeProfile(model="m", layers=3, budget=0.5, ratios=(0.1, 0.0))
+    (tmp_path / "other.json").write_text('{"kind": "something else"}')
+    with pytest.raises(PlanError, match="not a recompute profile"):
+        RecomputeProfile.load(tmp_path / "other.json")
+    with pytest.raises(PlanError, match="cannot read"):
+        RecomputeProfile.load(tmp_path / "missing.json")
+
+
+def test_plans_ride_in_the_request_id() -> None:
+    plan = RequestPlan(images=(ImagePlan(key=A, strategy=EXACT, tokens=64, grid=(8, 8), ratios=(0.5,) * 12),))
+    rid = plan.to_rid("req-1")
+    assert rid.startswith("rv1.req-1.") and rid.endswith(".")
+    assert RequestPlan.from_rid(rid) == plan
+    assert RequestPlan.from_rid(rid + "_1") == plan  # a suffix after the last dot is ignored
+    assert RequestPlan.from_rid("chatcmpl-123") is None and RequestPlan.from_rid(None) is None
+    with pytest.raises(PlanError, match="damaged"):
+        RequestPlan.from_rid("rv1.req-1.not*base64.")
+    with pytest.raises(PlanError):
+        RequestPlan.from_rid("rv1.req-1")
+    with pytest.raises(PlanError, match="request_id"):
+        plan.to_rid("has.dots")
