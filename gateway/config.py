@@ -7,9 +7,7 @@ loudly at start-up, never at request time.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +15,13 @@ from typing import Any
 
 from plan import DEFAULT_RECOMPUTE_RATIO, PROFILE_FILE, PlanError, RecomputeProfile, check_ratios
 from plan.checkpoint import UnreadableProcessorConfig, image_processor_config, text_layers
+from settings import PREFIX as ENV_PREFIX
+from settings import EnvReader, SettingsError
 from store.config import StoreConfig
 from store.errors import ConfigError as StoreConfigError
 
-ENV_PREFIX = "REVISIT_"
 
-
-class ConfigError(ValueError):
+class ConfigError(SettingsError):
     """A setting is missing or has a value the gateway cannot run with."""
 
 
@@ -239,36 +237,23 @@ class GatewayConfig:
         REVISIT_L3_CAPACITY_BYTES, REVISIT_PRESET_FRACTION, REVISIT_MAX_PROTECTION_BUDGET,
         REVISIT_PRESET_REUSE_WEIGHT, REVISIT_PRESET_MIN_SCORE.
         """
-        env = os.environ if environ is None else environ
+        env = EnvReader(environ, error=ConfigError)
 
         def get(name: str, cast: type, default: Any = None) -> Any:
-            raw = env.get(ENV_PREFIX + name)
-            if raw is None or raw == "":
-                return default
-            try:
-                if cast is bool:
-                    if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
-                        raise ValueError(raw)
-                    return raw.lower() in ("1", "true", "yes")
-                return cast(raw)
-            except ValueError as exc:
-                raise ConfigError(f"{ENV_PREFIX}{name}={raw!r} is not a valid {cast.__name__}") from exc
+            read = {str: env.str, int: env.int, float: env.float, bool: env.bool}[cast]
+            return read(ENV_PREFIX + name, default)
 
         kwargs: dict[str, Any] = {}
         if (model := get("MODEL", str)) is not None:
             kwargs["model"] = model
-        if (workers := get("WORKERS", str)) is not None:
-            kwargs["workers"] = tuple(w.strip() for w in workers.split(",") if w.strip())
+        if (workers := env.csv(ENV_PREFIX + "WORKERS")) is not None:
+            kwargs["workers"] = workers
         if (model_dir := get("MODEL_DIR", str)) is not None:
             kwargs["processor"] = ProcessorSettings.from_model_dir(model_dir)
-        if (namespaces := get("NAMESPACES", str)) is not None:
-            try:
-                parsed = json.loads(namespaces)
-            except ValueError as exc:
-                raise ConfigError(f"{ENV_PREFIX}NAMESPACES is not JSON: {exc}") from exc
-            if not isinstance(parsed, dict) or not all(isinstance(v, str) for v in parsed.values()):
+        if (namespaces := env.json(ENV_PREFIX + "NAMESPACES")) is not None:
+            if not isinstance(namespaces, dict) or not all(isinstance(v, str) for v in namespaces.values()):
                 raise ConfigError(f"{ENV_PREFIX}NAMESPACES must be a JSON object of strings")
-            kwargs["namespaces"] = parsed
+            kwargs["namespaces"] = namespaces
         image_kwargs = {
             key: value
             for key, value in (
@@ -307,7 +292,7 @@ class GatewayConfig:
                 kwargs[key] = value
         reuse_enabled = get("REUSE", bool, True)
         try:
-            store = StoreConfig.from_env(env) if reuse_enabled else None
+            store = StoreConfig.from_env(env.environ) if reuse_enabled else None
         except StoreConfigError as exc:
             raise ConfigError(str(exc)) from None
         kwargs["reuse"] = ReuseSettings.for_model(

@@ -42,23 +42,23 @@ class EnvReader:
         return default if value is None else value
 
     def int(self, name: str, default: int | None = None) -> int | None:
-        return self._parse(name, int, "an integer", default)
+        return self._parse(name, int, "int", default)
 
     def float(self, name: str, default: float | None = None) -> float | None:
-        return self._parse(name, float, "a number", default)
+        return self._parse(name, float, "float", default)
 
     def bool(self, name: str, default: bool | None = None) -> bool | None:
-        return self._parse(name, _to_bool, "0 or 1 (or true/false, yes/no)", default)
+        return self._parse(name, _to_bool, "bool (0/1, true/false, yes/no)", default)
 
     def path(self, name: str, default: Path | None = None) -> Path | None:
-        return self._parse(name, lambda raw: Path(raw).expanduser(), "a path", default)
+        return self._parse(name, lambda raw: Path(raw).expanduser(), "path", default)
 
     def csv(self, name: str) -> tuple[str, ...] | None:
         """Comma-separated values, blanks dropped."""
-        return self._parse(name, lambda raw: tuple(p.strip() for p in raw.split(",") if p.strip()), "a list", None)
+        return self._parse(name, lambda raw: tuple(p.strip() for p in raw.split(",") if p.strip()), "list", None)
 
     def json(self, name: str) -> Any:
-        return self._parse(name, json.loads, "JSON", None)
+        return self._parse(name, json.loads, "JSON value", None)
 
     def fields(self, cls: type, prefix: str) -> dict[str, Any]:
         """``prefix + FIELD`` for each field of the dataclass ``cls``, parsed by the field's annotated type, as
@@ -90,7 +90,7 @@ class EnvReader:
         try:
             return cast(raw)
         except ValueError:
-            raise self.error(f"{name}={raw!r} is not {expected}") from None
+            raise self.error(f"{name}={raw!r} is not a valid {expected}") from None
 
 
 def _to_bool(raw: str) -> bool:
