@@ -1,16 +1,28 @@
-"""Where the policy meets the data: applying the policy's decisions to the KV store.
+"""Where the policy meets the data: applying the policy's decisions to the KV store, on a thread of its own.
 
 The policy (gateway/policy) keeps the books and decides; the store (store/) only
 stores. :class:`CacheManager` turns each decision into store operations, in order,
 and counts what could not be applied (an entry a worker never wrote, or one damaged
 and dropped by the store), so the books and the bytes can be compared.
+
+Threading: one thread, the cache thread, owns the policy and the store. Moving an entry between tiers copies
+hundreds of megabytes and syncs them to disk, and even a header probe may fault pages in: none of it may run on
+the event loop. Code on the loop reaches the books and the bytes only through :meth:`CacheManager.run`, which
+queues the work on the cache thread and awaits it; the work runs to the end even if its awaiter is cancelled, so
+the books and the store never disagree half-way through a decision.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from gateway.policy import CachePolicy
 from gateway.policy.decisions import Admit, Decision, Demote, Evict, Promote
@@ -19,6 +31,7 @@ from store.errors import StoreError
 from store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The policy's tiers and the store's tier names.
 STORE_TIER = {Tier.L2: "dram", Tier.L3: "lmdb"}
@@ -28,26 +41,46 @@ STORE_TIER = {Tier.L2: "dram", Tier.L3: "lmdb"}
 class ApplyReport:
     applied: Counter = field(default_factory=Counter)
     missing: Counter = field(default_factory=Counter)  # the store had no valid copy to act on
+    seconds: Counter = field(default_factory=Counter)  # time spent applying decisions, by kind
 
 
 class CacheManager:
-    """Applies decisions to a :class:`TieredStore`; without a store it only keeps the books."""
+    """Applies decisions to a :class:`TieredStore`; without a store it only keeps the books.
+
+    The methods below other than :meth:`run` and :meth:`close` are the cache thread's: call them through ``run``
+    from the event loop (or directly where no loop is involved, as the policy tests do).
+    """
 
     def __init__(self, policy: CachePolicy, store: TieredStore | None):
         self.policy = policy
         self.store = store
         self.report = ApplyReport()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-cache")
+
+    async def run(self, work: Callable[..., T], /, *args: object, **kwargs: object) -> T:
+        """``work(*args, **kwargs)`` on the cache thread, in submission order; its result or its exception."""
+        future = self._thread.submit(functools.partial(work, *args, **kwargs))
+        # Shielded: a cancelled request stops waiting, but the work it queued still completes.
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    def close(self) -> None:
+        """Finish the queued work, then close the store. Idempotent."""
+        self._thread.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
 
     def apply(self, decisions: list[Decision]) -> list[Decision]:
         if self.store is None:
             return decisions
         for decision in decisions:
+            started = time.perf_counter()
             try:
                 done = self._apply_one(decision)
             except StoreError as exc:
                 log.warning("could not apply %s to the store: %s", decision, exc)
                 done = False
             (self.report.applied if done else self.report.missing)[decision.kind] += 1
+            self.report.seconds[decision.kind] += time.perf_counter() - started
         return decisions
 
     def _apply_one(self, decision: Decision) -> bool:

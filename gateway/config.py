@@ -190,6 +190,8 @@ class GatewayConfig:
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0
     max_connections: int = 256
+    # How often the event loop's lag is sampled (gateway/loop_lag.py).
+    loop_lag_interval_s: float = 0.01
     # API key -> cache namespace. Keys not listed get a namespace of their own derived
     # from the key; requests without a key share the default namespace.
     namespaces: Mapping[str, str] = field(default_factory=dict)
@@ -216,7 +218,7 @@ class GatewayConfig:
         if self.image_memo_bytes < 0:
             raise ConfigError(f"image_memo_bytes must not be negative, got {self.image_memo_bytes}")
         for name in ("max_request_bytes", "health_interval_s", "health_timeout_s",
-                     "connect_timeout_s", "upstream_timeout_s", "max_connections"):
+                     "connect_timeout_s", "upstream_timeout_s", "max_connections", "loop_lag_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.admin_token is not None and len(self.admin_token) < 8:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -23,11 +24,32 @@ import httpx
 
 from gateway import openai_shape
 from gateway.errors import NoHealthyWorker, UpstreamClientError, UpstreamError, error_body
+from gateway.offload import off_loop
 from gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
+_JSON = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamRequest:
+    """A chat request as a worker gets it: the JSON body, serialised once (off the loop when large, see
+    UpstreamRequest.encode) and sent as is to every worker tried; and the request id it carries."""
+
+    payload: bytes
+    rid: str
+
+    @classmethod
+    async def encode(cls, body: dict[str, Any], *, size_hint: int) -> UpstreamRequest:
+        """size_hint: about how many bytes the body holds (the client's request size will do)."""
+        payload = await off_loop(size_hint, _dumps, body)
+        return cls(payload=payload, rid=str(body["rid"]))
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _client_error(response_status: int, payload: bytes) -> UpstreamClientError:
@@ -64,7 +86,7 @@ class Dispatcher:
         tried.append(worker)
         return worker
 
-    async def complete(self, body: dict[str, Any], *, prefer: str | None = None, public_id: str | None = None,
+    async def complete(self, request: UpstreamRequest, *, prefer: str | None = None, public_id: str | None = None,
                        on_served: Callable[[Worker], None] | None = None) -> dict[str, Any]:
         """A non-streaming completion, retried on another worker when one fails.
 
@@ -77,7 +99,7 @@ class Dispatcher:
             worker = self._next(tried, last_error, prefer)
             async with self._pool.lease(worker):
                 try:
-                    response = await self._client.post(worker.url + CHAT_PATH, json=body)
+                    response = await self._client.post(worker.url + CHAT_PATH, content=request.payload, headers=_JSON)
                 except httpx.TimeoutException as exc:
                     raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
                 except httpx.TransportError as exc:
@@ -98,7 +120,7 @@ class Dispatcher:
             last_error = f"worker returned HTTP {response.status_code}: {response.text[:300]}"
             log.warning("worker %s: %s", worker.url, last_error)
 
-    async def open_stream(self, body: dict[str, Any], *, prefer: str | None = None, public_id: str | None = None,
+    async def open_stream(self, request: UpstreamRequest, *, prefer: str | None = None, public_id: str | None = None,
                           on_served: Callable[[Worker], None] | None = None) -> AsyncIterator[bytes]:
         """Start a streaming completion and return the SSE byte stream to relay.
 
@@ -114,8 +136,9 @@ class Dispatcher:
             await lease.__aenter__()
             response: httpx.Response | None = None
             try:
-                request = self._client.build_request("POST", worker.url + CHAT_PATH, json=body)
-                response = await self._client.send(request, stream=True)
+                sent = self._client.build_request("POST", worker.url + CHAT_PATH, content=request.payload,
+                                                  headers=_JSON)
+                response = await self._client.send(sent, stream=True)
                 if response.status_code != 200:
                     payload = await response.aread()
                     if 400 <= response.status_code < 500:
@@ -142,7 +165,7 @@ class Dispatcher:
             except BaseException:
                 await _close(response, lease)
                 raise
-            shaper = openai_shape.StreamShaper(public_id=public_id, upstream_id=body.get("rid"))
+            shaper = openai_shape.StreamShaper(public_id=public_id, upstream_id=request.rid)
             relay = self._relay(worker, response, lines, first, lease, shaper, on_served)
             # Start the relay now: a started async generator is closed by the event loop
             # when dropped, so the lease and the upstream stream are released even if the

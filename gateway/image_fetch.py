@@ -19,6 +19,7 @@ import httpx
 
 from gateway.config import ImageLimits
 from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.offload import off_loop
 
 _DATA_PREFIX = "data:"
 
@@ -107,7 +108,7 @@ class ImageFetcher:
 
     async def fetch(self, url: str, *, param: str) -> bytes:
         if url.startswith(_DATA_PREFIX):
-            return self._decode_data_url(url, param)
+            return await off_loop(len(url), self._decode_data_url, url, param)
         if url.startswith(("http://", "https://")):
             return await self._fetch_remote(url, param)
         scheme = url.split(":", 1)[0] if ":" in url else url[:16]

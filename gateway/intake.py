@@ -19,6 +19,7 @@ from gateway.errors import ClientError, InvalidRequest, ModelNotFound
 from gateway.image_fetch import ImageFetcher
 from gateway.image_memo import CanonicalMemo
 from gateway.images import CanonicalImage, canonicalize
+from gateway.offload import off_loop
 from gateway.protocol import ChatCompletionParams, ImagePartRef, iter_image_parts, parse_body
 
 
@@ -39,7 +40,7 @@ class Intake:
         self.memo = CanonicalMemo(config.image_memo_bytes)
 
     async def process(self, raw: bytes, *, namespace: str) -> IntakeResult:
-        body, params = parse_body(raw)
+        body, params = await off_loop(len(raw), parse_body, raw)
         if params.model != self._config.model:
             raise ModelNotFound(params.model)
         refs = list(iter_image_parts(body["messages"]))
@@ -51,8 +52,9 @@ class Intake:
                 code="too_many_images",
             )
         images = await asyncio.gather(*(self._resolve(ref, namespace) for ref in refs))
+        payload_bytes = sum(len(image.payload) for image in images)
         return IntakeResult(
-            upstream_body=_rewrite_images(body, refs, images),
+            upstream_body=await off_loop(payload_bytes, _rewrite_images, body, refs, images),
             params=params,
             images=tuple(images),
             namespace=namespace,
@@ -61,9 +63,7 @@ class Intake:
 
     async def _resolve(self, ref: ImagePartRef, namespace: str) -> CanonicalImage:
         data = await self._fetcher.fetch(ref.url, param=ref.param)
-        # Hashing a large upload would stall the event loop: do it on a thread.
-        large = len(data) > 256 * 1024
-        digest = await asyncio.to_thread(CanonicalMemo.digest, data) if large else CanonicalMemo.digest(data)
+        digest = await off_loop(len(data), CanonicalMemo.digest, data)
         if (known := self.memo.get(namespace, digest)) is not None:
             return known
         try:

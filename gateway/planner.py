@@ -14,6 +14,9 @@ recording the plan's prefix digest in it, and the next plan that finds it in the
 The digest is read back from the entry's header each time, so it always describes the bytes that are stored.
 Entries the policy evicts leave the store; entries the store lost leave the books.
 
+Threading: the store and the books are read and changed on the cache thread (gateway/cache.py); the routing
+memory below is the event loop's.
+
 Cache-aware routing: the worker that last served an image is preferred for it (its own radix and encoder caches
 may still hold it), unless it is busier than the least-loaded worker by more than ``affinity_slack``.
 """
@@ -53,10 +56,18 @@ class Planner:
     def enabled(self) -> bool:
         return self.settings.enabled and self.cache.store is not None
 
-    def plan(self, intake: IntakeResult) -> Planned:
+    async def plan(self, intake: IntakeResult) -> Planned:
+        """One plan per image, read from the store and the books on the cache thread (never on the loop)."""
         if not self.enabled or not intake.images:
             return Planned(None, None, ())
-        plans, kinds, prefer = [], [], None
+        plans, kinds = await self.cache.run(self._plan_images, intake)
+        prefer = next((self._holder[image.key] for image, kind in zip(intake.images, kinds, strict=True)
+                       if kind != "miss" and image.key in self._holder), None)
+        return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds))
+
+    def _plan_images(self, intake: IntakeResult) -> tuple[list[ImagePlan], list[str]]:
+        """The cache thread's part of plan()."""
+        plans, kinds = [], []
         for image, prefix in zip(intake.images, intake.prefixes, strict=True):
             grid = (image.grid.rows, image.grid.cols)
             origin = self._origin(image.key)
@@ -76,18 +87,17 @@ class Planner:
                                    ratios=() if same else self.settings.ratios, prefix=prefix))
             kinds.append("exact_same_prefix" if same else "exact_moved")
             self.cache.record_exact_hit(image.key)
-            prefer = prefer or self._holder.get(image.key)
         self.counts.update(kinds)
-        return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds))
+        return plans, kinds
 
     def served(self, intake: IntakeResult, worker_url: str) -> None:
-        """The request went well on this worker: it now holds its images in its own caches."""
+        """The request went well on this worker: it now holds its images in its own caches. Event loop only."""
         for image in intake.images:
             _remember(self._holder, image.key, worker_url)
 
     def _origin(self, key: str) -> str | None:
         """The prefix digest recorded in the entry stored under key ("" when unknown), or None when no usable entry
-        is stored; admits entries workers wrote since the last look."""
+        is stored; admits entries workers wrote since the last look. Cache thread only."""
         store = self.cache.store
         in_books = key in self.cache.policy
         header = store.get_sparse(key, [], (0, 1))  # reads and verifies the header only

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.image_fetch import ImageFetcher
 from gateway.intake import Intake
+from gateway.loop_lag import LoopLag
 from gateway.metrics import build_registry
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
@@ -31,6 +33,7 @@ class Services:
     cache: CacheManager
     planner: Planner
     metrics: CollectorRegistry
+    loop_lag: LoopLag
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -53,6 +56,7 @@ class Services:
         # The store the workers write: shared-memory files and LMDB on this host (see store/config.py).
         store = open_store(reuse.store) if reuse.enabled and reuse.store is not None else None
         cache = CacheManager(policy, store=store)
+        registry = build_registry(policy)
         return cls(
             config=config,
             client=client,
@@ -62,7 +66,8 @@ class Services:
             dispatcher=Dispatcher(pool, client),
             cache=cache,
             planner=Planner(cache, reuse),
-            metrics=build_registry(policy),
+            metrics=registry,
+            loop_lag=LoopLag(registry, config.loop_lag_interval_s),
         )
 
     @property
@@ -70,11 +75,12 @@ class Services:
         return self.cache.policy
 
     async def start(self) -> None:
+        self.loop_lag.start()
         await self.pool.start()
 
     async def aclose(self) -> None:
+        await self.loop_lag.stop()
         await self.pool.stop()
-        if self.cache.store is not None:
-            self.cache.store.close()
+        await asyncio.to_thread(self.cache.close)
         await self.fetcher.aclose()
         await self.client.aclose()

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
@@ -42,6 +43,7 @@ from gateway.policy import (
 )
 
 MAX_PAGE = 1000
+T = TypeVar("T")
 
 
 class AdminDisabled(ClientError):
@@ -89,12 +91,14 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin_token)])
 metrics_router = APIRouter(dependencies=[Depends(check_metrics_token)])
 
 
-def _policy(request: Request) -> CachePolicy:
-    return request.app.state.services.policy
-
-
 def _cache(request: Request) -> CacheManager:
     return request.app.state.services.cache
+
+
+async def _on_cache_thread(request: Request, work: Callable[[CachePolicy, CacheManager], T]) -> T:
+    """Run ``work(policy, cache)`` where the books live: on the cache thread, never on the event loop."""
+    cache = _cache(request)
+    return await cache.run(work, cache.policy, cache)
 
 
 def _checked_key(key: str) -> str:
@@ -109,12 +113,14 @@ def _entry_body(policy: CachePolicy, entry: CacheEntry) -> dict:
 
 @metrics_router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(exposition(request.app.state.services.metrics), media_type=CONTENT_TYPE_LATEST)
+    registry = request.app.state.services.metrics
+    text = await _on_cache_thread(request, lambda policy, cache: exposition(registry))
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/stats")
 async def stats(request: Request) -> dict:
-    return {"object": "cache.stats", **_policy(request).stats().as_dict()}
+    return {"object": "cache.stats", **await _on_cache_thread(request, lambda policy, cache: policy.stats().as_dict())}
 
 
 @router.get("/entries")
@@ -127,31 +133,35 @@ async def list_entries(
     """Entries sorted by key; pass the answer's ``next_cursor`` as ``cursor`` for the next page."""
     if cursor is not None:
         _checked_key(cursor)
-    policy = _policy(request)
-    page = policy.entries(after=cursor, limit=limit + 1, tier=Tier(tier) if tier else None)
-    has_more = len(page) > limit
-    page = page[:limit]
-    return {
-        "object": "list",
-        "data": [_entry_body(policy, entry) for entry in page],
-        "has_more": has_more,
-        "next_cursor": page[-1].key if has_more else None,
-    }
+
+    def page_of(policy: CachePolicy, cache: CacheManager) -> dict:
+        page = policy.entries(after=cursor, limit=limit + 1, tier=Tier(tier) if tier else None)
+        has_more = len(page) > limit
+        page = page[:limit]
+        return {
+            "object": "list",
+            "data": [_entry_body(policy, entry) for entry in page],
+            "has_more": has_more,
+            "next_cursor": page[-1].key if has_more else None,
+        }
+
+    return await _on_cache_thread(request, page_of)
 
 
 @router.get("/entries/{key}")
 async def get_entry(request: Request, key: str) -> dict:
-    policy = _policy(request)
+    _checked_key(key)
     try:
-        return _entry_body(policy, policy.get(_checked_key(key)))
+        return await _on_cache_thread(request, lambda policy, cache: _entry_body(policy, policy.get(key)))
     except UnknownEntry:
         raise EntryNotFound(key) from None
 
 
 @router.delete("/entries/{key}")
 async def delete_entry(request: Request, key: str, force: bool = False) -> dict:
+    _checked_key(key)
     try:
-        decisions = _cache(request).remove(_checked_key(key), force=force)
+        decisions = await _on_cache_thread(request, lambda policy, cache: cache.remove(key, force=force))
     except UnknownEntry:
         raise EntryNotFound(key) from None
     except EntryPinned as exc:
@@ -162,26 +172,26 @@ async def delete_entry(request: Request, key: str, force: bool = False) -> dict:
 
 @router.post("/entries/{key}/pin")
 async def pin_entry(request: Request, key: str) -> dict:
-    return _set_pinned(request, key, pinned=True)
+    return await _set_pinned(request, key, pinned=True)
 
 
 @router.delete("/entries/{key}/pin")
 async def unpin_entry(request: Request, key: str) -> dict:
-    return _set_pinned(request, key, pinned=False)
+    return await _set_pinned(request, key, pinned=False)
 
 
-def _set_pinned(request: Request, key: str, *, pinned: bool) -> dict:
-    policy = _policy(request)
+async def _set_pinned(request: Request, key: str, *, pinned: bool) -> dict:
+    _checked_key(key)
     try:
-        entry = _cache(request).set_pinned(_checked_key(key), pinned)
+        return await _on_cache_thread(
+            request, lambda policy, cache: _entry_body(policy, cache.set_pinned(key, pinned)))
     except UnknownEntry:
         raise EntryNotFound(key) from None
-    return _entry_body(policy, entry)
 
 
 @router.get("/presets")
 async def get_presets(request: Request) -> dict:
-    return _presets_body(_policy(request))
+    return await _on_cache_thread(request, lambda policy, cache: _presets_body(policy))
 
 
 @router.post("/presets")
@@ -203,9 +213,12 @@ async def set_presets(request: Request) -> dict:
         priors = PresetPriors(keys=body.get("keys", {}), families=body.get("families", {}))
     except InvalidPriors as exc:
         raise InvalidRequest(str(exc), param=exc.param) from None
-    policy = _policy(request)
-    policy.set_priors(priors)
-    return _presets_body(policy)
+
+    def replace(policy: CachePolicy, cache: CacheManager) -> dict:
+        policy.set_priors(priors)
+        return _presets_body(policy)
+
+    return await _on_cache_thread(request, replace)
 
 
 def _presets_body(policy: CachePolicy) -> dict:
@@ -214,9 +227,11 @@ def _presets_body(policy: CachePolicy) -> dict:
 
 @router.post("/flush")
 async def flush(request: Request, force: bool = False) -> dict:
-    policy = _policy(request)
-    before = policy.stats()
-    decisions = _cache(request).flush(force=force)
-    after = policy.stats()
-    freed = sum(u.bytes for u in before.tiers.values()) - sum(u.bytes for u in after.tiers.values())
-    return {"object": "cache.flush", "evicted": len(decisions), "evicted_bytes": freed, "remaining": len(policy)}
+    def drop_all(policy: CachePolicy, cache: CacheManager) -> dict:
+        before = policy.stats()
+        decisions = cache.flush(force=force)
+        after = policy.stats()
+        freed = sum(u.bytes for u in before.tiers.values()) - sum(u.bytes for u in after.tiers.values())
+        return {"object": "cache.flush", "evicted": len(decisions), "evicted_bytes": freed, "remaining": len(policy)}
+
+    return await _on_cache_thread(request, drop_all)

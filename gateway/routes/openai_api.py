@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from gateway.dispatch import UpstreamRequest
 from gateway.errors import ModelNotFound, PayloadTooLarge
 from gateway.services import Services
 from gateway.tenancy import namespace_for
@@ -69,7 +70,7 @@ async def chat_completions(request: Request) -> Any:
     )
     intake = await services.intake.process(raw, namespace=namespace)
     headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
-    planned = services.planner.plan(intake)
+    planned = await services.planner.plan(intake)
     if planned.kinds:
         headers[REUSE_HEADER] = ",".join(planned.kinds)
     request_id = uuid.uuid4().hex
@@ -77,13 +78,14 @@ async def chat_completions(request: Request) -> Any:
     body = upstream_body(intake.upstream_body, namespace=namespace,
                          rid=planned.plan.to_rid(request_id) if planned.plan else public_id,
                          approximate="exact_moved" in planned.kinds)
+    upstream = await UpstreamRequest.encode(body, size_hint=len(raw))
     route = {"prefer": planned.prefer, "public_id": public_id,
              "on_served": lambda worker: services.planner.served(intake, worker.url)}
     if intake.params.stream:
-        stream = await services.dispatcher.open_stream(body, **route)
+        stream = await services.dispatcher.open_stream(upstream, **route)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-    result = await _unless_disconnected(request, services.dispatcher.complete(body, **route))
+    result = await _unless_disconnected(request, services.dispatcher.complete(upstream, **route))
     return JSONResponse(result, headers=headers)
 
 
