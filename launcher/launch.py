@@ -96,6 +96,8 @@ def build_launch(spec: WorkerSpec, base_env: Mapping[str, str] | None = None) ->
         "--dtype", resolve_dtype(spec),
         "--random-seed", str(spec.random_seed),
         "--enable-cache-report",
+        # The engine extension counts what it executed on the worker's /metrics (engine_ext/executor/events.py).
+        "--enable-metrics",
     ]  # fmt: skip
     if spec.served_model_name:
         argv += ["--served-model-name", spec.served_model_name]

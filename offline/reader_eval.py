@@ -34,7 +34,7 @@ import random
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -239,11 +239,13 @@ async def ask(client, model: str, panel: Panel, key: str) -> tuple[str, str]:
 
 
 async def evaluate_gateway(client, model: str, pairs: Sequence[Pair], *, pause_s: float = 0.0,
+                           settle: Callable[[], Awaitable[None]] | None = None,
                            progress: Callable[[int, int], None] | None = None) -> Report:
     """Per pair: A about its changed field (caches A), B about the changed field, B about an unchanged one.
 
-    ``pause_s`` waits after each answer, so that the worker's background store write of a new image lands before
-    the next question about it (otherwise that question may be planned as a miss again; it is tallied as such).
+    Between answers, ``settle`` is awaited when given (it should return once the worker's background store write of
+    the last new image has landed), else ``pause_s`` is slept: otherwise the next question about that image may be
+    planned as a miss again (it is tallied as such).
     """
     report = Report(mode="gateway")
     started = time.perf_counter()
@@ -252,7 +254,7 @@ async def evaluate_gateway(client, model: str, pairs: Sequence[Pair], *, pause_s
         answer, reuse = await ask(client, model, pair.cached, key)
         report.tallies[f"A: {reuse}"][CHANGED].add(answer, pair.cached.value(key))
         for kind, key in pair.questions():
-            await asyncio.sleep(pause_s)
+            await (settle() if settle is not None else asyncio.sleep(pause_s))
             answer, reuse = await ask(client, model, pair.asked, key)
             stale = pair.cached.value(key) if kind == CHANGED else None
             report.tallies[f"B: {reuse}"][kind].add(answer, pair.asked.value(key), stale)

@@ -8,10 +8,12 @@ import socket
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 
@@ -172,3 +174,19 @@ def async_client(gateway):
     import openai
 
     return openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="sk-test", max_retries=0, timeout=300)
+
+
+def worker_events(urls) -> Counter:
+    """What the engine extension executed, summed over these workers: revisit_worker_events_total by event, read
+    from each worker's /metrics (see engine_ext/executor/events.py)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: Counter = Counter()
+    for url in urls:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=30).text
+        for family in text_string_to_metric_families(text):
+            if family.name == "revisit_worker_events":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        totals[sample.labels["event"]] += int(sample.value)
+    return totals

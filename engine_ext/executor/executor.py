@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_ext.executor.entries import StoredImage, read, to_entry
+from engine_ext.executor.events import ExecutionEvents
 from engine_ext.executor.rows import ImageRows, locate
 from engine_ext.rope import inv_freq, reposition
 from plan import EXACT, MISS, ImagePlan, PlanError, RequestPlan, recompute_count
@@ -57,7 +57,7 @@ class PlanExecutor:
         self._store = None
         self._store_lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-store-writer")
-        self.stats: Counter[str] = Counter()
+        self.events = ExecutionEvents()
         self._captured: dict[tuple[str, int], None] = {}  # insertion-ordered, bounded
 
     # --- the store, opened on first use ---
@@ -89,12 +89,14 @@ class PlanExecutor:
                 if span is not None:
                     reuse.append(span)
                     continue
-                self.stats["exact_fallback"] += 1
+                self.events.add("exact_fallback")
             elif plan.strategy == EXACT:
-                self.stats["exact_served_by_prefix_cache"] += 1
+                self.events.add("exact_served_by_prefix_cache")
                 continue
             elif plan.strategy != MISS:
-                self.stats[f"{plan.strategy}_not_executed"] += 1
+                self.events.add(f"{plan.strategy}_not_executed")
+            elif rows.in_extend and rows.lo == rows.start:  # counted once, in the chunk that starts the image
+                self.events.add("miss")
             if (plan.store or plan.strategy == EXACT) and rows.complete and self._first_capture(rows, plan):
                 positions = rows.positions
                 if positions is None and rows.whole_in_extend:
@@ -123,7 +125,7 @@ class PlanExecutor:
                 plan = RequestPlan.from_rid(rid)
             except PlanError as exc:
                 log.warning("revisit: ignoring the plan of %s: %s", str(rid)[:48], exc)
-                self.stats["plan_refused"] += 1
+                self.events.add("plan_refused")
                 continue
             if plan is not None:
                 plans[rid] = plan
@@ -133,7 +135,7 @@ class PlanExecutor:
         if rows.index >= len(plan.images) or plan.images[rows.index].tokens != rows.tokens:
             log.warning("revisit: plan of %s does not match its image %d (%d tokens); running it unplanned",
                         rows.rid[:48], rows.index, rows.tokens)
-            self.stats["plan_mismatch"] += 1
+            self.events.add("plan_mismatch")
             return False
         return True
 
@@ -160,8 +162,8 @@ class PlanExecutor:
         local = rows.local_rows
         depth = torch.tensor([sum(1 for c in counts if c > i) for i in local.tolist()])
         k = reposition(stored.k[:, local], int(shift[0, 0]), self.frequencies)
-        self.stats["exact_executed"] += 1
-        self.stats["exact_rows_reused"] += int((depth < layers).sum())
+        self.events.add("exact_executed")
+        self.events.add("exact_rows_reused", int((depth < layers).sum()))
         log.info("revisit: exact hit %s: %d image rows, moved by %d, recomputed per layer %s",
                  plan.key[:16], len(local), int(shift[0, 0]), counts)
         return _ReuseSpan(rows=rows, depth=depth, k=k.flatten(2), v=stored.v[:, local].flatten(2))
@@ -173,7 +175,7 @@ class PlanExecutor:
 
         cache = mm_schedule.embedding_cache
         if cache is not None and cache.set(rows.item_hash, EmbeddingResult(embedding=stored.encoder)):
-            self.stats["encoder_from_store"] += 1
+            self.events.add("encoder_from_store")
 
     @torch.no_grad()
     def _forward_with_reuse(self, input_ids: torch.Tensor, forward_batch, spans: list[_ReuseSpan]):
@@ -233,7 +235,7 @@ class PlanExecutor:
         encoded = cache.get_single(rows.item_hash) if cache is not None else None
         if encoded is None:
             log.warning("revisit: encoder output of %s not in the encoder cache; not stored", plan.key[:16])
-            self.stats["capture_skipped"] += 1
+            self.events.add("capture_skipped")
             return
         pool = get_token_to_kv_pool()
         k = torch.stack([pool.get_key_buffer(i)[rows.slots] for i in range(len(self.layers))]).clone()
@@ -246,9 +248,9 @@ class PlanExecutor:
             size = self.store.put(plan.key, to_entry(self.model_id, plan.grid, image, plan.prefix))
         except Exception:
             log.exception("revisit: storing %s failed", plan.key)
-            self.stats["store_failed"] += 1
+            self.events.add("store_failed")
             return
-        self.stats["stored"] += 1
+        self.events.add("stored")
         log.info("revisit: stored %s (%d tokens, %d bytes)", plan.key[:16], image.tokens, size)
 
     def flush(self, timeout: float | None = None) -> None:

@@ -30,7 +30,7 @@ class ExecutesPlans:
             input_ids, forward_batch, lambda: engine.forward(input_ids, positions, forward_batch, *args, **kwargs))
 
     def get_image_feature(self, items):
-        self.executor.stats["vision_images"] += len(items)
+        self.executor.events.add("vision_images", len(items))
         log.info("revisit: vision tower encoded %d image(s)", len(items))
         return super().get_image_feature(items)
 

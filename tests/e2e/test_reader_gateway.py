@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from offline.reader_eval import (
     make_pairs,
 )
 from store import StoreConfig
-from tests.conftest import WORKER_READY_TIMEOUT_S, free_port, run_gateway
+from tests.conftest import WORKER_READY_TIMEOUT_S, free_port, run_gateway, worker_events
 
 pytestmark = pytest.mark.sglang
 
@@ -60,12 +61,33 @@ def test_the_served_reader_reads_and_reuse_keeps_its_answers(reader_gateway) -> 
         client = openai.AsyncOpenAI(base_url=reader_gateway.url + "/v1", api_key="sk-reader", max_retries=0,
                                     timeout=300)
         accuracy = await gateway_accuracy(client, READER_ID, fresh_questions(60, seed=21))
-        report = await evaluate_gateway(client, READER_ID, make_pairs(12, seed=21), pause_s=0.5)
-        return accuracy, report
+        before = worker_events(workers)
 
-    accuracy, report = asyncio.run(run())
+        async def stored_every_miss() -> None:
+            """Until the worker has stored the entry of every miss it ran (bounded)."""
+            for _ in range(300):
+                events = await asyncio.to_thread(worker_events, workers)
+                if events["miss"] - before["miss"] <= events["stored"] - before["stored"]:
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError("the worker did not store its misses' entries")
+
+        report = await evaluate_gateway(client, READER_ID, make_pairs(12, seed=21), settle=stored_every_miss)
+        await stored_every_miss()
+        return accuracy, report, worker_events(workers) - before
+
+    workers = reader_gateway.config.workers
+    accuracy, report, events = asyncio.run(run())
     assert accuracy >= 0.9
     tallies = report.tallies
+    # What the worker executed is what the gateway reported: every miss ran the vision tower and the full prefill
+    # and was stored, every exact plan reused stored KV (or found all its rows in SGLang's radix cache already).
+    reported = Counter()
+    for name, kinds in tallies.items():
+        reported[name.split(": ")[1]] += sum(tally.asked for tally in kinds.values())
+    assert events["miss"] == reported["miss"] == events["stored"]
+    assert events["exact_executed"] + events["exact_served_by_prefix_cache"] == reported["exact_same_prefix"] == 12
+    assert events["exact_fallback"] == 0 and events["plan_refused"] == 0 and events["plan_mismatch"] == 0
     # A and B are different images: B is planned as a miss after A and answered from its own pixels ...
     assert tallies["A: miss"][CHANGED].asked == 12 and tallies["A: miss"][CHANGED].right >= 10
     assert tallies["B: miss"][CHANGED].asked == 12 and tallies["B: miss"][CHANGED].right >= 10

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 
 import httpx
 import pytest
 
+from gateway.images import token_grid
 from plan import RID_PREFIX, ImagePlan, RequestPlan
+from tests.conftest import worker_events
 from tests.images_lib import data_url, encode, small
 
 pytestmark = pytest.mark.sglang
@@ -41,19 +44,48 @@ def wait_stored(gateway, key: str) -> None:
         time.sleep(0.2)
 
 
+def executed(gateway, before: Counter, **expected: int) -> Counter:
+    """The workers' execution events since before; waits (bounded) for the expected counts, as a miss's entry is
+    written after its answer."""
+    deadline = time.monotonic() + 60
+    while True:
+        delta = worker_events(gateway.config.workers)
+        delta.subtract(before)
+        if all(delta[event] >= count for event, count in expected.items()) or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.2)
+
+
+def flush_worker_prefix_caches(gateway) -> None:
+    """Empty SGLang's radix caches, so a hit is served by this project's reuse rather than SGLang's own."""
+    for url in gateway.config.workers:
+        assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+
+
 def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway, picture) -> None:
+    before = worker_events(gateway.config.workers)
     first = ask(gateway, "Look:", picture)
     key = first.headers["x-revisit-image-keys"]
     assert first.headers["x-revisit-reuse"] == "miss"
     wait_stored(gateway, key)
+    done = executed(gateway, before, miss=1, stored=1)
+    assert (done["miss"], done["stored"], done["vision_images"], done["exact_executed"]) == (1, 1, 1, 0)
 
+    flush_worker_prefix_caches(gateway)
+    before = worker_events(gateway.config.workers)
     again = ask(gateway, "Look:", picture)
     assert again.headers["x-revisit-reuse"] == "exact_same_prefix"
     assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    done = executed(gateway, before, exact_executed=1)
+    assert (done["exact_executed"], done["exact_fallback"], done["vision_images"], done["miss"]) == (1, 0, 0, 0)
+    assert done["exact_rows_reused"] == token_grid(196, 196, gateway.config.processor).tokens  # every image row
 
+    before = worker_events(gateway.config.workers)
     moved = ask(gateway, "Before that, a much longer preamble came along. Look:", picture)
     assert moved.headers["x-revisit-reuse"] == "exact_moved"
     assert moved.json()["choices"][0]["message"]["content"]
+    done = executed(gateway, before, exact_executed=1)
+    assert (done["exact_executed"], done["exact_fallback"], done["vision_images"]) == (1, 0, 0)
 
     entry = gateway.app.state.services.policy.get(key)
     assert entry.exact_hits == 2 and entry.size_bytes == gateway.app.state.services.cache.store.size_of(key)

@@ -1,0 +1,54 @@
+"""What the executor did, counted, so that tests and operators see execution rather than intent.
+
+Every image a plan names ends in events (one name per outcome, below). They are kept in-process
+(``ExecutionEvents.counts``) and, where SGLang runs with ``--enable-metrics`` (the launcher always asks for it), as
+the Prometheus counter ``revisit_worker_events_total{event=...}`` on the worker's own ``/metrics``: the model runs
+in SGLang's scheduler process, whose counters SGLang's multiprocess registry serves from the HTTP process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+METRIC = "revisit_worker_events"
+
+EVENTS = {
+    "miss": "an image planned as a miss ran the vision tower and the full prefill",
+    "exact_executed": "an exact plan ran: stored encoder output and K/V reused, the planned rows recomputed",
+    "exact_rows_reused": "image rows (summed over images) whose K/V came from the store at some layer",
+    "exact_fallback": "an exact plan found no usable entry (absent, damaged, foreign): full prefill instead",
+    "exact_served_by_prefix_cache": "an exact plan's image rows were all in SGLang's radix cache already",
+    "approximate_not_executed": "an approximate plan ran as a full prefill (not executed by workers yet)",
+    "plan_refused": "a request id carried a damaged plan or one of an unknown version; ran unplanned",
+    "plan_mismatch": "a plan did not fit its request's images; ran unplanned",
+    "encoder_from_store": "a stored encoder output was put in SGLang's encoder cache (the vision tower skipped)",
+    "vision_images": "images the vision tower encoded",
+    "stored": "entries written to the store after a miss",
+    "store_failed": "entries that could not be written",
+    "capture_skipped": "misses whose encoder output SGLang no longer held, so nothing was stored",
+}
+
+
+class ExecutionEvents:
+    """Counts of EVENTS; see the module docstring. Thread-safe enough for the executor's two threads (the
+    forward and the store writer): each increment is one dictionary update under the GIL."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._metric = None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by SGLang before it starts the scheduler
+            from prometheus_client import Counter as PrometheusCounter
+
+            self._metric = PrometheusCounter(METRIC, "What the engine extension executed, by event.", ["event"],
+                                             registry=None)
+
+    def add(self, event: str, count: int = 1) -> None:
+        if event not in EVENTS:
+            raise ValueError(f"unknown execution event {event!r}")
+        self.counts[event] += count
+        if self._metric is not None:
+            self._metric.labels(event).inc(count)
+
+    def __getitem__(self, event: str) -> int:
+        return self.counts[event]
