@@ -1,7 +1,6 @@
 """Worker health as the pool sees it, against real HTTP servers on loopback."""
 
-import asyncio
-import time
+import threading
 from http.server import BaseHTTPRequestHandler
 
 import httpx
@@ -12,12 +11,13 @@ from tests.http_server import serve_handler
 
 
 class SlowHealth(BaseHTTPRequestHandler):
-    """Answers /health, but only after ``delay`` seconds (a worker busy with a long prefill)."""
+    """Answers /health at once, or, while ``answer`` is clear, only once it is set again (a worker busy with a
+    long prefill): a check then times out whatever the machine's speed, and setting it lets the answers go."""
 
-    delay = 0.0
+    answer: threading.Event
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        time.sleep(type(self).delay)
+        type(self).answer.wait(timeout=60)
         self.send_response(200)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -26,40 +26,44 @@ class SlowHealth(BaseHTTPRequestHandler):
         pass
 
 
+def slow_health():
+    answer = threading.Event()
+    answer.set()
+    return type("Handler", (SlowHealth,), {"answer": answer}), answer
+
+
 async def test_a_slow_health_answer_does_not_take_a_worker_out_at_once():
-    handler = type("Handler", (SlowHealth,), {"delay": 0.0})
+    handler, answer = slow_health()
     with serve_handler(handler) as url:
         async with httpx.AsyncClient() as client:
             pool = WorkerPool([url], client, interval_s=3600, timeout_s=0.2, misses_allowed=3)
             await pool.check_all()
             assert pool.ready
-            handler.delay = 0.5
+            answer.clear()
             for _ in range(2):
                 await pool.check_all()
                 assert pool.ready, "two slow answers in a row must not take the worker out"
             await pool.check_all()
             assert not pool.ready and pool.workers[0].missed_checks == 3
-            handler.delay = 0.0
-            await asyncio.sleep(1.0)  # let the server finish the slow answers
+            answer.set()  # the held answers go out; the next check is answered at once
             await pool.check_all()
             assert pool.ready and pool.workers[0].missed_checks == 0
 
 
 async def test_a_busy_worker_is_not_taken_out_for_slow_health_answers():
-    handler = type("Handler", (SlowHealth,), {"delay": 0.0})
+    handler, answer = slow_health()
     with serve_handler(handler) as url:
         async with httpx.AsyncClient() as client:
             pool = WorkerPool([url], client, interval_s=3600, timeout_s=0.2, misses_allowed=2)
             await pool.check_all()
-            handler.delay = 0.5
+            answer.clear()
             async with pool.lease(pool.workers[0]):  # a request in flight
                 for _ in range(4):
                     await pool.check_all()
                 assert pool.ready and pool.workers[0].missed_checks == 4
             await pool.check_all()  # idle again, still slow: out
             assert not pool.ready
-            handler.delay = 0.0
-            await asyncio.sleep(1.0)
+            answer.set()
 
 
 async def test_nothing_listening_takes_a_worker_out_at_once():

@@ -43,13 +43,20 @@ def test_dram_writer_killed_mid_put_leaves_no_partial_entry(store_config):
     deadline = time.monotonic() + 60
     temps: list[str] = []
     try:
+        # Freeze the writer as soon as a temp file shows; if that put is still under way (its temp file still
+        # there), kill it now, frozen mid-put; otherwise let it go on and try again with the next put.
         while not temps and time.monotonic() < deadline and proc.is_alive():
-            if path.is_dir():
-                temps = [name for name in os.listdir(path) if name.startswith(TEMP_PREFIX)]
+            seen = [name for name in os.listdir(path) if name.startswith(TEMP_PREFIX)] if path.is_dir() else []
+            if not seen:
+                continue
+            os.kill(proc.pid, signal.SIGSTOP)
+            temps = [name for name in seen if (path / name).exists()]
+            if not temps:
+                os.kill(proc.pid, signal.SIGCONT)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.join(timeout=10)
-    assert temps, "the writer never got into a put"
+    assert temps, "the writer was never caught inside a put"
     half_written_key = temps[0].split(".")[3]
     store = DramTier(path, pin_host_memory=False)
     assert store.removed_stale_temps >= 1
