@@ -242,7 +242,7 @@ class GatewayConfig:
         env = EnvReader(environ, error=ConfigError)
 
         def get(name: str, cast: type, default: Any = None) -> Any:
-            read = {str: env.str, int: env.int, float: env.float, bool: env.bool}[cast]
+            read = {str: env.string, int: env.integer, float: env.number, bool: env.flag}[cast]
             return read(ENV_PREFIX + name, default)
 
         kwargs: dict[str, Any] = {}

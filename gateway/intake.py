@@ -30,7 +30,7 @@ class IntakeResult:
     images: tuple[CanonicalImage, ...]
     namespace: str
     # Per image: a digest of everything the prompt holds before it (see prefix_digests).
-    prefixes: tuple[str, ...] = ()
+    prefix_digests: tuple[str, ...] = ()
 
 
 class Intake:
@@ -58,7 +58,7 @@ class Intake:
             params=params,
             images=tuple(images),
             namespace=namespace,
-            prefixes=prefix_digests(body, refs, images),
+            prefix_digests=prefix_digests(body, refs, images),
         )
 
     async def _resolve(self, ref: ImagePartRef, namespace: str) -> CanonicalImage:

@@ -68,15 +68,15 @@ class Planner:
     def _plan_images(self, intake: IntakeResult) -> tuple[list[ImagePlan], list[str]]:
         """The cache thread's part of plan()."""
         plans, kinds = [], []
-        for image, prefix in zip(intake.images, intake.prefixes, strict=True):
+        for image, prefix_digest in zip(intake.images, intake.prefix_digests, strict=True):
             grid = (image.grid.rows, image.grid.cols)
-            origin = self._origin(image.key)
-            if origin is None:
+            stored_digest = self._stored_prefix_digest(image.key)
+            if stored_digest is None:
                 plans.append(ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
-                                       prefix=prefix))
+                                       prefix_digest=prefix_digest))
                 kinds.append("miss")
                 continue
-            same = origin == prefix
+            same = stored_digest == prefix_digest
             if not same and self.settings.ratios is None:
                 # Moving the image needs per-layer ratios, which need the model's layer count: recompute it all.
                 plans.append(ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
@@ -84,7 +84,7 @@ class Planner:
                 kinds.append("miss")
                 continue
             plans.append(ImagePlan(key=image.key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid,
-                                   ratios=() if same else self.settings.ratios, prefix=prefix))
+                                   ratios=() if same else self.settings.ratios, prefix_digest=prefix_digest))
             kinds.append("exact_same_prefix" if same else "exact_moved")
             self.cache.record_exact_hit(image.key)
         self.counts.update(kinds)
@@ -95,7 +95,7 @@ class Planner:
         for image in intake.images:
             _remember(self._holder, image.key, worker_url)
 
-    def _origin(self, key: str) -> str | None:
+    def _stored_prefix_digest(self, key: str) -> str | None:
         """The prefix digest recorded in the entry stored under key ("" when unknown), or None when no usable entry
         is stored; admits entries workers wrote since the last look. Cache thread only."""
         store = self.cache.store
@@ -106,9 +106,9 @@ class Planner:
                 self.cache.remove(key, force=True)
             return None
         with header:
-            origin = header.header.origin
+            stored_digest = header.header.prefix_digest
         if in_books:
-            return origin
+            return stored_digest
         size = store.size_of(key)
         if size is None:
             return None
@@ -117,7 +117,7 @@ class Planner:
             store.remove(key, force=True)  # no room for it anywhere: do not keep bytes the books do not track
             return None
         self.counts["admitted"] += 1
-        return origin
+        return stored_digest
 
 
 def _remember(mapping: OrderedDict, key: str, value) -> None:

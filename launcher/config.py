@@ -33,4 +33,4 @@ class LauncherConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LauncherConfig:
         """``REVISIT_CPU_THREADS`` (default: the cores available); a bad value raises LauncherConfigError."""
         env = EnvReader(environ, error=LauncherConfigError)
-        return cls(cpu_threads=env.int(ENV_CPU_THREADS) or default_cpu_threads())
+        return cls(cpu_threads=env.integer(ENV_CPU_THREADS) or default_cpu_threads())

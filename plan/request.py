@@ -14,7 +14,7 @@ The wire form is compact JSON with a version; a worker refuses a version it does
 guess, and runs the request without a plan (a full prefill).
 
 Transport: the plan rides in the request id (SGLang's ``rid``, which reaches the model's forward and is unique
-among requests in flight): ``rv1.<request id>.<base64 of the zlib'd JSON>.`` The gateway replaces the id in what
+among requests in flight): ``rv2.<request id>.<base64 of the zlib'd JSON>.`` The gateway replaces the id in what
 it returns to clients, so the plan is never shown to them; anything SGLang appends after the last dot (it suffixes
 ids of parallel samples) is ignored.
 """
@@ -33,7 +33,7 @@ from typing import Any
 from plan.errors import PlanError
 from plan.ratios import check_ratios
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 RID_PREFIX = f"rv{PLAN_VERSION}."
 
 MISS, EXACT, APPROXIMATE = "miss", "exact", "approximate"
@@ -54,13 +54,13 @@ class ImagePlan:
     recompute_share: float = 0.0  # approximate: rho
     selector: str = "default"  # which token selection (baselines are chosen per request for evaluation)
     store: bool = True  # miss: whether the worker writes the entry
-    prefix: str = ""  # the gateway's digest of the prompt before the image; the worker records it in the entry
+    prefix_digest: str = ""  # the gateway's digest of the prompt before the image; the worker records it in the entry
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not _KEY_RE.match(self.key):
             raise PlanError(f"key must be 64 lowercase hex characters, got {self.key!r:.80}")
-        if not isinstance(self.prefix, str) or len(self.prefix) > 128:
-            raise PlanError("prefix must be a string of at most 128 characters")
+        if not isinstance(self.prefix_digest, str) or len(self.prefix_digest) > 128:
+            raise PlanError("prefix_digest must be a string of at most 128 characters")
         if self.strategy not in STRATEGIES:
             raise PlanError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if len(self.grid) != 2 or any(not isinstance(g, int) or g <= 0 for g in self.grid):

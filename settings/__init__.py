@@ -5,7 +5,7 @@ Each part keeps one frozen config dataclass (``GatewayConfig``, ``StoreConfig``,
 raises the part's own error, naming the variable, for a value it cannot parse. An empty variable counts as unset.
 
     env = EnvReader(os.environ, error=ConfigError)
-    env.int("REVISIT_MAX_IMAGES_PER_REQUEST")            # None when unset
+    env.integer("REVISIT_MAX_IMAGES_PER_REQUEST")        # None when unset
     env.fields(StoreConfig, "REVISIT_STORE_")            # every REVISIT_STORE_<FIELD>, typed by the field
 """
 
@@ -37,17 +37,17 @@ class EnvReader:
         value = self.environ.get(name)
         return None if value is None or value == "" else value
 
-    def str(self, name: str, default: str | None = None) -> str | None:
+    def string(self, name: str, default: str | None = None) -> str | None:
         value = self.raw(name)
         return default if value is None else value
 
-    def int(self, name: str, default: int | None = None) -> int | None:
+    def integer(self, name: str, default: int | None = None) -> int | None:
         return self._parse(name, int, "int", default)
 
-    def float(self, name: str, default: float | None = None) -> float | None:
+    def number(self, name: str, default: float | None = None) -> float | None:
         return self._parse(name, float, "float", default)
 
-    def bool(self, name: str, default: bool | None = None) -> bool | None:
+    def flag(self, name: str, default: bool | None = None) -> bool | None:
         return self._parse(name, _to_bool, "bool (0/1, true/false, yes/no)", default)
 
     def path(self, name: str, default: Path | None = None) -> Path | None:
@@ -77,11 +77,12 @@ class EnvReader:
         return values
 
     def _by_type(self, var: str, type_name: str) -> Any:
-        for prefix, read in (("int", self.int), ("float", self.float), ("bool", self.bool), ("Path", self.path),
-                             ("tuple", self.csv)):
+        readers = (("int", self.integer), ("float", self.number), ("bool", self.flag), ("Path", self.path),
+                   ("tuple", self.csv))
+        for prefix, read in readers:
             if type_name.startswith(prefix):
                 return read(var)
-        return self.str(var)
+        return self.string(var)
 
     def _parse(self, name: str, cast: Any, expected: str, default: Any) -> Any:
         raw = self.raw(name)

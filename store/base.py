@@ -62,11 +62,13 @@ class KVStore(ABC):
         """The whole entry, verified, as a zero-copy handle; None when absent or damaged. Close the handle."""
 
     @abstractmethod
-    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int]) -> SparseRead | None:
+    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
+                   with_encoder: bool = False) -> SparseRead | None:
         """Layers [start, stop) of the given tokens (strictly increasing indices), reading and verifying only those
-        byte ranges plus the header. None when absent or when the header or any read block is damaged.
-        An empty token list reads and verifies only the header (positions, shapes). Never moves the entry.
-        Raises InvalidReadError for tokens or layers the entry does not have. Close the handle.
+        byte ranges plus the header, and the encoder output when with_encoder. None when absent or when the header
+        or any read block is damaged. An empty token list reads and verifies only the header (positions, shapes).
+        Never moves the entry. Raises InvalidReadError for tokens or layers the entry does not have. Close the
+        handle.
         """
 
     @abstractmethod
@@ -122,10 +124,10 @@ class BufferTier(KVStore):
     def get(self, key: str) -> EntryView | None:
         return self._read(key, lambda view, release: open_full(self.name, view, release))
 
-    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int]) -> SparseRead | None:
-        return self._read(
-            key, lambda view, release: open_sparse(self.name, view, token_indices, layer_range, release)
-        )
+    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
+                   with_encoder: bool = False) -> SparseRead | None:
+        return self._read(key, lambda view, release: open_sparse(self.name, view, token_indices, layer_range, release,
+                                                                 with_encoder=with_encoder))
 
     @abstractmethod
     def _read(self, key: str, opener): ...

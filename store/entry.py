@@ -91,12 +91,13 @@ class EntryHeader:
     encoder_shape: tuple[int, ...]
     encoder_dtype: str
     position_dims: int = 1
-    # Free-form provenance from the writer (the gateway's digest of the prompt before the image); at most 256 chars.
-    origin: str = ""
+    # The gateway's digest of the prompt before the image when the entry was made (gateway/intake.py
+    # prefix_digests); empty when unknown. At most 256 characters.
+    prefix_digest: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.origin, str) or len(self.origin) > 256:
-            raise EntryFormatError("origin must be a string of at most 256 characters")
+        if not isinstance(self.prefix_digest, str) or len(self.prefix_digest) > 256:
+            raise EntryFormatError("prefix_digest must be a string of at most 256 characters")
         _itemsize(self.kv_dtype)
         _itemsize(self.encoder_dtype)
         if min(self.num_layers, self.kv_heads, self.head_dim) < 1 or min(self.grid) < 1:
@@ -143,8 +144,8 @@ class EntryHeader:
             "encoder_shape": list(self.encoder_shape),
             "encoder_dtype": self.encoder_dtype,
         }
-        if self.origin:
-            meta["origin"] = self.origin
+        if self.prefix_digest:
+            meta["prefix_digest"] = self.prefix_digest
         return json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
 
     @cached_property
@@ -216,7 +217,7 @@ class Entry:
         v: Any,
         kv_dtype: str | None = None,
         encoder_dtype: str | None = None,
-        origin: str = "",
+        prefix_digest: str = "",
     ) -> Entry:
         """Build an entry from numpy arrays or CPU/GPU torch tensors (copied to host).
 
@@ -238,7 +239,7 @@ class Entry:
                              num_layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                              positions=tuple(positions_np.reshape(-1).tolist()), position_dims=positions_np.shape[1],
                              encoder_shape=tuple(int(d) for d in enc_np.shape), encoder_dtype=enc_dtype,
-                             origin=origin)
+                             prefix_digest=prefix_digest)
         buf = bytearray(header.total_nbytes)
         kv = np.frombuffer(buf, dtype=DTYPES[k_dtype], offset=header.kv_offset).reshape(
             tokens, layers, 2, kv_heads, head_dim)  # (T, L, 2, H, D)
@@ -320,7 +321,7 @@ def parse_header(buf: memoryview) -> ParsedHeader:
                              num_layers=meta["num_layers"], kv_heads=meta["kv_heads"], head_dim=meta["head_dim"],
                              positions=tuple(positions.tolist()), encoder_shape=tuple(meta["encoder_shape"]),
                              encoder_dtype=meta["encoder_dtype"],
-                             position_dims=meta["position_dims"], origin=meta.get("origin", ""))
+                             position_dims=meta["position_dims"], prefix_digest=meta.get("prefix_digest", ""))
     except (ValueError, KeyError, TypeError, EntryFormatError) as exc:
         raise DamagedEntryError(f"unreadable metadata: {exc}") from exc
     if header.header_nbytes != header_n or header.total_nbytes != total_n:
@@ -331,9 +332,22 @@ def parse_header(buf: memoryview) -> ParsedHeader:
 
 def verify_full(buf: memoryview, parsed: ParsedHeader) -> None:
     """Check the encoder output and the whole KV region. Raises DamagedEntryError."""
-    enc, kv = parsed.header.encoder_range, parsed.header.kv_range
-    if _hash(buf[enc.start : enc.stop]) != parsed.encoder_xxh3 or _hash(buf[kv.start : kv.stop]) != parsed.kv_xxh3:
-        raise DamagedEntryError("payload checksum mismatch")
+    verify_encoder(buf, parsed)
+    verify_kv(buf, parsed)
+
+
+def verify_encoder(buf: memoryview, parsed: ParsedHeader) -> None:
+    """Check the encoder output. Raises DamagedEntryError."""
+    enc = parsed.header.encoder_range
+    if _hash(buf[enc.start : enc.stop]) != parsed.encoder_xxh3:
+        raise DamagedEntryError("encoder output checksum mismatch")
+
+
+def verify_kv(buf: memoryview, parsed: ParsedHeader) -> None:
+    """Check the whole KV region in one pass. Raises DamagedEntryError."""
+    kv = parsed.header.kv_range
+    if _hash(buf[kv.start : kv.stop]) != parsed.kv_xxh3:
+        raise DamagedEntryError("KV checksum mismatch")
 
 
 def verify_blocks(buf: memoryview, parsed: ParsedHeader, token: int, layer_start: int, layer_stop: int) -> None:

@@ -52,10 +52,11 @@ class TieredStore(KVStore):
                 return view
         return None
 
-    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int]) -> SparseRead | None:
+    def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
+                   with_encoder: bool = False) -> SparseRead | None:
         validate_key(key)
         for tier in self.tiers:
-            read = tier.get_sparse(key, token_indices, layer_range)
+            read = tier.get_sparse(key, token_indices, layer_range, with_encoder=with_encoder)
             if read is not None:
                 return read
         return None

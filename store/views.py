@@ -12,7 +12,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from store.entry import DTYPES, EntryHeader, ParsedHeader, kv_array, parse_header, verify_blocks, verify_full
+from store.entry import (
+    DTYPES,
+    EntryHeader,
+    ParsedHeader,
+    kv_array,
+    parse_header,
+    verify_blocks,
+    verify_encoder,
+    verify_full,
+    verify_kv,
+)
 from store.errors import InvalidReadError
 
 
@@ -98,27 +108,53 @@ class SparseRead(_Handle):
     """
 
     def __init__(self, *, tier: str, header: EntryHeader, token_indices: tuple[int, ...], layer_start: int,
-                 layer_stop: int, segments: tuple[SparseSegment, ...], release: Callable[[], None]) -> None:
+                 layer_stop: int, segments: tuple[SparseSegment, ...], release: Callable[[], None],
+                 encoder: memoryview | None = None) -> None:
         super().__init__(tier, release)
         self.header = header
         self.token_indices = token_indices
         self.layer_start = layer_start
         self.layer_stop = layer_stop
         self.segments = segments
+        self.encoder = encoder  # the verified encoder output, when it was asked for
         self.bytes_read = sum(s.data.nbytes for s in segments)
 
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """(len(token_indices), layer_stop - layer_start, 2, kv_heads, head_dim)."""
+        h = self.header
+        return len(self.token_indices), self.layer_stop - self.layer_start, 2, h.kv_heads, h.head_dim
+
     def gather(self) -> bytes:
-        """One copy in request order: (len(token_indices), layer_stop - layer_start, 2, kv_heads, head_dim)."""
+        """One copy in request order, of self.shape."""
         return b"".join(s.data for s in self.segments)
 
     def gather_array(self) -> np.ndarray:
-        h = self.header
-        out = np.frombuffer(self.gather(), dtype=DTYPES[h.kv_dtype])
-        return out.reshape(len(self.token_indices), self.layer_stop - self.layer_start, 2, h.kv_heads, h.head_dim)
+        return np.frombuffer(self.gather(), dtype=DTYPES[self.header.kv_dtype]).reshape(self.shape)
+
+    def gather_into(self, out: np.ndarray) -> np.ndarray:
+        """Copy into a caller's C-contiguous array of self.shape and the stored dtype (e.g. a pinned host buffer):
+        one copy, without the GIL for large segments. Returns out."""
+        if out.shape != self.shape or out.dtype != DTYPES[self.header.kv_dtype] or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous {self.shape} {DTYPES[self.header.kv_dtype]}, got "
+                             f"{out.shape} {out.dtype}")
+        flat = out.reshape(len(self.token_indices), -1)
+        for segment in self.segments:
+            rows = flat[segment.first : segment.first + segment.token_count]
+            np.copyto(rows, np.frombuffer(segment.data, dtype=out.dtype).reshape(rows.shape))
+        return out
+
+    def encoder_array(self) -> np.ndarray:
+        """Zero-copy numpy view of the encoder output in its stored shape. Valid until close()."""
+        if self.encoder is None:
+            raise InvalidReadError("the encoder output was not asked for (with_encoder=True)")
+        return np.frombuffer(self.encoder, dtype=DTYPES[self.header.encoder_dtype]).reshape(self.header.encoder_shape)
 
     def _drop_views(self) -> None:
         for segment in self.segments:
             release_view(segment.data)
+        if self.encoder is not None:
+            release_view(self.encoder)
 
 
 def release_view(view: memoryview) -> None:
@@ -149,18 +185,28 @@ def check_sparse_request(header: EntryHeader, token_indices: Sequence[int],
 
 
 def open_sparse(tier: str, buffer: memoryview, token_indices: Sequence[int], layer_range: tuple[int, int],
-                release: Callable[[], None]) -> SparseRead:
-    """Verify the header and exactly the requested blocks; coalesce requested ranges that touch.
+                release: Callable[[], None], *, with_encoder: bool = False) -> SparseRead:
+    """Verify the header and exactly the requested blocks (and the encoder output when asked); coalesce requested
+    ranges that touch. A request for every block is verified with the whole-region checksum in one pass.
 
     Raises DamagedEntryError, or InvalidReadError for a request the entry cannot satisfy.
     """
     parsed = parse_header(buffer)
     header = parsed.header
     tokens, layer_start, layer_stop = check_sparse_request(header, token_indices, layer_range)
+    encoder = None
+    if with_encoder:
+        verify_encoder(buffer, parsed)
+        r = header.encoder_range
+        encoder = buffer[r.start : r.stop]
+    whole = len(tokens) == header.num_tokens and (layer_start, layer_stop) == (0, header.num_layers)
+    if whole:
+        verify_kv(buffer, parsed)
     segments: list[SparseSegment] = []
     run_first, run_start, run_stop = 0, 0, -1
     for position, token in enumerate(tokens):
-        verify_blocks(buffer, parsed, token, layer_start, layer_stop)
+        if not whole:
+            verify_blocks(buffer, parsed, token, layer_start, layer_stop)
         start, stop = header.token_layers_range(token, layer_start, layer_stop)
         if start == run_stop:  # only when all layers are requested and tokens are consecutive
             run_stop = stop
@@ -171,4 +217,4 @@ def open_sparse(tier: str, buffer: memoryview, token_indices: Sequence[int], lay
     if run_stop >= 0:
         segments.append(SparseSegment(run_first, len(tokens) - run_first, buffer[run_start:run_stop]))
     return SparseRead(tier=tier, header=header, token_indices=tokens, layer_start=layer_start,
-                      layer_stop=layer_stop, segments=tuple(segments), release=release)
+                      layer_stop=layer_stop, segments=tuple(segments), release=release, encoder=encoder)

@@ -1,6 +1,19 @@
-"""Plan execution inside SGLang workers: locate image rows, read and write store entries, run reuse."""
+"""Plan execution inside SGLang workers.
+
+- :mod:`engine_ext.executor.executor`: ``PlanExecutor``, per forward: which plan each image carries, and the
+  layer-by-layer decoder for reused rows.
+- :mod:`engine_ext.executor.rows`: where each image of a batch sits (prompt rows, batch rows, pool slots), and how
+  deep each row is computed (``reuse_depths``).
+- :mod:`engine_ext.executor.attention`: attention for the computed rows only, over the KV pool.
+- :mod:`engine_ext.executor.entries`: store entries as the worker writes them and reads them (header and encoder
+  output before the forward, K/V row groups on a reader thread during it).
+- :mod:`engine_ext.executor.events`: what was executed, counted (the worker's /metrics).
+- :mod:`engine_ext.executor.model`: the mixin SGLang's model classes take to route forwards through the executor.
+
+Everything but ``executor`` and ``model`` runs without SGLang.
+"""
 
 from engine_ext.executor.entries import StoredImage, read, to_entry
-from engine_ext.executor.rows import ImageRows, locate
+from engine_ext.executor.rows import ImageRows, locate, reuse_depths
 
-__all__ = ["ImageRows", "StoredImage", "locate", "read", "to_entry"]
+__all__ = ["ImageRows", "StoredImage", "locate", "read", "reuse_depths", "to_entry"]

@@ -1,12 +1,25 @@
-"""Store entries as the worker reads and writes them: an image's encoder output, positions and K/V of all layers."""
+"""Store entries as the worker reads and writes them: an image's encoder output, positions and K/V of all layers.
+
+Writes (after a miss) go whole: :func:`to_entry`. Reads for an exact plan come in two parts, so that the forward
+waits for as little as possible:
+
+- :func:`read_head` before the forward: the header and the encoder output (verified), a few percent of the entry.
+  The encoder output must be in place before the forward embeds the prompt, and the header says whether the entry
+  fits this request at all (a miss otherwise, decided before anything runs).
+- :class:`KVFetch` during the forward: per group of rows that start reusing stored K/V at the same layer, a sparse
+  read of exactly those rows' layers (the store's patch-first layout makes each row's late layers one byte range),
+  on a reader thread, waited for only at the layer that first needs it.
+"""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine_ext.rope import reposition
 from store import Entry, KVStore
 from store.entry import DTYPES
 
@@ -23,10 +36,10 @@ class StoredImage:
         return int(self.k.shape[1])
 
 
-def to_entry(model_id: str, grid: tuple[int, int], image: StoredImage, origin: str = "") -> Entry:
+def to_entry(model_id: str, grid: tuple[int, int], image: StoredImage, prefix_digest: str = "") -> Entry:
     return Entry.from_arrays(model_id=model_id, grid=grid, positions=image.positions.T.contiguous(),
                              encoder_output=image.encoder, k=image.k.permute(0, 2, 1, 3), v=image.v.permute(0, 2, 1, 3),
-                             origin=origin)
+                             prefix_digest=prefix_digest)
 
 
 def _tensor(array: np.ndarray, dtype_name: str) -> torch.Tensor:
@@ -34,16 +47,96 @@ def _tensor(array: np.ndarray, dtype_name: str) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if dtype_name == "bfloat16" else tensor
 
 
+def _fits(header, *, model_id: str, layers: int, kv_heads: int, head_dim: int, tokens: int) -> bool:
+    return (header.model_id, header.num_layers, header.kv_heads, header.head_dim, header.num_tokens,
+            header.position_dims) == (model_id, layers, kv_heads, head_dim, tokens, 3) and header.kv_dtype in DTYPES
+
+
+@dataclass(frozen=True)
+class EntryHead:
+    """What an exact plan needs before the forward."""
+
+    positions: torch.Tensor  # (3, n) int64: the M-RoPE positions the stored keys were computed at
+    encoder: torch.Tensor  # as the vision tower gave it, on the host
+    kv_dtype: str
+
+
+def read_head(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads: int, head_dim: int,
+              tokens: int) -> EntryHead | None:
+    """The entry's header and encoder output, verified, if it is present and made by this model for an image of
+    this size; else None. Reads no K/V."""
+    read = store.get_sparse(key, [], (0, 1), with_encoder=True)
+    if read is None:
+        return None
+    with read:
+        h = read.header
+        if not _fits(h, model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens):
+            return None
+        encoder = _tensor(read.encoder_array(), h.encoder_dtype)
+        positions = torch.from_numpy(h.positions_array().astype(np.int64)).T.contiguous()
+    return EntryHead(positions=positions, encoder=encoder, kv_dtype=h.kv_dtype)
+
+
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Stored K/V of some image rows, used at layers [depth, layers)."""
+
+    depth: int
+    tokens: tuple[int, ...]  # the rows as indices into the image, increasing
+    k: torch.Tensor  # (layers - depth, len(tokens), kv_heads * head_dim), keys moved to this request's positions
+    v: torch.Tensor
+
+
+class KVFetch:
+    """Reads stored K/V on one reader thread; one per worker process. Each fetch is a Future of a KVGroup on the
+    requested device, or of None when the store no longer holds an intact copy of those blocks (the caller then
+    computes those rows instead)."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-kv-reader")
+
+    def fetch(self, store: KVStore, key: str, *, tokens: list[int], depth: int, layers: int, kv_dtype: str,
+              delta: int, frequencies: torch.Tensor, device: torch.device) -> Future[KVGroup | None]:
+        """Rows ``tokens`` of the entry under ``key``, layers [depth, layers), keys moved by ``delta`` positions."""
+        return self._thread.submit(_read_group, store, key, tuple(tokens), depth, layers, kv_dtype, delta,
+                                   frequencies, device)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def _read_group(store: KVStore, key: str, tokens: tuple[int, ...], depth: int, layers: int, kv_dtype: str,
+                delta: int, frequencies: torch.Tensor, device: torch.device) -> KVGroup | None:
+    read = store.get_sparse(key, tokens, (depth, layers))
+    if read is None:
+        return None
+    with read:
+        # (tokens, layers - depth, 2, kv_heads, head_dim): one copy out of the store, into pinned memory when the
+        # K/V go on to a GPU (a DMA copy from there).
+        host = torch.empty(read.shape, dtype=torch.int16 if kv_dtype == "bfloat16" else _TORCH_DTYPES[kv_dtype],
+                           pin_memory=device.type == "cuda")
+        read.gather_into(host.numpy().view(DTYPES[kv_dtype]))
+    kv = host.view(torch.bfloat16) if kv_dtype == "bfloat16" else host
+    kv = kv.to(device, non_blocking=True).transpose(0, 1)  # (layers - depth, tokens, 2, kv_heads, head_dim)
+    k = reposition(kv[:, :, 0], delta, frequencies.to(device))  # on the device: a GPU turns them in no time
+    return KVGroup(depth=depth, tokens=tokens, k=k.flatten(2), v=kv[:, :, 1].flatten(2))
+
+
 def read(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads: int, head_dim: int,
          tokens: int) -> StoredImage | None:
-    """The entry under key if it is present, intact and made by this model for an image of this size; else None."""
+    """The whole entry under key as a StoredImage if it is present, intact and made by this model for an image of
+    this size; else None. For checking what a worker stored (tests, tools); the executor reads with read_head and
+    KVFetch."""
     view = store.get(key)
     if view is None:
         return None
     with view:
         h = view.header
-        if (h.model_id, h.num_layers, h.kv_heads, h.head_dim, h.num_tokens, h.position_dims) != (
-                model_id, layers, kv_heads, head_dim, tokens, 3) or h.kv_dtype not in DTYPES:
+        if not _fits(h, model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens):
             return None
         kv = _tensor(view.kv_array(), h.kv_dtype)  # (T, L, 2, H, D)
         encoder = _tensor(view.encoder_array(), h.encoder_dtype)

@@ -18,6 +18,7 @@ EVENTS = {
     "exact_executed": "an exact plan ran: stored encoder output and K/V reused, the planned rows recomputed",
     "exact_rows_reused": "image rows (summed over images) whose K/V came from the store at some layer",
     "exact_fallback": "an exact plan found no usable entry (absent, damaged, foreign): full prefill instead",
+    "kv_read_failed": "image rows whose stored K/V could not be read mid-forward, computed from that layer on",
     "exact_served_by_prefix_cache": "an exact plan's image rows were all in SGLang's radix cache already",
     "approximate_not_executed": "an approximate plan ran as a full prefill (not executed by workers yet)",
     "plan_refused": "a request id carried a damaged plan or one of an unknown version; ran unplanned",

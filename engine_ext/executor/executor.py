@@ -1,17 +1,21 @@
 """Executing reuse plans inside an SGLang worker's model forward.
 
-For each extend batch, the executor reads the plan each request carries in its id (plan) and, per image:
+For each extend batch, the executor reads the plan each request carries in its id (plan.request) and, per image:
 
     miss   the normal forward runs; afterwards the image's K/V (all layers, from the KV pool), its encoder output
            and positions are written to the store (on a background thread) under the plan's key
-    exact  the entry is read from the store; its encoder output is put in SGLang's encoder cache so the vision tower
-           is skipped; its keys are moved to this request's positions; then the decoder runs layer by layer with
-           each image row computed only at the layers the plan's ratios give it, and its stored K/V written into
-           its pool slots at the others (offline.reference is the oracle for these semantics)
+    exact  the entry's header and encoder output are read before the forward (entries.read_head); the encoder output
+           goes into SGLang's encoder cache so the vision tower is skipped; then the decoder runs layer by layer with
+           each image row computed only at the layers the plan's ratios give it, and its stored K/V, moved to this
+           request's positions, written into its pool slots at the others. Those K/V are read on a reader thread,
+           row group by row group, only the rows and layers that are reused (entries.KVFetch), while the forward
+           runs the layers before them (offline.reference is the oracle for these semantics)
 
 An exact plan whose entry is absent, damaged, or not this model's falls back to a full prefill (and stores the
-entry); a request without a plan, or with one that does not fit its images, runs exactly as in SGLang. Rows an
-earlier request left in the radix cache are never touched. Approximate plans are not executed yet (full prefill).
+entry); K/V blocks found damaged during the forward have their rows computed from that layer on instead, which is
+what a full prefill computes for them. A request without a plan, or with one that does not fit its images, runs
+exactly as in SGLang. Rows an earlier request left in the radix cache are never touched. Approximate plans are not
+executed yet (full prefill). What was done is counted (executor.events).
 """
 
 from __future__ import annotations
@@ -19,15 +23,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from engine_ext.executor.entries import StoredImage, read, to_entry
+from engine_ext.executor.attention import PoolAttention
+from engine_ext.executor.entries import EntryHead, KVFetch, KVGroup, StoredImage, read_head, to_entry
 from engine_ext.executor.events import ExecutionEvents
-from engine_ext.executor.rows import ImageRows, locate
-from engine_ext.rope import inv_freq, reposition
+from engine_ext.executor.rows import ImageRows, locate, reuse_depths
+from engine_ext.rope import inv_freq
 from plan import EXACT, MISS, ImagePlan, PlanError, RequestPlan, recompute_count
 
 log = logging.getLogger(__name__)
@@ -35,12 +40,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _ReuseSpan:
-    """The image rows of one exact plan computed in this extend, and what replaces them where not computed."""
+    """The image rows of one exact plan computed in this extend, and where their stored K/V come from."""
 
     rows: ImageRows
-    depth: torch.Tensor  # per batch row of the span: how many leading layers compute it
-    k: torch.Tensor  # (layers, rows, kv_size) stored keys at this request's positions
-    v: torch.Tensor
+    depth: torch.Tensor  # (rows,) per batch row of the span: how many leading layers compute it
+    groups: list[tuple[int, torch.Tensor, Future[KVGroup | None]]]  # (depth, rows of the span, its K/V)
 
 
 class PlanExecutor:
@@ -57,6 +61,7 @@ class PlanExecutor:
         self._store = None
         self._store_lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-store-writer")
+        self._reader = KVFetch()
         self.events = ExecutionEvents()
         self._captured: dict[tuple[str, int], None] = {}  # insertion-ordered, bounded
 
@@ -142,39 +147,47 @@ class PlanExecutor:
     # --- exact hits ---
 
     def _prepare_reuse(self, rows: ImageRows, plan: ImagePlan, forward_batch) -> _ReuseSpan | None:
+        """Read what must be known before the forward; start reading the K/V it will need. None: full prefill."""
+        layers = len(self.layers)
         try:
-            stored = read(self.store, plan.key, model_id=self.model_id, layers=len(self.layers),
-                          kv_heads=self.kv_heads, head_dim=self.head_dim, tokens=rows.tokens)
+            head = read_head(self.store, plan.key, model_id=self.model_id, layers=layers, kv_heads=self.kv_heads,
+                             head_dim=self.head_dim, tokens=rows.tokens)
         except Exception:  # a store that cannot be read means a full prefill, never a failed request
             log.exception("revisit: reading %s failed", plan.key)
-            stored = None
-        if stored is None:
+            head = None
+        if head is None:
             log.info("revisit: exact plan for %s found no usable entry; full prefill", plan.key[:16])
             return None
-        now = forward_batch.mrope_positions[:, rows.batch_rows]
-        shift = now - stored.positions[:, rows.local_rows].to(now.dtype)
+        local = rows.local_rows
+        now = forward_batch.mrope_positions[:, rows.batch_rows]  # (3, rows)
+        shift = now - head.positions.to(now.device)[:, local]
         if not (shift == shift[0, 0]).all():
             log.warning("revisit: entry %s does not move as a whole to this prompt; full prefill", plan.key[:16])
             return None
-        self._cache_encoder_output(rows, stored)
-        layers = len(self.layers)
+        delta = int(shift[0, 0])
+        self._cache_encoder_output(rows, head)
         counts = [recompute_count(r, rows.tokens) for r in (plan.ratios or (0.0,) * layers)]
-        local = rows.local_rows
-        depth = torch.tensor([sum(1 for c in counts if c > i) for i in local.tolist()])
-        k = reposition(stored.k[:, local], int(shift[0, 0]), self.frequencies)
+        depth = reuse_depths(counts, local)  # (rows,)
+        groups = []
+        for d in sorted(set(depth.tolist()) - {layers}):  # rows computed at every layer read nothing
+            members = (depth == d).nonzero().flatten()  # (group rows,) indices into the span
+            future = self._reader.fetch(self.store, plan.key, tokens=local[members].tolist(), depth=d, layers=layers,
+                                        kv_dtype=head.kv_dtype, delta=delta, frequencies=self.frequencies,
+                                        device=depth.device)
+            groups.append((d, members, future))
         self.events.add("exact_executed")
         self.events.add("exact_rows_reused", int((depth < layers).sum()))
-        log.info("revisit: exact hit %s: %d image rows, moved by %d, recomputed per layer %s",
-                 plan.key[:16], len(local), int(shift[0, 0]), counts)
-        return _ReuseSpan(rows=rows, depth=depth, k=k.flatten(2), v=stored.v[:, local].flatten(2))
+        log.info("revisit: exact hit %s (%s): %d image rows, moved by %d, recomputed per layer %s",
+                 plan.key[:16], rows.rid[:40], len(local), delta, counts)
+        return _ReuseSpan(rows=rows, depth=depth, groups=groups)
 
-    def _cache_encoder_output(self, rows: ImageRows, stored: StoredImage) -> None:
+    def _cache_encoder_output(self, rows: ImageRows, head: EntryHead) -> None:
         """Put the stored encoder output where SGLang looks before running the vision tower."""
         from sglang.srt.managers import mm_schedule
         from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult
 
         cache = mm_schedule.embedding_cache
-        if cache is not None and cache.set(rows.item_hash, EmbeddingResult(embedding=stored.encoder)):
+        if cache is not None and cache.set(rows.item_hash, EmbeddingResult(embedding=head.encoder)):
             self.events.add("encoder_from_store")
 
     @torch.no_grad()
@@ -184,7 +197,7 @@ class PlanExecutor:
         Mirrors SGLang's Qwen2/Qwen3 decoder (residual adds, Qwen3's per-head q/k norms, Qwen3-VL's deepstack
         features added after the first layers), with one difference: rows are dropped from the computation as
         their depth runs out, and their stored K/V go to the KV pool instead. Attention is computed for the
-        active rows' queries only (_Attention), so a reused row costs neither projections nor attention.
+        active rows' queries only (PoolAttention), so a reused row costs neither projections nor attention.
         """
         from sglang.srt.managers.mm_utils import prepare_mm_inputs
 
@@ -197,24 +210,21 @@ class PlanExecutor:
         deepstack_layers = 0 if deepstack is None else len(getattr(model.model, "deepstack_embed_to_decoder_layer", ()))
         hidden_size = embeds.shape[-1]
         rows_total = embeds.shape[0]
-        depth = torch.full((rows_total,), len(self.layers))
+        depth = torch.full((rows_total,), len(self.layers), device=embeds.device)  # (batch rows,)
         for span in spans:
             depth[span.rows.batch_rows] = span.depth
-        attention = _Attention(forward_batch)
+        reused = _Reused(spans, depth, len(self.layers), self.events)
+        attention = PoolAttention(forward_batch)
         hidden = embeds.clone()
         for index, layer in enumerate(self.layers):
+            reused.arrive(index)  # waits for the K/V first used at this layer; computes rows whose read failed
             active = (depth > index).nonzero().flatten()
             attn = layer.self_attn
             x = hidden[active]
             q, k, v = _project(attn, positions[:, active], layer.input_layernorm(x))
             k_all, v_all = k.new_empty(rows_total, attn.kv_size), v.new_empty(rows_total, attn.kv_size)
             k_all[active], v_all[active] = k, v
-            for span in spans:
-                reused = span.depth <= index
-                if reused.any():
-                    batch_rows = span.rows.batch_rows[reused]
-                    k_all[batch_rows] = span.k[index, reused].to(k_all.dtype)
-                    v_all[batch_rows] = span.v[index, reused].to(v_all.dtype)
+            reused.write(index, k_all, v_all)
             attended, _ = attn.o_proj(attention(attn.attn, q, k_all, v_all, active))
             x = x + attended
             x = x + layer.mlp(layer.post_attention_layernorm(x), forward_batch=forward_batch)
@@ -245,7 +255,7 @@ class PlanExecutor:
 
     def _write(self, plan: ImagePlan, image: StoredImage) -> None:
         try:
-            size = self.store.put(plan.key, to_entry(self.model_id, plan.grid, image, plan.prefix))
+            size = self.store.put(plan.key, to_entry(self.model_id, plan.grid, image, plan.prefix_digest))
         except Exception:
             log.exception("revisit: storing %s failed", plan.key)
             self.events.add("store_failed")
@@ -258,59 +268,43 @@ class PlanExecutor:
         self._writer.submit(lambda: None).result(timeout)
 
 
-class _Attention:
-    """Causal attention for some of an extend batch's rows, over their sequences' K/V in SGLang's pool.
+class _Reused:
+    """The stored K/V of every reuse span in a forward, handed to the layers that use them.
 
-    SGLang's extend attention needs a query for every extend row (on CPU it even pads each sequence's queries to
-    its full length), so its cost grows with the whole sequence squared whether or not a row's output is used.
-    Here every extend row's K/V is written to its pool slot, as the backend would, and then only the given rows
-    ask: per sequence, its active queries against its keys up to each query's own position.
+    A group's read is waited for at the first layer that needs it (its depth), so reads overlap the layers before
+    it. A group whose read failed (its blocks damaged or gone since the header was read) has its rows computed from
+    that layer on: their hidden states are current, since every layer before it computed them.
     """
 
-    def __init__(self, forward_batch) -> None:
-        from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+    def __init__(self, spans: list[_ReuseSpan], depth: torch.Tensor, layers: int, events: ExecutionEvents) -> None:
+        self.depth = depth  # (batch rows,), shared with the forward: raised for rows whose read failed
+        self.layers = layers
+        self.events = events
+        self.pending = sorted(((d, span.rows.batch_rows[members], future) for span in spans
+                               for d, members, future in span.groups), key=lambda group: group[0])
+        self.ready: list[tuple[torch.Tensor, KVGroup]] = []  # (batch rows, K/V)
 
-        self.pool = get_token_to_kv_pool()
-        self.out_cache_loc = forward_batch.out_cache_loc
-        req_to_token = get_req_to_token_pool().req_to_token
-        prefix_lens = forward_batch.extend_prefix_lens_cpu
-        extend_lens = forward_batch.extend_seq_lens_cpu
-        seq_lens = forward_batch.seq_lens.tolist()
-        self.sequences = []  # (first extend row, end extend row, the sequence's slots)
-        where = []  # per extend row: its position in its own sequence
-        start = 0
-        for index, pool_index in enumerate(forward_batch.req_pool_indices.tolist()):
-            prefix, extend = int(prefix_lens[index]), int(extend_lens[index])
-            self.sequences.append((start, start + extend, req_to_token[pool_index, : seq_lens[index]].long()))
-            where.append(torch.arange(prefix, prefix + extend))
-            start += extend
-        self.ends = torch.tensor([end for _, end, _ in self.sequences])
-        self.where = torch.cat(where)
-
-    def __call__(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """q: (len(active), heads * head_dim) for the rows `active` (sorted); k, v: for every extend row."""
-        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
-        heads, kv_heads, head_dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
-        self.pool.set_kv_buffer(layer, KVWriteLoc(self.out_cache_loc), k.view(-1, kv_heads, head_dim),
-                                v.view(-1, kv_heads, layer.v_head_dim))
-        keys, values = self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
-        out = q.new_empty(q.shape[0], heads * layer.v_head_dim)
-        bounds = torch.searchsorted(active, self.ends).tolist()
-        first = 0
-        for (_, _, slots), last in zip(self.sequences, bounds, strict=True):
-            if last == first:
+    def arrive(self, layer: int) -> None:
+        while self.pending and self.pending[0][0] == layer:
+            _, batch_rows, future = self.pending.pop(0)
+            try:
+                group = future.result()
+            except Exception:
+                log.exception("revisit: reading stored K/V failed; computing those rows")
+                group = None
+            if group is None:
+                log.warning("revisit: stored K/V of %d image rows could not be read (damaged or gone); computing "
+                            "them from layer %d on", len(batch_rows), layer)
+                self.depth[batch_rows] = self.layers
+                self.events.add("kv_read_failed", len(batch_rows))
                 continue
-            asking = self.where[active[first:last]]
-            query = q[first:last].view(-1, heads, head_dim).transpose(0, 1).unsqueeze(0)
-            key = keys[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
-            value = values[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
-            mask = torch.arange(len(slots)).unsqueeze(0) <= asking.unsqueeze(1)
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, scale=layer.scaling, enable_gqa=heads != kv_heads)
-            out[first:last] = attended.squeeze(0).transpose(0, 1).reshape(last - first, -1)
-            first = last
-        return out
+            self.ready.append((batch_rows, group))
+
+    def write(self, layer: int, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
+        """Put the stored K/V of this layer's reused rows into the layer's (batch rows, kv_size) K/V."""
+        for batch_rows, group in self.ready:
+            k_all[batch_rows] = group.k[layer - group.depth].to(k_all.dtype)
+            v_all[batch_rows] = group.v[layer - group.depth].to(v_all.dtype)
 
 
 def _project(attn, positions: torch.Tensor, h: torch.Tensor):

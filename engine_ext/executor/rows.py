@@ -50,13 +50,26 @@ class ImageRows:
 
     @property
     def batch_rows(self) -> torch.Tensor:
-        """Batch rows of the image rows computed now, in prompt order."""
-        return torch.arange(self.batch_lo, self.batch_lo + self.hi - self.lo)
+        """Batch rows of the image rows computed now, in prompt order (on the batch's device)."""
+        return torch.arange(self.batch_lo, self.batch_lo + self.hi - self.lo, device=self.slots.device)
 
     @property
     def local_rows(self) -> torch.Tensor:
         """The same rows as indices into the image (0 = its first token)."""
-        return torch.arange(self.lo - self.start, self.hi - self.start)
+        return torch.arange(self.lo - self.start, self.hi - self.start, device=self.slots.device)
+
+
+def reuse_depths(counts: list[int], local_rows: torch.Tensor) -> torch.Tensor:
+    """Per image row: how many leading layers compute it (the rest reuse its stored K/V).
+
+    counts[l] is how many of the image's first tokens layer l recomputes (non-increasing in l), so row i is computed
+    at exactly the layers l with counts[l] > i, which are the first ones. local_rows: (rows,) indices into the image;
+    returns (rows,) on their device.
+    """
+    if not counts:
+        return torch.zeros_like(local_rows)
+    recomputed = torch.tensor(counts, device=local_rows.device)  # (layers,)
+    return (recomputed.unsqueeze(1) > local_rows.unsqueeze(0)).sum(0)  # (layers, rows) -> (rows,)
 
 
 def _is_image(item: object) -> bool:

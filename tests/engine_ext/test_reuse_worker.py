@@ -23,8 +23,9 @@ from bundled import ARCHS
 from engine_ext.executor import read
 from launcher import WorkerProcess, WorkerSpec, start_worker
 from offline.reference import EncoderOutput, Fresh, ImageKV, ReferenceModel, Reuse, prefill, uniform
-from plan import EXACT, MISS, ImagePlan, RequestPlan
+from plan import EXACT, MISS, RID_PREFIX, ImagePlan, RequestPlan
 from store import StoreConfig, open_store
+from store.entry import parse_header
 from tests.conftest import free_port
 from tests.images_lib import data_url, encode
 
@@ -155,20 +156,21 @@ def test_a_miss_stores_what_full_prefill_computes(pair: Pair, seen: dict) -> Non
         assert (entry.k[layer] - full.state.k[layer][span.start : span.stop]).abs().max() < 1e-4
         assert (entry.v[layer] - full.state.v[layer][span.start : span.stop]).abs().max() < 1e-4
     assert (entry.encoder.flat() - model.encode(prompt)[0].flat()).abs().max() < 1e-4
-    assert "revisit: stored" in pair.a.log_file.read_text()
+    assert f"revisit: stored {seen['key'][:16]}" in pair.a.log_file.read_text()
 
 
 def test_exact_hit_same_prefix_is_token_identical_and_skips_the_vision_tower(
     pair: Pair, seen: dict, picture: Image.Image
 ) -> None:
     before = vision_runs(pair.b)
+    hits_before = pair.b.log_file.read_text().count(f"revisit: exact hit {seen['key'][:16]}")
     plan = ImagePlan(key=seen["key"], strategy=EXACT, tokens=seen["grid"][0] * seen["grid"][1], grid=seen["grid"])
     flush(pair.b)
     hit = chat(pair.b, content("Look:", picture, QUESTION), plan_rid=rid(plan))
     assert text_of(hit) == text_of(seen["answer"]) and text_of(hit)
     assert top5(hit) == pytest.approx(top5(seen["answer"]), abs=1e-5)
     assert vision_runs(pair.b) == before  # worker B never ran its vision tower on this image
-    assert "revisit: exact hit" in pair.b.log_file.read_text()
+    assert pair.b.log_file.read_text().count(f"revisit: exact hit {seen['key'][:16]}") == hits_before + 1
 
 
 @pytest.mark.parametrize("ratio", RATIOS)
@@ -211,8 +213,15 @@ def test_two_images_only_the_seen_one_is_reused(
     assert text_of(planned) == text_of(chat(pair.b, parts))  # the first image sits after the same text
 
 
-def test_a_damaged_entry_falls_back_to_full_prefill(pair: Pair, picture: Image.Image) -> None:
-    key = key_for(f"{pair.arch}-astronaut-damaged")
+# Damage to the header or the encoder output is found before the forward: the plan becomes a full prefill. Damage
+# to K/V blocks is found when their rows' read comes in: those rows are computed from then on, as a full prefill
+# computes them.
+DAMAGE = {"kv": "stored K/V of", "encoder": "found no usable entry; full prefill"}
+
+
+@pytest.mark.parametrize("where", DAMAGE)
+def test_a_damaged_entry_falls_back_to_full_prefill(pair: Pair, picture: Image.Image, where: str) -> None:
+    key = key_for(f"{pair.arch}-astronaut-damaged-{where}")
     prompt = pair.model.prompt(["Look:", picture, QUESTION])
     grid = grid_of(prompt)
     plan = ImagePlan(key=key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)
@@ -221,22 +230,25 @@ def test_a_damaged_entry_falls_back_to_full_prefill(pair: Pair, picture: Image.I
     store = pair.store()
     entry_file = Path(pair.store_env["REVISIT_STORE_DRAM_DIR"]) / f"{key}.kv"
     data = bytearray(entry_file.read_bytes())
-    data[-10] ^= 0xFF  # inside the KV of the last token
+    offset = -10 if where == "kv" else parse_header(memoryview(data)).header.encoder_range.start + 5
+    data[offset] ^= 0xFF  # inside the KV of the last token, or the encoder output of the first
     entry_file.write_bytes(bytes(data))
     assert store.get(key) is None
     exact = ImagePlan(key=key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid)
     flush(pair.b)
+    seen_before = pair.b.log_file.read_text().count(DAMAGE[where])
     answer = chat(pair.b, content("Other words. Look:", picture, QUESTION), plan_rid=rid(exact), tokens=8)
     flush(pair.b)
     assert text_of(answer) == text_of(chat(pair.b, content("Other words. Look:", picture, QUESTION), tokens=8))
-    assert "found no usable entry; full prefill" in pair.b.log_file.read_text()
+    assert pair.b.log_file.read_text().count(DAMAGE[where]) == seen_before + 1
 
 
 def test_a_plan_that_does_not_fit_is_ignored(pair: Pair, seen: dict, picture: Image.Image) -> None:
     wrong = ImagePlan(key=seen["key"], strategy=EXACT, tokens=6, grid=(2, 3))
     flush(pair.b)
+    mismatches = pair.b.log_file.read_text().count("does not match its image")
     answer = chat(pair.b, content("Look:", picture, QUESTION), plan_rid=rid(wrong))
     assert text_of(answer) == text_of(seen["answer"])
-    assert "does not match its image" in pair.b.log_file.read_text()
-    bad = chat(pair.b, content("Look:", picture, QUESTION), plan_rid="rv1.x.not-a-plan.", tokens=2)
+    assert pair.b.log_file.read_text().count("does not match its image") == mismatches + 1
+    bad = chat(pair.b, content("Look:", picture, QUESTION), plan_rid=f"{RID_PREFIX}x.not-a-plan.", tokens=2)
     assert bad["choices"][0]["message"]["content"]

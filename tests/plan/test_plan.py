@@ -10,6 +10,8 @@ from plan import (
     APPROXIMATE,
     EXACT,
     MISS,
+    PLAN_VERSION,
+    RID_PREFIX,
     ImagePlan,
     PlanError,
     RecomputeProfile,
@@ -51,11 +53,11 @@ def test_request_plan_round_trips_through_json() -> None:
 def test_bad_image_plans_are_refused(change: dict, message: str) -> None:
     data = {"key": A, "strategy": MISS, "tokens": 6, "grid": [2, 3], **change}
     with pytest.raises(PlanError, match=message):
-        RequestPlan.from_json(json.dumps({"version": 1, "images": [data]}))
+        RequestPlan.from_json(json.dumps({"version": PLAN_VERSION, "images": [data]}))
 
 
-@pytest.mark.parametrize("wire", ["not json", "[]", '{"version": 2, "images": []}', '{"version": 1}',
-                                  '{"version": 1, "images": [3]}'])
+@pytest.mark.parametrize("wire", ["not json", "[]", '{"version": 1, "images": []}', '{"version": 2}',
+                                  '{"version": 2, "images": [3]}'])
 def test_bad_request_plans_are_refused(wire: str) -> None:
     with pytest.raises(PlanError):
         RequestPlan.from_json(wire)
@@ -88,13 +90,13 @@ def test_profile_saves_loads_and_is_checked(tmp_path) -> None:
 def test_plans_ride_in_the_request_id() -> None:
     plan = RequestPlan(images=(ImagePlan(key=A, strategy=EXACT, tokens=64, grid=(8, 8), ratios=(0.5,) * 12),))
     rid = plan.to_rid("req-1")
-    assert rid.startswith("rv1.req-1.") and rid.endswith(".")
+    assert rid.startswith(f"{RID_PREFIX}req-1.") and rid.endswith(".")
     assert RequestPlan.from_rid(rid) == plan
     assert RequestPlan.from_rid(rid + "_1") == plan  # a suffix after the last dot is ignored
     assert RequestPlan.from_rid("chatcmpl-123") is None and RequestPlan.from_rid(None) is None
     with pytest.raises(PlanError, match="damaged"):
-        RequestPlan.from_rid("rv1.req-1.not*base64.")
+        RequestPlan.from_rid(f"{RID_PREFIX}req-1.not*base64.")
     with pytest.raises(PlanError):
-        RequestPlan.from_rid("rv1.req-1")
+        RequestPlan.from_rid(f"{RID_PREFIX}req-1")
     with pytest.raises(PlanError, match="request_id"):
         plan.to_rid("has.dots")

@@ -17,15 +17,15 @@ class PartError(ValueError):
 def test_typed_reads_and_defaults() -> None:
     env = EnvReader({"R_INT": "7", "R_FLOAT": "0.5", "R_BOOL": "yes", "R_PATH": "~/x", "R_CSV": "a, b,,c",
                      "R_JSON": '{"k": "v"}', "R_EMPTY": ""})
-    assert env.int("R_INT") == 7 and env.float("R_FLOAT") == 0.5 and env.bool("R_BOOL") is True
+    assert env.integer("R_INT") == 7 and env.number("R_FLOAT") == 0.5 and env.flag("R_BOOL") is True
     assert env.path("R_PATH") == Path.home() / "x"
     assert env.csv("R_CSV") == ("a", "b", "c")
     assert env.json("R_JSON") == {"k": "v"}
-    assert env.int("R_MISSING", 3) == 3
-    assert env.int("R_EMPTY", 4) == 4  # an empty variable counts as unset
+    assert env.integer("R_MISSING", 3) == 3
+    assert env.integer("R_EMPTY", 4) == 4  # an empty variable counts as unset
 
 
-@pytest.mark.parametrize(("name", "read"), [("R_X", "int"), ("R_X", "float"), ("R_X", "bool"), ("R_X", "json")])
+@pytest.mark.parametrize(("name", "read"), [("R_X", "integer"), ("R_X", "number"), ("R_X", "flag"), ("R_X", "json")])
 def test_a_bad_value_raises_the_callers_error_naming_the_variable(name: str, read: str) -> None:
     env = EnvReader({name: "{not"}, error=PartError)
     with pytest.raises(PartError, match=r"^R_X='{not' is not a valid"):
@@ -34,7 +34,7 @@ def test_a_bad_value_raises_the_callers_error_naming_the_variable(name: str, rea
 
 def test_default_error_is_settings_error() -> None:
     with pytest.raises(SettingsError):
-        EnvReader({"R_X": "maybe"}).bool("R_X")
+        EnvReader({"R_X": "maybe"}).flag("R_X")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -125,3 +125,29 @@ def test_tiered_falls_through_to_a_healthy_copy(store_config):
     with store.get(KEY) as view:
         assert view.tier == "dram"
     store.close()
+
+
+def test_a_read_of_every_block_or_of_the_encoder_sees_the_damage(damaged_store):
+    tier, entry, _, _ = damaged_store
+    every = list(range(entry.header.num_tokens))
+    assert tier.get_sparse(KEY, every, (0, entry.header.num_layers)) is None  # verified in one pass, still caught
+    with tier.get_sparse(KEY, [], (0, 1), with_encoder=True) as read:  # the encoder output itself is intact
+        assert read.encoder_array().shape == entry.header.encoder_shape
+
+
+@pytest.mark.parametrize("kind", ["dram", "lmdb"])
+def test_a_damaged_encoder_output_reads_absent_when_asked_for(kind, store_config):
+    entry = make_entry(8)[0]
+    tier = open_tier(kind, store_config)
+    tier.put(KEY, entry)
+    offset = entry.header.encoder_range.start + 3
+    if kind == "dram":
+        damage_dram_file(tier, offset)
+    else:
+        tier = damage_lmdb_value(tier, offset)
+    try:
+        assert tier.get_sparse(KEY, [0], (0, 1), with_encoder=True) is None
+        with tier.get_sparse(KEY, [0], (0, 1)) as read:  # the KV blocks are intact
+            assert read.bytes_read == entry.header.block_nbytes
+    finally:
+        tier.close()

@@ -128,7 +128,7 @@ def test_torch_tensors_are_accepted():
                           k=k, v=k, kv_dtype="float16")
 
 
-def test_origin_round_trips_and_is_optional() -> None:
+def test_prefix_digest_round_trips_and_is_optional() -> None:
     import numpy as np
 
     from store.entry import Entry, parse_header
@@ -136,7 +136,7 @@ def test_origin_round_trips_and_is_optional() -> None:
     arrays = {"k": np.zeros((2, 1, 4, 8), np.float16), "v": np.zeros((2, 1, 4, 8), np.float16),
               "encoder_output": np.zeros((4, 3), np.float16), "positions": np.arange(4), "grid": (2, 2)}
     plain = Entry.from_arrays(model_id="m", **arrays)
-    marked = Entry.from_arrays(model_id="m", origin="f" * 32, **arrays)
-    assert parse_header(memoryview(plain.data)).header.origin == ""
-    assert b"origin" not in plain.data  # entries without one are byte-identical to those written before it existed
-    assert parse_header(memoryview(marked.data)).header.origin == "f" * 32
+    marked = Entry.from_arrays(model_id="m", prefix_digest="f" * 32, **arrays)
+    assert parse_header(memoryview(plain.data)).header.prefix_digest == ""
+    assert b"prefix_digest" not in plain.data  # entries without one carry no such field
+    assert parse_header(memoryview(marked.data)).header.prefix_digest == "f" * 32

@@ -147,3 +147,19 @@ def test_closed_store_refuses(store):
     with pytest.raises(StoreClosedError):
         store.put(key_for(1), make_entry(1)[0])
     store.close()
+
+
+@pytest.mark.parametrize("tokens,layers", [([3, 4, 9], (1, 3)), (list(range(SMALL["tokens"])), (0, SMALL["layers"]))])
+def test_get_sparse_with_the_encoder_output_and_gathered_into_a_buffer(store, tokens, layers):
+    entry, k, v, encoder = make_entry(4, dtype="bfloat16")
+    key = key_for("with-encoder")
+    store.put(key, entry)
+    with store.get_sparse(key, tokens, layers, with_encoder=True) as read:
+        np.testing.assert_array_equal(read.encoder_array(), encoder)
+        out = np.empty(read.shape, dtype=np.uint16)
+        assert read.gather_into(out) is out
+        assert out.tobytes() == expected_sparse(k, v, tokens, *layers)
+        with pytest.raises(ValueError):
+            read.gather_into(np.empty(read.shape, dtype=np.float32))
+    with store.get_sparse(key, tokens, layers) as read, pytest.raises(InvalidReadError):
+        read.encoder_array()  # not asked for, not read

@@ -1,0 +1,88 @@
+"""Causal attention for some of an extend batch's rows, over their sequences' K/V in the KV pool.
+
+SGLang's extend attention needs a query for every extend row (on CPU it even pads each sequence's queries to its
+full length), so its cost grows with the whole sequence squared whether or not a row's output is used. Here every
+extend row's K/V is written to its pool slot, as the backend would, and then only the given rows ask: per
+sequence, its active queries against its keys up to each query's own position.
+
+:func:`attend_rows` is the computation, on plain tensors (tested on every device without SGLang);
+:class:`PoolAttention` binds it to SGLang's batch and KV pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """The sequences of an extend batch, as attention needs them; every tensor on the batch's device."""
+
+    ends: torch.Tensor  # (sequences,) end extend row of each sequence (exclusive); sequence i starts at ends[i-1]
+    slots: Sequence[torch.Tensor]  # per sequence: the pool slots of its rows, prefix included: (seq_len,)
+    where: torch.Tensor  # (extend rows,) each extend row's position in its own sequence
+
+    @classmethod
+    def of(cls, *, prefix_lens: Sequence[int], extend_lens: Sequence[int], slots: Sequence[torch.Tensor],
+           device: torch.device) -> Sequences:
+        where = [torch.arange(int(p), int(p) + int(e), device=device) for p, e in zip(prefix_lens, extend_lens,
+                                                                                         strict=True)]
+        ends = torch.tensor(extend_lens, device=device).cumsum(0)
+        return cls(ends=ends, slots=list(slots), where=torch.cat(where) if where else ends.new_empty(0))
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequences: Sequences,
+                active: torch.Tensor, *, scaling: float, heads: int, kv_heads: int) -> torch.Tensor:
+    """Causal attention of the active extend rows' queries over their sequences' keys and values.
+
+    q: (len(active), heads * head_dim) for the extend rows ``active`` (sorted); keys, values: the pool's buffers
+    (pool slots, kv_heads, head_dim) holding every row of every sequence. Returns (len(active), heads * v_head_dim).
+    """
+    head_dim, v_head_dim = keys.shape[-1], values.shape[-1]
+    out = q.new_empty(q.shape[0], heads * v_head_dim)
+    bounds = torch.searchsorted(active, sequences.ends).tolist()
+    first = 0
+    for slots, last in zip(sequences.slots, bounds, strict=True):
+        if last == first:
+            continue
+        asking = sequences.where[active[first:last]]  # (queries,) positions in the sequence
+        query = q[first:last].view(-1, heads, head_dim).transpose(0, 1).unsqueeze(0)  # (1, heads, queries, hd)
+        key = keys[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)  # (1, kv_heads, seq_len, hd)
+        value = values[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
+        mask = torch.arange(len(slots), device=q.device).unsqueeze(0) <= asking.unsqueeze(1)  # (queries, seq_len)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=heads != kv_heads)
+        out[first:last] = attended.squeeze(0).transpose(0, 1).reshape(last - first, -1)
+        first = last
+    return out
+
+
+class PoolAttention:
+    """attend_rows over SGLang's KV pool for one extend batch (see the module docstring)."""
+
+    def __init__(self, forward_batch) -> None:
+        from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+
+        self.pool = get_token_to_kv_pool()
+        self.out_cache_loc = forward_batch.out_cache_loc
+        req_to_token = get_req_to_token_pool().req_to_token
+        seq_lens = forward_batch.seq_lens.tolist()
+        slots = [req_to_token[pool_index, : seq_lens[i]].long()
+                 for i, pool_index in enumerate(forward_batch.req_pool_indices.tolist())]
+        self.sequences = Sequences.of(prefix_lens=forward_batch.extend_prefix_lens_cpu,
+                                      extend_lens=forward_batch.extend_seq_lens_cpu, slots=slots,
+                                      device=self.out_cache_loc.device)
+
+    def __call__(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Write every extend row's k, v (batch rows, kv_size) to its pool slot; attend for the active rows' q."""
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        heads, kv_heads, head_dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+        self.pool.set_kv_buffer(layer, KVWriteLoc(self.out_cache_loc), k.view(-1, kv_heads, head_dim),
+                                v.view(-1, kv_heads, layer.v_head_dim))
+        keys, values = self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
+        return attend_rows(q, keys, values, self.sequences, active, scaling=layer.scaling, heads=heads,
+                           kv_heads=kv_heads)

@@ -1,0 +1,135 @@
+"""The executor's core without SGLang, on every device this machine has: attention for the computed rows over a
+KV pool, how deep each image row is computed, and the K/V row groups read from a real store for a reuse span.
+
+On a CPU-only host the CUDA cases are skipped (there is no device to run them on); on a GPU host they run."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_ext.executor.attention import Sequences, attend_rows
+from engine_ext.executor.entries import KVFetch, StoredImage, read_head, to_entry
+from engine_ext.executor.rows import reuse_depths
+from engine_ext.rope import inv_freq, reposition
+from plan import recompute_count
+from store import DramTier
+
+DEVICES = [
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+def test_attention_for_some_rows_equals_full_causal_attention(device: torch.device) -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim = 4, 2, 16
+    prefix_lens, extend_lens = [3, 0], [5, 7]  # the first sequence has 3 rows cached from before
+    pool = torch.randn(64, 2, kv_heads, head_dim, device=device)  # (slots, K|V, kv_heads, head_dim)
+    order = torch.randperm(64, device=device)
+    slots = [order[:8], order[8:15]]  # each sequence's rows live in scattered pool slots
+    sequences = Sequences.of(prefix_lens=prefix_lens, extend_lens=extend_lens, slots=slots, device=device)
+    q = torch.randn(12, heads * head_dim, device=device)  # one query per extend row
+    active = torch.tensor([0, 2, 4, 5, 9, 11], device=device)  # the rows that ask
+
+    out = attend_rows(q[active], pool[:, 0], pool[:, 1], sequences, active, scaling=head_dim**-0.5, heads=heads,
+                      kv_heads=kv_heads)
+
+    assert out.device.type == device.type and out.shape == (len(active), heads * head_dim)
+    expected, row = [], 0
+    for prefix, extend, seq_slots in zip(prefix_lens, extend_lens, slots, strict=True):
+        k = pool[seq_slots, 0].repeat_interleave(heads // kv_heads, dim=1)  # (seq, heads, head_dim)
+        v = pool[seq_slots, 1].repeat_interleave(heads // kv_heads, dim=1)
+        for position in range(prefix, prefix + extend):
+            query = q[row].view(heads, head_dim)
+            weights = torch.softmax((k[: position + 1] * query).sum(-1) * head_dim**-0.5, dim=0)  # (seen, heads)
+            expected.append((weights.unsqueeze(-1) * v[: position + 1]).sum(0).reshape(-1))
+            row += 1
+    torch.testing.assert_close(out, torch.stack(expected)[active], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("ratios", [(), (0.5, 0.25, 0.25, 0.0), (1.0, 1.0, 0.3, 0.1)])
+def test_each_row_is_computed_at_the_layers_its_ratio_gives_it(device: torch.device, ratios) -> None:
+    tokens, layers = 20, 4
+    counts = [recompute_count(r, tokens) for r in ratios]
+    local = torch.arange(6, 20, device=device)  # the image rows of this chunk
+    depth = reuse_depths(counts, local)
+    assert depth.device.type == device.type
+    for i, d in zip(local.tolist(), depth.tolist(), strict=True):
+        computed_at = [layer for layer in range(layers) if counts and counts[layer] > i]
+        assert computed_at == list(range(d))  # the first d layers and no others
+
+
+@pytest.fixture
+def dram(tmp_path: Path):
+    path = Path("/dev/shm") / f"revisit-core-{uuid.uuid4().hex[:12]}"
+    tier = DramTier(path, pin_host_memory=False)
+    yield tier
+    tier.close()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+LAYERS, TOKENS, KV_HEADS, HEAD_DIM = 4, 12, 2, 8
+
+
+def stored_image() -> StoredImage:
+    generator = torch.Generator().manual_seed(1)
+    k = torch.randn(LAYERS, TOKENS, KV_HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16)
+    v = torch.randn(LAYERS, TOKENS, KV_HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16)
+    positions = torch.stack([torch.full((TOKENS,), 4), 4 + torch.arange(TOKENS) // 4, 4 + torch.arange(TOKENS) % 4])
+    return StoredImage(encoder=torch.randn(TOKENS, 16, generator=generator), positions=positions, k=k, v=v)
+
+
+@pytest.mark.parametrize(("depth", "delta"), [(0, 0), (2, 0), (1, 9)])
+def test_a_row_group_read_is_those_rows_layers_moved_to_the_new_positions(device: torch.device, dram, depth: int,
+                                                                          delta: int) -> None:
+    image, key = stored_image(), "c" * 64
+    dram.put(key, to_entry("m", (3, 4), image, prefix_digest="p"))
+    head = read_head(dram, key, model_id="m", layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, tokens=TOKENS)
+    assert head is not None and torch.equal(head.positions, image.positions) and torch.equal(head.encoder,
+                                                                                                image.encoder)
+    assert read_head(dram, key, model_id="other", layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                     tokens=TOKENS) is None  # another model's entry is no entry
+
+    frequencies = inv_freq(10000.0, HEAD_DIM)
+    rows = [1, 2, 7, 11]
+    reader = KVFetch()
+    try:
+        group = reader.fetch(dram, key, tokens=rows, depth=depth, layers=LAYERS, kv_dtype=head.kv_dtype, delta=delta,
+                             frequencies=frequencies, device=device).result(timeout=60)
+    finally:
+        reader.close()
+    assert group is not None and group.depth == depth and group.tokens == tuple(rows)
+    assert group.k.device.type == device.type and group.k.shape == (LAYERS - depth, len(rows), KV_HEADS * HEAD_DIM)
+    expected_k = reposition(image.k[depth:, rows], delta, frequencies)  # (layers - depth, rows, kv_heads, hd)
+    torch.testing.assert_close(group.k.cpu(), expected_k.flatten(2), rtol=0, atol=0)
+    torch.testing.assert_close(group.v.cpu(), image.v[depth:, rows].flatten(2), rtol=0, atol=0)
+
+
+def test_a_damaged_block_makes_the_group_read_none(dram) -> None:
+    image, key = stored_image(), "d" * 64
+    entry = to_entry("m", (3, 4), image)
+    dram.put(key, entry)
+    offset = entry.header.token_layers_range(7, 2, 3).start + 5  # token 7, layer 2
+    with open(dram.path / f"{key}.kv", "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+    reader = KVFetch()
+    try:
+        fetch = dict(depth=1, layers=LAYERS, kv_dtype="bfloat16", delta=0, frequencies=inv_freq(1e4, HEAD_DIM),
+                     device=torch.device("cpu"))
+        assert reader.fetch(dram, key, tokens=[6, 7], **fetch).result(timeout=60) is None
+        assert reader.fetch(dram, key, tokens=[6, 8], **fetch).result(timeout=60) is not None  # intact rows read
+    finally:
+        reader.close()
