@@ -26,6 +26,7 @@ serve: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(BIN)/ruff check gateway engine_ext store dashboards plan settings launcher bundled offline tests bench
+	$(BIN)/mypy
 	$(BIN)/python -m pytest $(ARGS)
 
 bench: $(INSTALLED)

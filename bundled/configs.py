@@ -72,12 +72,6 @@ def hf_config(recipe: ModelRecipe, ids: SpecialTokenIds) -> PretrainedConfig:
         "out_hidden_size": text.hidden_size,
         "in_channels": 3,
     }
-    token_ids = {
-        "image_token_id": ids.image_pad,
-        "video_token_id": ids.video_pad,
-        "vision_start_token_id": ids.vision_start,
-        "vision_end_token_id": ids.vision_end,
-    }
     if recipe.arch == QWEN2_5_VL:
         if text.head_dim * text.num_heads != text.hidden_size:
             raise ValueError("Qwen2.5-VL derives head_dim from hidden_size / num_heads")
@@ -85,7 +79,7 @@ def hf_config(recipe: ModelRecipe, ids: SpecialTokenIds) -> PretrainedConfig:
             "fullatt_block_indexes": list(vision.fullatt_block_indexes),
             "window_size": vision.window_size,
         }
-        config_cls: type[PretrainedConfig] = Qwen2_5_VLConfig
+        config_cls: type[Qwen2_5_VLConfig | Qwen3VLConfig] = Qwen2_5_VLConfig
     else:
         text_config["head_dim"] = text.head_dim
         text_config["rope_parameters"]["mrope_interleaved"] = True
@@ -100,7 +94,10 @@ def hf_config(recipe: ModelRecipe, ids: SpecialTokenIds) -> PretrainedConfig:
         tie_word_embeddings=recipe.tie_word_embeddings,
         architectures=[ARCHITECTURE_CLASS[recipe.arch]],
         dtype=recipe.dtype,
-        **token_ids,
+        image_token_id=ids.image_pad,
+        video_token_id=ids.video_pad,
+        vision_start_token_id=ids.vision_start,
+        vision_end_token_id=ids.vision_end,
     )
 
 

@@ -18,7 +18,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,22 +26,19 @@ from typing import TypeVar
 
 from gateway.policy import CachePolicy
 from gateway.policy.decisions import Admit, Decision, Demote, Evict, Promote
-from gateway.policy.entry import Tier
 from store.errors import StoreError
 from store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# The policy's tiers and the store's tier names.
-STORE_TIER = {Tier.L2: "dram", Tier.L3: "lmdb"}
 
 
 @dataclass(slots=True)
 class ApplyReport:
     applied: Counter = field(default_factory=Counter)
     missing: Counter = field(default_factory=Counter)  # the store had no valid copy to act on
-    seconds: Counter = field(default_factory=Counter)  # time spent applying decisions, by kind
+    seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # time applying, by kind
 
 
 class CacheManager:
@@ -88,16 +85,16 @@ class CacheManager:
         assert store is not None
         match decision:
             case Promote(key=key, source=source, target=target) | Demote(key=key, source=source, target=target):
-                return store.move(key, src=STORE_TIER[source], dst=STORE_TIER[target])
+                return store.move(key, src=source, dst=target)
             case Evict(key=key, tier=tier, reason=reason):
                 # The policy never evicts a pinned entry for capacity; an operator's remove may force.
-                return store.tier(STORE_TIER[tier]).remove(key, force=reason != "capacity")
+                return store.tier(tier).remove(key, force=reason != "capacity")
             case Admit(key=key, tier=tier):
                 # Workers write new entries to the fastest tier; an entry admitted lower moves there.
                 holding = store.tiers_holding(key)
-                if STORE_TIER[tier] in holding:
+                if tier in holding:
                     return True
-                return bool(holding) and store.move(key, src=holding[0], dst=STORE_TIER[tier])
+                return bool(holding) and store.move(key, src=holding[0], dst=tier)
             case _:
                 return True  # Reject and Reserve move no data
 

@@ -8,7 +8,7 @@ loudly at start-up, never at request time.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,12 +140,12 @@ class ReuseSettings:
 class PolicySettings:
     """Capacities and knobs of the gateway's cache policy (see :mod:`gateway.policy`).
 
-    ``preset_fraction`` of L2 is reserved for the preset victim cache: ordinary L2
+    ``preset_fraction`` of DRAM is reserved for the preset victim cache: ordinary DRAM
     entries use the rest, preset entries only that share.
     """
 
-    l2_capacity_bytes: int = 16 * 1024**3
-    l3_capacity_bytes: int = 256 * 1024**3
+    dram_capacity_bytes: int = 16 * 1024**3
+    lmdb_capacity_bytes: int = 256 * 1024**3
     preset_fraction: float = 0.1
     max_protection_budget: int = 4
     # Online reuse signal: an entry's preset score is its prior weight plus this much
@@ -154,7 +154,7 @@ class PolicySettings:
     preset_min_score: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.l2_capacity_bytes < 0 or self.l3_capacity_bytes < 0:
+        if self.dram_capacity_bytes < 0 or self.lmdb_capacity_bytes < 0:
             raise ConfigError("tier capacities must not be negative")
         if not 0.0 <= self.preset_fraction < 1.0:
             raise ConfigError(f"preset_fraction must be in [0, 1), got {self.preset_fraction}")
@@ -167,11 +167,11 @@ class PolicySettings:
 
     @property
     def preset_capacity_bytes(self) -> int:
-        return int(self.l2_capacity_bytes * self.preset_fraction)
+        return int(self.dram_capacity_bytes * self.preset_fraction)
 
     @property
-    def l2_main_capacity_bytes(self) -> int:
-        return self.l2_capacity_bytes - self.preset_capacity_bytes
+    def dram_main_capacity_bytes(self) -> int:
+        return self.dram_capacity_bytes - self.preset_capacity_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,15 +235,17 @@ class GatewayConfig:
         REVISIT_ALLOW_PRIVATE_IMAGE_URLS (0/1), REVISIT_MAX_IMAGES_PER_REQUEST,
         REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES, REVISIT_IMAGE_MEMO_BYTES,
         REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_ADMIN_TOKEN,
-        REVISIT_METRICS_REQUIRE_TOKEN (0/1), and the cache policy's REVISIT_L2_CAPACITY_BYTES,
-        REVISIT_L3_CAPACITY_BYTES, REVISIT_PRESET_FRACTION, REVISIT_MAX_PROTECTION_BUDGET,
+        REVISIT_METRICS_REQUIRE_TOKEN (0/1), and the cache policy's REVISIT_DRAM_CAPACITY_BYTES,
+        REVISIT_LMDB_CAPACITY_BYTES, REVISIT_PRESET_FRACTION, REVISIT_MAX_PROTECTION_BUDGET,
         REVISIT_PRESET_REUSE_WEIGHT, REVISIT_PRESET_MIN_SCORE.
         """
         env = EnvReader(environ, error=ConfigError)
 
+        readers: dict[type, Callable[[str, Any], Any]] = {str: env.string, int: env.integer, float: env.number,
+                                                          bool: env.flag}
+
         def get(name: str, cast: type, default: Any = None) -> Any:
-            read = {str: env.string, int: env.integer, float: env.number, bool: env.flag}[cast]
-            return read(ENV_PREFIX + name, default)
+            return readers[cast](ENV_PREFIX + name, default)
 
         kwargs: dict[str, Any] = {}
         if (model := get("MODEL", str)) is not None:
@@ -271,8 +273,8 @@ class GatewayConfig:
         policy_kwargs = {
             key: value
             for key, value in (
-                ("l2_capacity_bytes", get("L2_CAPACITY_BYTES", int)),
-                ("l3_capacity_bytes", get("L3_CAPACITY_BYTES", int)),
+                ("dram_capacity_bytes", get("DRAM_CAPACITY_BYTES", int)),
+                ("lmdb_capacity_bytes", get("LMDB_CAPACITY_BYTES", int)),
                 ("preset_fraction", get("PRESET_FRACTION", float)),
                 ("max_protection_budget", get("MAX_PROTECTION_BUDGET", int)),
                 ("preset_reuse_weight", get("PRESET_REUSE_WEIGHT", float)),

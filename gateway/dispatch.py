@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,15 @@ class UpstreamRequest:
         return cls(payload=payload, rid=str(body["rid"]))
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a request should go and what to do once it went well."""
+
+    prefer: str | None = None  # a worker URL to try first (cache affinity)
+    public_id: str | None = None  # the id clients see (the upstream one may carry a plan)
+    on_served: Callable[[Worker], None] | None = None  # called with the worker that answered
+
+
 def _dumps(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -59,7 +68,8 @@ def _client_error(response_status: int, payload: bytes) -> UpstreamClientError:
     except ValueError:
         parsed = None
     if isinstance(parsed, dict):
-        inner = parsed.get("error") if isinstance(parsed.get("error"), dict) else parsed
+        error = parsed.get("error")
+        inner: dict = error if isinstance(error, dict) else parsed
         message = str(inner.get("message") or message)
         param = inner.get("param") if isinstance(inner.get("param"), str) else None
         code = inner.get("code") if isinstance(inner.get("code"), str) else None
@@ -86,17 +96,12 @@ class Dispatcher:
         tried.append(worker)
         return worker
 
-    async def complete(self, request: UpstreamRequest, *, prefer: str | None = None, public_id: str | None = None,
-                       on_served: Callable[[Worker], None] | None = None) -> dict[str, Any]:
-        """A non-streaming completion, retried on another worker when one fails.
-
-        prefer: a worker URL to try first (cache affinity); public_id: the id clients see (the upstream one may
-        carry a plan); on_served: called with the worker that answered.
-        """
+    async def complete(self, request: UpstreamRequest, route: Route = Route()) -> dict[str, Any]:
+        """A non-streaming completion, retried on another worker when one fails."""
         tried: list[Worker] = []
         last_error: str | None = None
         while True:
-            worker = self._next(tried, last_error, prefer)
+            worker = self._next(tried, last_error, route.prefer)
             async with self._pool.lease(worker):
                 try:
                     response = await self._client.post(worker.url + CHAT_PATH, content=request.payload, headers=_JSON)
@@ -109,29 +114,28 @@ class Dispatcher:
             if response.status_code == 200:
                 worker.served += 1
                 try:
-                    result = openai_shape.completion(response.json(), public_id=public_id)
+                    result = openai_shape.completion(response.json(), public_id=route.public_id)
                 except ValueError as exc:
                     raise UpstreamError("worker returned a body that is not JSON") from exc
-                if on_served is not None:
-                    on_served(worker)
+                if route.on_served is not None:
+                    route.on_served(worker)
                 return result
             if 400 <= response.status_code < 500:
                 raise _client_error(response.status_code, response.content)
             last_error = f"worker returned HTTP {response.status_code}: {response.text[:300]}"
             log.warning("worker %s: %s", worker.url, last_error)
 
-    async def open_stream(self, request: UpstreamRequest, *, prefer: str | None = None, public_id: str | None = None,
-                          on_served: Callable[[Worker], None] | None = None) -> AsyncIterator[bytes]:
+    async def open_stream(self, request: UpstreamRequest, route: Route = Route()) -> AsyncIterator[bytes]:
         """Start a streaming completion and return the SSE byte stream to relay.
 
         Waits for the worker's first event before returning, so that any failure up to
         that point is retried on another worker and a client error still gets its
-        proper HTTP status instead of a 200 stream. Arguments as for complete().
+        proper HTTP status instead of a 200 stream.
         """
         tried: list[Worker] = []
         last_error: str | None = None
         while True:
-            worker = self._next(tried, last_error, prefer)
+            worker = self._next(tried, last_error, route.prefer)
             lease = self._pool.lease(worker)
             await lease.__aenter__()
             response: httpx.Response | None = None
@@ -165,8 +169,8 @@ class Dispatcher:
             except BaseException:
                 await _close(response, lease)
                 raise
-            shaper = openai_shape.StreamShaper(public_id=public_id, upstream_id=request.rid)
-            relay = self._relay(worker, response, lines, first, lease, shaper, on_served)
+            shaper = openai_shape.StreamShaper(public_id=route.public_id, upstream_id=request.rid)
+            relay = self._relay(worker, response, lines, first, lease, shaper, route.on_served)
             # Start the relay now: a started async generator is closed by the event loop
             # when dropped, so the lease and the upstream stream are released even if the
             # client leaves before the response body is ever iterated.
@@ -174,7 +178,8 @@ class Dispatcher:
             return _prepend(head, relay)
 
     async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str], first: str, lease,
-                     shaper: openai_shape.StreamShaper, on_served) -> AsyncIterator[bytes]:
+                     shaper: openai_shape.StreamShaper,
+                     on_served: Callable[[Worker], None] | None) -> AsyncGenerator[bytes, None]:
         try:
             yield (shaper.line(first) + "\n\n").encode()
             async for line in lines:
@@ -196,7 +201,7 @@ class _Retry(Exception):
     pass
 
 
-async def _prepend(head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _prepend(head: bytes, rest: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
     try:
         yield head
         async for item in rest:

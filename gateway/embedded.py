@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.config import GatewayConfig, ProcessorSettings
+from gateway.config import GatewayConfig
 
 
 def say(message: str) -> None:
@@ -84,10 +85,12 @@ def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -
             )
             workers.append(start_worker(spec))
         asyncio.run(_start_all(workers, args.ready_timeout))
+        # The served folder is the model directory: processor settings, layer count and recompute profile come
+        # from it, as REVISIT_MODEL_DIR would give them to `revisit gateway`.
         config = GatewayConfig.from_env(
+            {**os.environ, "REVISIT_MODEL_DIR": str(model_path)},
             model=model_id,
             workers=tuple(w.url for w in workers),
-            processor=ProcessorSettings.from_model_dir(model_path),
         )
         elapsed = time.monotonic() - started
 

@@ -60,7 +60,7 @@ class AddressGuard(httpcore.AsyncNetworkBackend):
             )
         except (TimeoutError, OSError) as exc:
             raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from exc
-        addresses = list(dict.fromkeys(info[4][0] for info in infos))
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
         if not self._allow_private:
             blocked = [a for a in addresses if not is_public_address(a)]
             if blocked:

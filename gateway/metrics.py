@@ -26,8 +26,8 @@ class PolicyCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._policy.stats()
         for field, help_text in (
-            ("entries", "Entries per tier (l2 includes the preset share)."),
-            ("bytes", "Bytes per tier (l2 includes the preset share)."),
+            ("entries", "Entries per tier (dram includes the preset share)."),
+            ("bytes", "Bytes per tier (dram includes the preset share)."),
             ("capacity_bytes", "Capacity per tier in bytes."),
             ("pinned_entries", "Pinned entries per tier."),
             ("pinned_bytes", "Bytes of pinned entries per tier."),
@@ -38,7 +38,7 @@ class PolicyCollector(Collector):
             yield family
         for field in ("entries", "bytes", "capacity_bytes"):
             yield GaugeMetricFamily(
-                f"{PREFIX}_preset_{field}", f"Preset victim cache (reserved L2 share): {field}.",
+                f"{PREFIX}_preset_{field}", f"Preset victim cache (reserved DRAM share): {field}.",
                 value=getattr(stats.preset, field),
             )
         hits = CounterMetricFamily(f"{PREFIX}_hits", "Cache hits by type and the tier that served them.",

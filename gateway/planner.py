@@ -77,14 +77,15 @@ class Planner:
                 kinds.append("miss")
                 continue
             same = stored_digest == prefix_digest
-            if not same and self.settings.ratios is None:
+            ratios = () if same else self.settings.ratios
+            if ratios is None:
                 # Moving the image needs per-layer ratios, which need the model's layer count: recompute it all.
                 plans.append(ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
                                        store=False))
                 kinds.append("miss")
                 continue
             plans.append(ImagePlan(key=image.key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid,
-                                   ratios=() if same else self.settings.ratios, prefix_digest=prefix_digest))
+                                   ratios=ratios, prefix_digest=prefix_digest))
             kinds.append("exact_same_prefix" if same else "exact_moved")
             self.cache.record_exact_hit(image.key)
         self.counts.update(kinds)
@@ -99,6 +100,7 @@ class Planner:
         """The prefix digest recorded in the entry stored under key ("" when unknown), or None when no usable entry
         is stored; admits entries workers wrote since the last look. Cache thread only."""
         store = self.cache.store
+        assert store is not None  # planning is enabled only with a store
         in_books = key in self.cache.policy
         header = store.get_sparse(key, [], (0, 1))  # reads and verifies the header only
         if header is None:

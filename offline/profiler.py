@@ -96,12 +96,14 @@ def _prepare(model: ReferenceModel, sample: Sample, tokens: int) -> _Prepared:
     answer = greedy(model, prefill(model, prompt, [Fresh(encoder)]), tokens)
     scored = prompt.extended(answer[:-1])  # row k predicts answer[k]
     full = run(model, build(model, scored, [Fresh(encoder)]), scored.positions, tail=tokens)
+    assert full.tail_logits is not None, "run() returns tail_logits only for tail > 1"
     return _Prepared(entry, scored, full.tail_logits.double().log_softmax(-1), tokens)
 
 
 def _error(model: ReferenceModel, prepared: _Prepared, ratios: Sequence[float]) -> float:
     plan = build(model, prepared.scored, [Reuse(prepared.entry, ratios)])
     result = run(model, plan, prepared.scored.positions, tail=prepared.tail)
+    assert result.tail_logits is not None, "run() returns tail_logits only for tail > 1"
     reuse = result.tail_logits.double().log_softmax(-1)
     p = prepared.target
     return float((p.exp() * (p - reuse)).sum(-1).clamp_min(0).mean())
@@ -189,8 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.model / "config.json").is_file():
         parser.error(f"{args.model} is not a model directory (no config.json)")
-    if args.samples < 1 or args.tokens < 1 or not 0.0 < args.budget <= 1.0:
-        parser.error("need --samples >= 1, --tokens >= 1 and 0 < --budget <= 1")
+    if args.samples < 1 or args.tokens < 2 or not 0.0 < args.budget <= 1.0:
+        parser.error("need --samples >= 1, --tokens >= 2 and 0 < --budget <= 1")
     torch.manual_seed(0)
     model = ReferenceModel.load(args.model, dtype=torch.float32)
     result = profile(model, calibration_set(args.samples, args.image_side), args.budget,

@@ -36,10 +36,15 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from bundled.reader.panels import KEYS, Panel, changed, random_panel
+
+if TYPE_CHECKING:  # at run time, offline.reference is imported only in the functions that use it
+    from offline.reference import EncoderOutput, ImageKV
+    from offline.reference.plans import ImagePlan
 
 PAIR_SEED = "pairs"
 QUESTION_SEED = "questions"
@@ -60,7 +65,7 @@ class Pair:
 
 def make_pairs(count: int, *, seed: int = 0, changes: int = 1, max_fields: int = len(KEYS)) -> list[Pair]:
     rng = random.Random(f"{PAIR_SEED}:{seed}:{changes}")
-    pairs = []
+    pairs: list[Pair] = []
     while len(pairs) < count:
         a = random_panel(rng, min_fields=changes + 1, max_fields=max_fields)
         b, keys = changed(a, rng, changes)
@@ -128,13 +133,13 @@ class Case:
     """What a reference strategy gets to plan B's image with."""
 
     pair: Pair
-    cached: object  # offline.reference.ImageKV: A's entry, as a full prefill of A's prompt leaves it
-    encoder: object  # offline.reference.EncoderOutput: B's own vision-tower output
+    cached: ImageKV  # A's entry, as a full prefill of A's prompt leaves it
+    encoder: EncoderOutput  # B's own vision-tower output
     changed_rows: tuple[int, ...]  # image-local token indices of the changed fields (a word field has two)
     tokens: int
 
 
-ReferenceStrategy = Callable[[Case], object]  # -> offline.reference.ImagePlan
+ReferenceStrategy = Callable[[Case], "ImagePlan"]
 
 
 def _full(case: Case):

@@ -1,7 +1,7 @@
 """The shared KV store: patch-first entries in a pinned-DRAM tier and an LMDB tier; no policy."""
 
 from store.base import KVStore, StoreStats, validate_key
-from store.config import StoreConfig
+from store.config import StoreConfig, Tier
 from store.dram import DramTier
 from store.entry import ByteRange, Entry, EntryHeader, split_kv
 from store.errors import (
@@ -22,6 +22,6 @@ from store.views import EntryView, SparseRead, SparseSegment
 __all__ = [
     "ByteRange", "ConfigError", "DramTier", "Entry", "EntryFormatError", "EntryHeader", "EntryPinnedError",
     "EntryView", "InvalidKeyError", "InvalidReadError", "KVStore", "LmdbTier", "SparseRead", "SparseSegment",
-    "StoreClosedError", "StoreConfig", "StoreError", "StoreFullError", "StoreStats", "TieredStore",
+    "StoreClosedError", "StoreConfig", "StoreError", "StoreFullError", "StoreStats", "Tier", "TieredStore",
     "UnknownTierError", "open_store", "open_tier", "split_kv", "validate_key",
 ]

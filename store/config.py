@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -11,7 +12,17 @@ from settings import EnvReader
 from store.errors import ConfigError
 
 ENV_PREFIX = "REVISIT_STORE_"
-TIER_NAMES = ("dram", "lmdb")
+
+
+class Tier(enum.StrEnum):
+    """The store's tiers, one name each everywhere (store, policy, admin API, metrics). The design calls them L2
+    and L3; L1, GPU memory inside each worker, is the worker's own."""
+
+    DRAM = "dram"  # L2: shared-memory files, mapped (and pinned for the GPU) by every process of one host
+    LMDB = "lmdb"  # L3: one LMDB environment on SSD
+
+
+TIER_NAMES = tuple(tier.value for tier in Tier)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 GiB = 1 << 30
 
@@ -23,7 +34,7 @@ class StoreConfig:
     name: str = "default"
     tiers: tuple[str, ...] = TIER_NAMES  # fastest first
     dram_dir: Path | None = None  # None: /dev/shm/revisit-store-<name>
-    dram_capacity_bytes: int = 0  # 0: unlimited; otherwise put() refuses past it (advisory across processes)
+    dram_limit_bytes: int = 0  # 0: unlimited; otherwise put() refuses past it (advisory across processes)
     pin_host_memory: bool = True  # cudaHostRegister mapped DRAM entries when CUDA is available
     dram_mapping_cache_bytes: int = 8 << 30  # per process: mappings kept for reuse by later reads (0: none)
     lmdb_dir: Path | None = None  # None: ~/.cache/revisit/store-<name>
@@ -39,8 +50,8 @@ class StoreConfig:
             raise ConfigError(f"store name must match {_NAME_RE.pattern}, got {self.name!r}")
         if not self.tiers or len(set(self.tiers)) != len(self.tiers) or set(self.tiers) - set(TIER_NAMES):
             raise ConfigError(f"tiers must be distinct names from {TIER_NAMES}, got {self.tiers!r}")
-        if self.dram_capacity_bytes < 0:
-            raise ConfigError("dram_capacity_bytes must be >= 0")
+        if self.dram_limit_bytes < 0:
+            raise ConfigError("dram_limit_bytes must be >= 0")
         if self.dram_mapping_cache_bytes < 0:
             raise ConfigError("dram_mapping_cache_bytes must be >= 0")
         if not 0 < self.lmdb_map_size <= self.lmdb_max_map_size:

@@ -170,6 +170,7 @@ class DramTier(BufferTier):
         return None
 
     def _unregister(self, address: int) -> None:
+        assert self._cudart is not None  # only registered mappings are unregistered
         self._cudart.cudaHostUnregister(address)
 
     def _read(self, key, opener):

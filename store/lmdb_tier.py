@@ -5,11 +5,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 
 from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, validate_key
 from store.errors import DamagedEntryError, EntryPinnedError, StoreClosedError, StoreError, StoreFullError
+
+T = TypeVar("T")
 
 ENTRIES_DB = b"entries"  # key (64 hex chars, ascii) -> entry bytes
 PINS_DB = b"pins"  # key -> b"" while the entry is pinned
@@ -115,7 +118,7 @@ class LmdbTier(BufferTier):
                 self._growing = False
                 self._cond.notify_all()
 
-    def _read_txn(self, use: Callable[[lmdb.Transaction], object]) -> object:
+    def _read_txn(self, use: Callable[[lmdb.Transaction], T]) -> T:
         txn, release = self._begin_read()
         try:
             return use(txn)

@@ -133,7 +133,7 @@ class TieredStore(KVStore):
 
 def open_tier(name: str, config: StoreConfig) -> KVStore:
     if name == "dram":
-        return DramTier(config.dram_path, capacity_bytes=config.dram_capacity_bytes,
+        return DramTier(config.dram_path, capacity_bytes=config.dram_limit_bytes,
                         pin_host_memory=config.pin_host_memory, mapping_cache_bytes=config.dram_mapping_cache_bytes)
     if name == "lmdb":
         return LmdbTier(config.lmdb_path, map_size=config.lmdb_map_size, max_map_size=config.lmdb_max_map_size,

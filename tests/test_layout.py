@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -60,11 +61,13 @@ def test_imports_follow_the_layout(package: str) -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_every_package_is_installed_and_linted() -> None:
-    pyproject = (ROOT / "pyproject.toml").read_text()
+def test_every_package_is_installed_linted_and_type_checked() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^\t\$\(BIN\)/mypy$", makefile, re.M), "make test does not run mypy"
     for package in PACKAGES:
-        assert f'"{package}*"' in pyproject, f"{package} is not in pyproject's package list"
+        assert f"{package}*" in pyproject["tool"]["setuptools"]["packages"]["find"]["include"], package
+        assert package in pyproject["tool"]["mypy"]["files"], f"mypy does not check {package}"
         assert re.search(rf"ruff check[^\n]* {package}\b", makefile), f"make test does not lint {package}"
         assert (ROOT / package / "__init__.py").is_file()
 

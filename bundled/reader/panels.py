@@ -46,7 +46,7 @@ MAX_SIDE = 8  # cells per row or column
 
 
 @lru_cache(maxsize=8)
-def _font(size: int) -> ImageFont.FreeTypeFont:
+def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
     return ImageFont.load_default(size=size)
 
 
@@ -198,7 +198,7 @@ def _grids(needed: int, max_side: int, *, words: bool) -> list[tuple[int, int]]:
 def _place(rng: random.Random, rows: int, cols: int, kinds: list[str]) -> list[tuple[int, int]] | None:
     """A first cell per field (word fields first: they need two free cells side by side); None if they do not fit."""
     free = {(r, c) for r in range(rows) for c in range(cols)}
-    cells: list[tuple[int, int] | None] = [None] * len(kinds)
+    cells: dict[int, tuple[int, int]] = {}
     for index in sorted(range(len(kinds)), key=lambda i: kinds[i] != "word"):
         if kinds[index] == "word":
             options = sorted(cell for cell in free if (cell[0], cell[1] + 1) in free)
@@ -211,7 +211,7 @@ def _place(rng: random.Random, rows: int, cols: int, kinds: list[str]) -> list[t
         free.discard(cell)
         if kinds[index] == "word":
             free.discard((cell[0], cell[1] + 1))
-    return cells
+    return [cells[index] for index in range(len(kinds))]
 
 
 def changed(panel: Panel, rng: random.Random, count: int = 1) -> tuple[Panel, list[str]]:

@@ -228,7 +228,7 @@ class PlanExecutor:
             attended, _ = attn.o_proj(attention(attn.attn, q, k_all, v_all, active))
             x = x + attended
             x = x + layer.mlp(layer.post_attention_layernorm(x), forward_batch=forward_batch)
-            if index < deepstack_layers:
+            if deepstack is not None and index < deepstack_layers:
                 x = x + deepstack[active, index * hidden_size : (index + 1) * hidden_size].to(x.dtype)
             hidden[active] = x
         hidden = model.model.norm(hidden)

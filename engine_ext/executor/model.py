@@ -18,6 +18,7 @@ class ExecutesPlans:
     """
 
     revisit_extension = True
+    config: object  # SGLang's model config, set by the model class this is mixed into
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

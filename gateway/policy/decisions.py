@@ -37,8 +37,8 @@ class Promote:
 
     kind: ClassVar[str] = "promote"
     key: str
-    source: Tier = Tier.L3
-    target: Tier = Tier.L2
+    source: Tier = Tier.LMDB
+    target: Tier = Tier.DRAM
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,13 +47,13 @@ class Demote:
 
     kind: ClassVar[str] = "demote"
     key: str
-    source: Tier = Tier.L2
-    target: Tier = Tier.L3
+    source: Tier = Tier.DRAM
+    target: Tier = Tier.LMDB
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reserve:
-    """Keep an L2 victim in L2's reserved preset share; no data moves, the store keeps it in L2."""
+    """Keep an DRAM victim in DRAM's reserved preset share; no data moves, the store keeps it in DRAM."""
 
     kind: ClassVar[str] = "reserve"
     key: str
@@ -73,7 +73,7 @@ Decision = Admit | Reject | Promote | Demote | Reserve | Evict
 
 
 def decision_dict(decision: Decision) -> dict:
-    """A JSON-ready form, e.g. ``{"kind": "demote", "key": ..., "source": "l2", "target": "l3"}``."""
+    """A JSON-ready form, e.g. ``{"kind": "demote", "key": ..., "source": "dram", "target": "lmdb"}``."""
     body: dict = {"kind": decision.kind}
     for f in fields(decision):
         value = getattr(decision, f.name)

@@ -6,18 +6,13 @@ import enum
 import re
 from dataclasses import dataclass
 
+from store.config import Tier
+
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
 
 
-class Tier(enum.StrEnum):
-    """Store tiers the gateway manages. L1 (GPU memory) lives inside workers and is theirs."""
-
-    L2 = "l2"  # pinned DRAM shared by one host's processes
-    L3 = "l3"  # LMDB on SSD
-
-
 class Region(enum.StrEnum):
-    """Where inside its tier an entry lives; only L2 has a reserved (preset) share."""
+    """Where inside its tier an entry lives; only the DRAM tier has a reserved (preset) share."""
 
     MAIN = "main"
     PRESET = "preset"

@@ -1,30 +1,30 @@
-"""The gateway's cache policy: exact-priority LRU over L2 and L3 with a preset victim cache.
+"""The gateway's cache policy: exact-priority LRU over DRAM and LMDB with a preset victim cache.
 
 Pure bookkeeping: no I/O, no clock, no randomness. Every mutating call applies its
 decisions to the policy's own books and returns them, in order, for the caller to carry
 out on the store.
 
-Layout. L2 is split into a *main* region (``l2_capacity - preset``) and a reserved
-*preset* region (``preset_fraction`` of L2); L3 is one region. Bytes in each region never
+Layout. DRAM is split into a *main* region (``dram_capacity - preset``) and a reserved
+*preset* region (``preset_fraction`` of DRAM); LMDB is one region. Bytes in each region never
 exceed its capacity after a call returns.
 
-Exact-priority LRU (main region and L3). Each exact hit sets the entry's protection
+Exact-priority LRU (main region and LMDB). Each exact hit sets the entry's protection
 budget to ``min(exact_hits, max_protection_budget)``. To free space, eviction walks the
 region from its LRU end: a pinned entry is never a candidate; an entry with budget left
 loses one unit and moves to the MRU end; the first entry with no budget is the victim.
 Approximate-only entries (no exact hit) never have a budget, so they leave first; an
 exact entry that stops being hit leaves once its budget is spent.
 
-Hits. An exact hit makes the entry most recently used and, from L3, promotes it to L2
+Hits. An exact hit makes the entry most recently used and, from LMDB, promotes it to DRAM
 (when it fits there next to the pinned entries). An approximate (sparse) read only counts:
 no recency change, no tier change, no promotion of the alias entry.
 
 Preset victim cache. An entry's preset score is its prior weight (uploaded priors, see
 :mod:`gateway.policy.priors`) plus ``preset_reuse_weight`` per hit of either type. A
-victim of the main region whose score reaches ``preset_min_score`` stays in L2's preset
+victim of the main region whose score reaches ``preset_min_score`` stays in DRAM's preset
 region instead of being demoted, displacing preset entries of lower (score, last access)
-if needed; displaced preset entries, and victims that do not qualify, are demoted to L3
-(or evicted when L3 cannot take them). An exact hit on a preset entry keeps it there.
+if needed; displaced preset entries, and victims that do not qualify, are demoted to LMDB
+(or evicted when LMDB cannot take them). An exact hit on a preset entry keeps it there.
 
 Not thread-safe: call it from one thread, the gateway's event loop.
 """
@@ -43,10 +43,10 @@ from gateway.policy.priors import PresetPriors
 from gateway.policy.stats import PolicyStats, TierUsage
 
 Slot = tuple[Tier, Region]
-MAIN: Slot = (Tier.L2, Region.MAIN)
-PRESET: Slot = (Tier.L2, Region.PRESET)
-L3: Slot = (Tier.L3, Region.MAIN)
-SLOTS = (MAIN, PRESET, L3)
+MAIN: Slot = (Tier.DRAM, Region.MAIN)
+PRESET: Slot = (Tier.DRAM, Region.PRESET)
+LMDB: Slot = (Tier.LMDB, Region.MAIN)
+SLOTS = (MAIN, PRESET, LMDB)
 HIT_TYPES = ("exact", "approximate")
 DECISION_KINDS = ("admit", "reject", "promote", "demote", "reserve", "evict")
 EVICTION_REASONS = ("capacity", "removed", "flushed")
@@ -99,10 +99,10 @@ class CachePolicy:
 
     def capacity(self, slot: Slot) -> int:
         if slot == MAIN:
-            return self.settings.l2_main_capacity_bytes
+            return self.settings.dram_main_capacity_bytes
         if slot == PRESET:
             return self.settings.preset_capacity_bytes
-        return self.settings.l3_capacity_bytes
+        return self.settings.lmdb_capacity_bytes
 
     def preset_score(self, entry: CacheEntry) -> float:
         return entry.prior_weight + self.settings.preset_reuse_weight * (entry.exact_hits + entry.approximate_hits)
@@ -126,7 +126,7 @@ class CachePolicy:
 
         c = self._counts
         return PolicyStats(
-            tiers={Tier.L2.value: usage(MAIN, PRESET), Tier.L3.value: usage(L3)},
+            tiers={Tier.DRAM.value: usage(MAIN, PRESET), Tier.LMDB.value: usage(LMDB)},
             preset=usage(PRESET),
             hits={h: {t.value: c[f"hit:{h}:{t.value}"] for t in Tier} for h in HIT_TYPES},
             decisions={kind: c[f"decision:{kind}"] for kind in DECISION_KINDS},
@@ -139,8 +139,8 @@ class CachePolicy:
     def insert(self, key: str, size_bytes: int, *, family: str | None = None) -> list[Decision]:
         """Track a newly stored entry (after a miss). A key already tracked is left as is.
 
-        The entry enters L2's main region at the MRU end, or L3 when it cannot fit in L2
-        next to L2's pinned entries, or is rejected when it cannot fit in either.
+        The entry enters DRAM's main region at the MRU end, or LMDB when it cannot fit in DRAM
+        next to DRAM's pinned entries, or is rejected when it cannot fit in either.
         """
         if not is_entry_key(key):
             raise InvalidEntry(f"{key!r} is not a 64-digit lowercase hex image key")
@@ -149,11 +149,11 @@ class CachePolicy:
         if key in self._entries:
             return []
         entry = CacheEntry(
-            key=key, size_bytes=size_bytes, tier=Tier.L2, family=family,
+            key=key, size_bytes=size_bytes, tier=Tier.DRAM, family=family,
             prior_weight=self._priors.weight(key, family), last_access=self._tick(),
         )
         out: list[Decision] = []
-        for slot in (MAIN, L3):
+        for slot in (MAIN, LMDB):
             if self._has_room(slot, size_bytes):
                 self._entries[key] = entry
                 self._place(entry, slot)
@@ -165,7 +165,7 @@ class CachePolicy:
         return out
 
     def record_exact_hit(self, key: str) -> list[Decision]:
-        """An exact hit read the whole entry: refresh its budget, make it MRU, promote from L3."""
+        """An exact hit read the whole entry: refresh its budget, make it MRU, promote from LMDB."""
         entry = self._entry(key)
         self._counts[f"hit:exact:{entry.tier.value}"] += 1
         entry.exact_hits += 1
@@ -173,7 +173,7 @@ class CachePolicy:
         entry.last_access = self._tick()
         out: list[Decision] = []
         slot = (entry.tier, entry.region)
-        if slot == L3 and self._has_room(MAIN, entry.size_bytes):
+        if slot == LMDB and self._has_room(MAIN, entry.size_bytes):
             self._unplace(entry)
             self._place(entry, MAIN)
             self._emit(out, Promote(key=key))
@@ -278,7 +278,7 @@ class CachePolicy:
         self._emit(out, Evict(key=entry.key, tier=entry.tier, reason=reason))
 
     def _fit(self, slot: Slot, out: list[Decision], *, keep: str) -> None:
-        """Free space in ``slot`` (main or L3) until it is within capacity; ``keep`` stays."""
+        """Free space in ``slot`` (main or LMDB) until it is within capacity; ``keep`` stays."""
         while self._used[slot] > self.capacity(slot):
             victim = self._next_victim(slot, keep)
             assert victim is not None, "callers check _has_room before placing"
@@ -306,14 +306,14 @@ class CachePolicy:
         return None
 
     def _demote(self, entry: CacheEntry, out: list[Decision]) -> None:
-        """An L2 entry leaves L2: to L3 when it can fit there, else out of the cache."""
-        if not self._has_room(L3, entry.size_bytes):
+        """An DRAM entry leaves DRAM: to LMDB when it can fit there, else out of the cache."""
+        if not self._has_room(LMDB, entry.size_bytes):
             self._drop(entry, out, reason="capacity")
             return
         self._unplace(entry)
-        self._place(entry, L3)
+        self._place(entry, LMDB)
         self._emit(out, Demote(key=entry.key))
-        self._fit(L3, out, keep=entry.key)
+        self._fit(LMDB, out, keep=entry.key)
 
     def _make_preset_room(self, victim: CacheEntry, out: list[Decision]) -> bool:
         """Whether ``victim`` may stay in the preset region; demotes the preset entries it displaces."""

@@ -28,7 +28,7 @@ class TierUsage:
 class PolicyStats:
     """Usage per tier, hits, decisions; every counter only grows over the policy's life.
 
-    ``tiers["l2"]`` includes the reserved preset share, which ``preset`` reports on its own.
+    ``tiers["dram"]`` includes the reserved preset share, which ``preset`` reports on its own.
     ``hits[hit_type][tier]``: hit_type "exact" or "approximate", tier where the entry was
     when hit. ``decisions[kind]``: see :mod:`gateway.policy.decisions`.
     ``evictions[tier][reason]``: reason "capacity", "removed" or "flushed".

@@ -11,10 +11,11 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.dispatch import UpstreamRequest
+from gateway.dispatch import Route, UpstreamRequest
 from gateway.errors import ModelNotFound, PayloadTooLarge
 from gateway.services import Services
 from gateway.tenancy import namespace_for
+from gateway.workers import Worker
 
 router = APIRouter()
 T = TypeVar("T")
@@ -79,13 +80,15 @@ async def chat_completions(request: Request) -> Any:
                          rid=planned.plan.to_rid(request_id) if planned.plan else public_id,
                          approximate="exact_moved" in planned.kinds)
     upstream = await UpstreamRequest.encode(body, size_hint=len(raw))
-    route = {"prefer": planned.prefer, "public_id": public_id,
-             "on_served": lambda worker: services.planner.served(intake, worker.url)}
+    def on_served(worker: Worker) -> None:
+        services.planner.served(intake, worker.url)
+
+    route = Route(prefer=planned.prefer, public_id=public_id, on_served=on_served)
     if intake.params.stream:
-        stream = await services.dispatcher.open_stream(upstream, **route)
+        stream = await services.dispatcher.open_stream(upstream, route)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-    result = await _unless_disconnected(request, services.dispatcher.complete(upstream, **route))
+    result = await _unless_disconnected(request, services.dispatcher.complete(upstream, route))
     return JSONResponse(result, headers=headers)
 
 

@@ -124,6 +124,7 @@ def run(model: ReferenceModel, plan: RowPlan, positions: torch.Tensor, past: KVS
         k_rows[active], v_rows[active] = k, v
         reused = (modes == REUSE).nonzero().flatten()
         if len(reused):
+            assert plan.reuse_k is not None and plan.reuse_v is not None  # plan.validate() checked it
             k_rows[reused] = plan.reuse_k[layer_index, reused].to(k.dtype)
             v_rows[reused] = plan.reuse_v[layer_index, reused].to(v.dtype)
         visible_rows = modes != DROP
@@ -168,6 +169,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_index: t
 @torch.no_grad()
 def decode(model: ReferenceModel, state: KVState, token: int) -> RunResult:
     """One greedy-decoding step: the next text row after everything in state, computed at every layer."""
+    assert state.positions is not None, "decode continues a run's state"
     position = state.positions.max() + 1
     plan = RowPlan(modes=torch.full((model.num_layers, 1), COMPUTE, dtype=torch.int8),
                    embeds=model.embed_tokens(torch.tensor([token])))

@@ -138,6 +138,7 @@ class ReferenceModel:
         merge = self.hf.model.visual.spatial_merge_size
         spans = []
         for index, start in enumerate(starts):
+            assert grid is not None  # the processor gives image_grid_thw whenever the prompt has image tokens
             t, h, w = (int(x) for x in grid[index])
             n = t * h * w // (merge * merge)
             spans.append(ImageSpan(start, start + n, (t, h // merge, w // merge)))

@@ -46,6 +46,7 @@ class ImageKV:
 def capture(state: KVState, span: ImageSpan, encoder: EncoderOutput) -> ImageKV:
     """The entry a full prefill of a prompt leaves for one of its images."""
     rows = slice(span.start, span.stop)
+    assert state.positions is not None, "capture takes the state of a prefill"
     return ImageKV(encoder=encoder, k=torch.stack([k[rows] for k in state.k]),
                    v=torch.stack([v[rows] for v in state.v]), positions=state.positions[:, rows].clone(),
                    grid=span.grid)
@@ -102,7 +103,7 @@ def build(model: ReferenceModel, prompt: Prompt, images: Sequence[ImagePlan]) ->
         cached = plan.cached if isinstance(plan, Reuse) else plan.alias
         if cached.grid != span.grid:
             raise ValueError(f"cached grid {cached.grid} differs from the image's {span.grid}")
-        if reuse_k is None:
+        if reuse_k is None or reuse_v is None:  # first reused image: both are set together
             reuse_k = torch.zeros(layers, rows, model.kv_heads, model.head_dim, dtype=cached.k.dtype)
             reuse_v = torch.zeros_like(reuse_k)
         delta = _shift(cached.positions, prompt.positions[:, span.start : span.stop])

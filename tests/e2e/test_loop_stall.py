@@ -41,7 +41,7 @@ def gateway(workers, model_path, tmp_path_factory):
     store = StoreConfig(name="stall", dram_dir=dram, lmdb_dir=tmp_path_factory.mktemp("stall-lmdb"),
                         pin_host_memory=False)
     size = len(large_entry(0).data)
-    policy = PolicySettings(l2_capacity_bytes=int(size * 1.5), l3_capacity_bytes=int(size * 1.5),
+    policy = PolicySettings(dram_capacity_bytes=int(size * 1.5), lmdb_capacity_bytes=int(size * 1.5),
                             preset_fraction=0.1)
     config = gateway_config(model_path, [w.url for w in workers], policy=policy, loop_lag_interval_s=0.002,
                             reuse=ReuseSettings.for_model(model_path, store=store))

@@ -26,7 +26,7 @@ def config(**overrides) -> GatewayConfig:
         "model": "revisit-tiny",
         "workers": (DOWN_WORKER,),
         "health_interval_s": 30.0,
-        "policy": PolicySettings(l2_capacity_bytes=100, l3_capacity_bytes=1000, preset_fraction=0.2),
+        "policy": PolicySettings(dram_capacity_bytes=100, lmdb_capacity_bytes=1000, preset_fraction=0.2),
         **overrides,
     }
     return GatewayConfig(**settings)
@@ -122,9 +122,9 @@ def test_stats_report_the_policy(http, policy):
     policy.record_approximate_hit(key(1))
     body = http.get("/admin/stats").json()
     assert body["object"] == "cache.stats"
-    assert body["tiers"]["l2"]["entries"] == 1 and body["tiers"]["l2"]["bytes"] == 10
-    assert body["tiers"]["l2"]["capacity_bytes"] == 100 and body["preset"]["capacity_bytes"] == 20
-    assert body["hits"]["exact"]["l2"] >= 1 and body["hits"]["approximate"]["l2"] >= 1
+    assert body["tiers"]["dram"]["entries"] == 1 and body["tiers"]["dram"]["bytes"] == 10
+    assert body["tiers"]["dram"]["capacity_bytes"] == 100 and body["preset"]["capacity_bytes"] == 20
+    assert body["hits"]["exact"]["dram"] >= 1 and body["hits"]["approximate"]["dram"] >= 1
     assert set(body["decisions"]) == {"admit", "reject", "promote", "demote", "reserve", "evict"}
 
 
@@ -142,13 +142,13 @@ def test_entries_page_by_cursor(http, policy):
         cursor = page["next_cursor"]
     assert seen == [key(i) for i in range(1, 8)]
     entry = http.get("/admin/entries", params={"limit": 1}).json()["data"][0]
-    assert entry["object"] == "cache.entry" and entry["tier"] == "l2" and entry["size_bytes"] == 10
+    assert entry["object"] == "cache.entry" and entry["tier"] == "dram" and entry["size_bytes"] == 10
 
 
 def test_entries_filter_by_tier(http, policy):
-    for i in range(1, 10):  # main L2 holds 8 x 10 bytes; the first one falls to L3
+    for i in range(1, 10):  # main DRAM holds 8 x 10 bytes; the first one falls to LMDB
         policy.insert(key(i), 10)
-    l3 = http.get("/admin/entries", params={"tier": "l3"}).json()["data"]
+    l3 = http.get("/admin/entries", params={"tier": "lmdb"}).json()["data"]
     assert [entry["key"] for entry in l3] == [key(1)]
 
 
@@ -174,7 +174,7 @@ def test_delete_entry(http, policy):
     policy.insert(key(1), 10)
     body = http.delete(f"/admin/entries/{key(1)}").json()
     assert body["deleted"] and body["decisions"] == [
-        {"kind": "evict", "key": key(1), "tier": "l2", "reason": "removed"}
+        {"kind": "evict", "key": key(1), "tier": "dram", "reason": "removed"}
     ]
     assert key(1) not in policy
     assert_error(http.delete(f"/admin/entries/{key(1)}"), 404, "entry_not_found")
@@ -209,7 +209,7 @@ def test_presets_round_trip_and_drive_the_reserved_share(http, policy):
     for i in range(100, 120):
         policy.insert(key(i), 10)
     entry = policy.get(key(1))
-    assert (entry.tier, entry.region) == (Tier.L2, Region.PRESET)
+    assert (entry.tier, entry.region) == (Tier.DRAM, Region.PRESET)
     assert http.get("/admin/presets").json()["preset"]["entries"] == 1
     assert http.get(f"/admin/entries/{key(1)}").json()["preset_score"] == 2.0
 
@@ -276,7 +276,7 @@ def test_metrics_match_admin_stats(http, policy, server):
         for reason, count in by_reason.items():
             assert samples[("revisit_cache_evictions_total", (("reason", reason), ("tier", tier)))] == count
     assert samples[("revisit_cache_protections_used_total", ())] == stats["protections_used"]
-    assert stats["preset"]["entries"] == 1 and stats["tiers"]["l2"]["pinned_entries"] == 1
+    assert stats["preset"]["entries"] == 1 and stats["tiers"]["dram"]["pinned_entries"] == 1
 
 
 def test_two_apps_in_one_process_keep_their_own_metrics(server, policy):
@@ -285,7 +285,7 @@ def test_two_apps_in_one_process_keep_their_own_metrics(server, policy):
         other.app.state.services.policy.insert(key(5), 10)
         mine = _samples(httpx.get(server.url + "/metrics").text)
         theirs = _samples(httpx.get(other.url + "/metrics").text)
-        assert theirs[("revisit_cache_entries", (("tier", "l2"),))] == 1
-        assert mine[("revisit_cache_entries", (("tier", "l2"),))] == 0
+        assert theirs[("revisit_cache_entries", (("tier", "dram"),))] == 1
+        assert mine[("revisit_cache_entries", (("tier", "dram"),))] == 0
     finally:
         other.stop()

@@ -19,8 +19,8 @@ def test_policy_and_admin_settings_from_env():
             **BASE,
             "REVISIT_ADMIN_TOKEN": "0123456789abcdef",
             "REVISIT_METRICS_REQUIRE_TOKEN": "1",
-            "REVISIT_L2_CAPACITY_BYTES": "1000",
-            "REVISIT_L3_CAPACITY_BYTES": "5000",
+            "REVISIT_DRAM_CAPACITY_BYTES": "1000",
+            "REVISIT_LMDB_CAPACITY_BYTES": "5000",
             "REVISIT_PRESET_FRACTION": "0.25",
             "REVISIT_MAX_PROTECTION_BUDGET": "2",
             "REVISIT_PRESET_REUSE_WEIGHT": "0.5",
@@ -29,17 +29,17 @@ def test_policy_and_admin_settings_from_env():
     )
     assert config.admin_token == "0123456789abcdef" and config.metrics_require_token
     assert config.policy == PolicySettings(
-        l2_capacity_bytes=1000, l3_capacity_bytes=5000, preset_fraction=0.25, max_protection_budget=2,
+        dram_capacity_bytes=1000, lmdb_capacity_bytes=5000, preset_fraction=0.25, max_protection_budget=2,
         preset_reuse_weight=0.5, preset_min_score=2.0,
     )
-    assert (config.policy.preset_capacity_bytes, config.policy.l2_main_capacity_bytes) == (250, 750)
+    assert (config.policy.preset_capacity_bytes, config.policy.dram_main_capacity_bytes) == (250, 750)
 
 
 @pytest.mark.parametrize(
     "env,message",
     [
-        ({"REVISIT_L2_CAPACITY_BYTES": "-1"}, "capacities"),
-        ({"REVISIT_L3_CAPACITY_BYTES": "lots"}, "valid int"),
+        ({"REVISIT_DRAM_CAPACITY_BYTES": "-1"}, "capacities"),
+        ({"REVISIT_LMDB_CAPACITY_BYTES": "lots"}, "valid int"),
         ({"REVISIT_PRESET_FRACTION": "1.0"}, "preset_fraction"),
         ({"REVISIT_MAX_PROTECTION_BUDGET": "-2"}, "max_protection_budget"),
         ({"REVISIT_PRESET_REUSE_WEIGHT": "nan"}, "preset_reuse_weight"),

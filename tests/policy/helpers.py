@@ -11,7 +11,7 @@ def key(i: int) -> str:
 
 
 def make_policy(**settings) -> CachePolicy:
-    defaults = {"l2_capacity_bytes": 100, "l3_capacity_bytes": 100, "preset_fraction": 0.0}
+    defaults = {"dram_capacity_bytes": 100, "lmdb_capacity_bytes": 100, "preset_fraction": 0.0}
     return CachePolicy(PolicySettings(**{**defaults, **settings}))
 
 
@@ -33,7 +33,7 @@ class ReplayStore:
                     assert self.tiers.get(d.key) is d.source, d
                     self.tiers[d.key] = d.target
                 case Reserve():
-                    assert self.tiers.get(d.key) is Tier.L2, d
+                    assert self.tiers.get(d.key) is Tier.DRAM, d
                 case Evict():
                     assert self.tiers.pop(d.key, None) is d.tier, d
 

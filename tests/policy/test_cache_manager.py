@@ -36,9 +36,9 @@ def written(store: TieredStore, seed: int) -> tuple[str, int]:
     return key, len(entry.data)
 
 
-def manager(store: TieredStore, entry_size: int, *, l2_entries: int, l3_entries: int) -> CacheManager:
-    settings = PolicySettings(l2_capacity_bytes=l2_entries * entry_size, l3_capacity_bytes=l3_entries * entry_size,
-                              preset_fraction=0.0)
+def manager(store: TieredStore, entry_size: int, *, dram_entries: int, lmdb_entries: int) -> CacheManager:
+    settings = PolicySettings(dram_capacity_bytes=dram_entries * entry_size,
+                              lmdb_capacity_bytes=lmdb_entries * entry_size, preset_fraction=0.0)
     return CacheManager(CachePolicy(settings), store)
 
 
@@ -47,20 +47,20 @@ def test_demotion_promotion_and_eviction_move_the_bytes(store):
     for seed in range(3):
         key, size = written(store, seed)
         keys.append(key)
-    cache = manager(store, size, l2_entries=2, l3_entries=1)
+    cache = manager(store, size, dram_entries=2, lmdb_entries=1)
     for key in keys:
         cache.insert(key, size)
-    # Three entries, room for two in L2: the least recently used one went down to LMDB.
+    # Three entries, room for two in DRAM: the least recently used one went down to LMDB.
     assert store.tiers_holding(keys[0]) == ["lmdb"]
     assert store.tiers_holding(keys[1]) == ["dram"] and store.tiers_holding(keys[2]) == ["dram"]
-    assert store.get(keys[0]) is not None  # and still reads, verified, from L3
+    assert store.get(keys[0]) is not None  # and still reads, verified, from LMDB
 
     # An exact hit brings it back up, pushing the next LRU entry down.
     cache.record_exact_hit(keys[0])
     assert store.tiers_holding(keys[0]) == ["dram"]
     assert store.tiers_holding(keys[1]) == ["lmdb"]
 
-    # A fourth entry: L2 demotes again and L3 (room for one) must evict.
+    # A fourth entry: DRAM demotes again and LMDB (room for one) must evict.
     key, _ = written(store, 3)
     cache.insert(key, size)
     held = {k: store.tiers_holding(k) for k in [*keys, key]}
@@ -68,12 +68,12 @@ def test_demotion_promotion_and_eviction_move_the_bytes(store):
     assert sum(1 for tiers in held.values() if tiers == ["lmdb"]) == 1
     assert sum(1 for tiers in held.values() if not tiers) == 1
     assert cache.report.missing == {}
-    assert cache.policy.stats().as_dict()["tiers"]["l3"]["entries"] == 1
+    assert cache.policy.stats().as_dict()["tiers"]["lmdb"]["entries"] == 1
 
 
 def test_remove_flush_and_pins_reach_the_store(store):
     pairs = [written(store, seed) for seed in range(3)]
-    cache = manager(store, pairs[0][1], l2_entries=3, l3_entries=3)
+    cache = manager(store, pairs[0][1], dram_entries=3, lmdb_entries=3)
     for key, size in pairs:
         cache.insert(key, size)
     cache.remove(pairs[0][0])
@@ -88,7 +88,7 @@ def test_remove_flush_and_pins_reach_the_store(store):
 
 def test_a_decision_about_bytes_the_store_lacks_is_counted_not_fatal(store):
     key, size = written(store, 0)
-    cache = manager(store, size, l2_entries=1, l3_entries=1)
+    cache = manager(store, size, dram_entries=1, lmdb_entries=1)
     cache.insert(key, size)
     store.remove(key)  # e.g. damaged and dropped
     ghost, _ = written(store, 1)

@@ -20,8 +20,8 @@ OPS = st.one_of(
 )
 SETTINGS = st.builds(
     PolicySettings,
-    l2_capacity_bytes=st.integers(0, 200),
-    l3_capacity_bytes=st.integers(0, 300),
+    dram_capacity_bytes=st.integers(0, 200),
+    lmdb_capacity_bytes=st.integers(0, 300),
     preset_fraction=st.sampled_from([0.0, 0.25, 0.5]),
     max_protection_budget=st.integers(0, 3),
     preset_reuse_weight=st.sampled_from([0.0, 0.5]),
@@ -53,17 +53,17 @@ def step(policy: CachePolicy, op: tuple) -> list:
 def check(policy: CachePolicy, store: ReplayStore, budget: int) -> None:
     s = policy.settings
     used = tier_bytes(policy)
-    assert used.get(("l2", "main"), 0) <= s.l2_main_capacity_bytes
-    assert used.get(("l2", "preset"), 0) <= s.preset_capacity_bytes
-    assert used.get(("l3", "main"), 0) <= s.l3_capacity_bytes
+    assert used.get(("dram", "main"), 0) <= s.dram_main_capacity_bytes
+    assert used.get(("dram", "preset"), 0) <= s.preset_capacity_bytes
+    assert used.get(("lmdb", "main"), 0) <= s.lmdb_capacity_bytes
     stats = policy.stats()
-    assert stats.tiers["l2"].bytes == used.get(("l2", "main"), 0) + used.get(("l2", "preset"), 0)
-    assert stats.tiers["l3"].bytes == used.get(("l3", "main"), 0)
-    assert stats.tiers["l2"].bytes <= s.l2_capacity_bytes
+    assert stats.tiers["dram"].bytes == used.get(("dram", "main"), 0) + used.get(("dram", "preset"), 0)
+    assert stats.tiers["lmdb"].bytes == used.get(("lmdb", "main"), 0)
+    assert stats.tiers["dram"].bytes <= s.dram_capacity_bytes
     assert store.tiers == {e.key: e.tier for e in policy.entries()}
     for entry in policy.entries():
         assert 0 <= entry.protection_budget <= budget
-        assert entry.region is Region.MAIN or entry.tier is Tier.L2
+        assert entry.region is Region.MAIN or entry.tier is Tier.DRAM
 
 
 @settings(max_examples=300, deadline=None)
@@ -80,4 +80,4 @@ def test_invariants_hold_after_every_step(config, ops, weights):
             # A pinned entry leaves only when removed by force; it may only move up.
             if op[0] == "remove" and key(op[1]) == k and op[2]:
                 continue
-            assert k in policy and (policy.get(k).tier is tier or policy.get(k).tier is Tier.L2)
+            assert k in policy and (policy.get(k).tier is tier or policy.get(k).tier is Tier.DRAM)

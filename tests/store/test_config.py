@@ -41,7 +41,7 @@ def test_from_env_reads_prefixed_variables():
         {"REVISIT_STORE_UNKNOWN": "1"},
         {"REVISIT_STORE_LMDB_MAP_SIZE": "0"},
         {"REVISIT_STORE_LMDB_GROWTH_FACTOR": "1"},
-        {"REVISIT_STORE_DRAM_CAPACITY_BYTES": "-1"},
+        {"REVISIT_STORE_DRAM_LIMIT_BYTES": "-1"},
         {"REVISIT_STORE_LMDB_MAX_READERS": "0"},
     ],
 )
