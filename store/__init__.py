@@ -1,4 +1,15 @@
-"""The shared KV store: patch-first entries in a pinned-DRAM tier and an LMDB tier; no policy."""
+"""The shared KV store: patch-first entries in a DRAM tier (L2) and an LMDB tier (L3); no policy.
+
+- :mod:`store.entry`: the entry format (header, encoder output, patch-first K/V, checksums per token and layer).
+- :mod:`store.base`: ``KVStore``, the one interface every tier implements; ``BufferTier`` for buffer-backed ones.
+- :mod:`store.dram`, :mod:`store.lmdb_tier`: the tiers, one file each; :mod:`store.tiered`: fastest-first
+  composition, moves only when told (the gateway's policy tells it).
+- :mod:`store.views`: read handles (whole entries, sparse reads of some tokens' layers), zero-copy.
+- :mod:`store.config`: ``StoreConfig`` (``REVISIT_STORE_*``) and ``Tier``; :mod:`store.errors`: its exceptions.
+
+Used by the gateway (planning, policy decisions) and by the engine extension in every worker (writes after a miss,
+reads for a hit), across processes on one host.
+"""
 
 from store.base import KVStore, StoreStats, validate_key
 from store.config import StoreConfig, Tier

@@ -1,0 +1,1 @@
+"""The gateway's HTTP routes: the OpenAI API, the admin API with /metrics, and /health."""
