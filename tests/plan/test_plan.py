@@ -30,7 +30,7 @@ def test_request_plan_round_trips_through_json() -> None:
                   recompute_share=0.3),
     ))
     wire = plan.to_json()
-    assert " " not in wire and json.loads(wire)["version"] == 1
+    assert " " not in wire and json.loads(wire)["version"] == PLAN_VERSION
     back = RequestPlan.from_json(wire)
     assert back == plan and back.images[2].reuse == (1, 4)
 
