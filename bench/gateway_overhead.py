@@ -130,7 +130,7 @@ def measure(args, model_name: str, worker, gateway, worker_start_s: float) -> No
     worker_peak, gateway_peak = PeakRss(worker.pid), PeakRss(gateway.pid)
     paths = {"direct": worker.url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
     kinds = request_kinds(args.image_side)
-    results = {(k, p): [] for k in kinds for p in paths}
+    results: dict[tuple[str, str], list[float]] = {(k, p): [] for k in kinds for p in paths}
     with httpx.Client(timeout=300) as client:
         serial = itertools.count(1)
         for build in kinds.values():  # warm-up: caches, connections, lazy imports

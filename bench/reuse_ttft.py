@@ -41,10 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.harness import gateway_process  # noqa: E402
 from bundled import DEFAULT_ARCH, build_model  # noqa: E402
-from gateway.config import ProcessorSettings, model_layers  # noqa: E402
+from gateway.config import ProcessorSettings  # noqa: E402
 from gateway.images import token_grid  # noqa: E402
 from launcher import WorkerSpec, start_worker  # noqa: E402
 from plan import EXACT, ImagePlan, RequestPlan  # noqa: E402
+from plan.checkpoint import text_layers  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.images_lib import data_url, encode, small  # noqa: E402
 
@@ -95,7 +96,9 @@ def main() -> None:
     args = parser.parse_args()
 
     model_path = build_model(DEFAULT_ARCH, args.size, on_progress=print)
-    layers = model_layers(model_path)
+    layers = text_layers(model_path)
+    if layers is None:
+        raise SystemExit(f"{model_path}/config.json names no layer count")
     work = Path(tempfile.mkdtemp(prefix="bench-reuse-"))
     store_env = {"REVISIT_STORE_DRAM_DIR": tempfile.mkdtemp(prefix="bench-reuse-", dir="/dev/shm"),
                  "REVISIT_STORE_LMDB_DIR": str(work / "lmdb")}
