@@ -50,6 +50,7 @@ class CanonicalImage:
     grid: TokenGrid
     payload: bytes  # what the worker receives: bytes that decode to exactly the keyed pixels
     mime: str
+    as_uploaded: bool = False  # payload is the uploaded bytes themselves (a data: URL can be forwarded as it came)
 
     @property
     def data_url(self) -> str:
@@ -155,10 +156,13 @@ def canonicalize(
     rgb = _to_rgb(oriented)
     grid = token_grid(rgb.height, rgb.width, processor)
     key = content_key(rgb, model=model, namespace=namespace, processor=processor)
-    if source_format in _FORWARDED_AS_IS and image.mode == "RGB" and not rotated:
-        payload, mime = data, _FORWARDED_AS_IS[source_format]
+    forwarded_mime = _FORWARDED_AS_IS.get(source_format or "")
+    as_uploaded = forwarded_mime is not None and image.mode == "RGB" and not rotated
+    if forwarded_mime is not None and as_uploaded:
+        payload, mime = data, forwarded_mime
     else:
         out = io.BytesIO()
         rgb.save(out, format="PNG", compress_level=1)
         payload, mime = out.getvalue(), "image/png"
-    return CanonicalImage(key=key, width=rgb.width, height=rgb.height, grid=grid, payload=payload, mime=mime)
+    return CanonicalImage(key=key, width=rgb.width, height=rgb.height, grid=grid, payload=payload, mime=mime,
+                          as_uploaded=as_uploaded)

@@ -52,7 +52,8 @@ class Intake:
                 code="too_many_images",
             )
         images = await asyncio.gather(*(self._resolve(ref, namespace) for ref in refs))
-        payload_bytes = sum(len(image.payload) for image in images)
+        payload_bytes = sum(len(image.payload) for ref, image in zip(refs, images, strict=True)
+                            if _needs_rewrite(ref, image))
         return IntakeResult(
             upstream_body=await off_loop(payload_bytes, _rewrite_images, body, refs, images),
             params=params,
@@ -123,6 +124,17 @@ def _rewrite_images(
     upstream = dict(body)
     upstream["messages"] = copy.deepcopy(body["messages"])
     for ref, image in zip(refs, images, strict=True):
-        part = upstream["messages"][ref.message_index]["content"][ref.part_index]
-        part["image_url"] = {**part["image_url"], "url": image.data_url}
+        if _needs_rewrite(ref, image):
+            part = upstream["messages"][ref.message_index]["content"][ref.part_index]
+            part["image_url"] = {**part["image_url"], "url": image.data_url}
     return upstream
+
+
+def _needs_rewrite(ref: ImagePartRef, image: CanonicalImage) -> bool:
+    """Whether the worker must get other bytes than the client's URL holds: fetched images, and any image that is
+    not forwarded as uploaded. A data: URL of bytes forwarded as they came stays as it is, sparing a base64 encode
+    of megabytes (it holds the GIL, and so the event loop, for ~35 ms per 20 MB)."""
+    if not (image.as_uploaded and ref.url.startswith("data:")):
+        return True
+    encoded = ref.url.partition(",")[2]
+    return encoded != encoded.strip()  # the gateway tolerates surrounding whitespace; SGLang's strict decode does not

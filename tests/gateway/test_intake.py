@@ -1,0 +1,37 @@
+"""Intake: what the worker is sent for each image."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+from PIL import Image
+
+from gateway.config import GatewayConfig
+from gateway.image_fetch import ImageFetcher
+from gateway.intake import Intake
+from tests.images_lib import data_url, encode, load, small
+
+
+def body(*urls: str) -> bytes:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": [*parts, {"type": "text",
+                                                                                          "text": "hi"}]}]}).encode()
+
+
+async def test_data_urls_forwarded_as_uploaded_are_not_encoded_again() -> None:
+    config = GatewayConfig(model="m", workers=("http://127.0.0.1:1",))
+    intake = Intake(config, ImageFetcher(config.images))
+    png = encode(small("astronaut.png").convert("RGB"))  # an RGB PNG: forwarded as it came
+    # Labelled with another type, so that a re-encoded copy (always labelled image/png) would show.
+    as_uploaded = data_url(png, "application/octet-stream")
+    padded = data_url(png, "application/octet-stream") + "\n"  # accepted here, refused by SGLang's strict decode
+    rgba = data_url(encode(load("astronaut.png").convert("RGBA")))  # composited over white: a new PNG
+    result = await intake.process(body(as_uploaded, padded, rgba), namespace="n")
+    urls = [part["image_url"]["url"] for part in result.upstream_body["messages"][0]["content"][:3]]
+    assert urls[0] == as_uploaded  # the client's own string, not a re-encoded copy
+    assert urls[1] == data_url(png, "image/png") and urls[2] != rgba
+    rewritten = base64.b64decode(urls[2].partition(",")[2])
+    assert rewritten == result.images[2].payload and Image.open(io.BytesIO(rewritten)).mode == "RGB"
+    assert [image.as_uploaded for image in result.images] == [True, True, False]
