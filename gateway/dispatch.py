@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import httpx
+import orjson
 
 from gateway import openai_shape
 from gateway.errors import NoHealthyWorker, UpstreamClientError, UpstreamError, error_body
@@ -58,7 +59,7 @@ class Route:
 
 
 def _dumps(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    return orjson.dumps(body)
 
 
 def _client_error(response_status: int, payload: bytes) -> UpstreamClientError:

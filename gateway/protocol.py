@@ -8,11 +8,11 @@ error messages that name the exact offending part.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import InvalidRequest
@@ -62,7 +62,7 @@ class ImagePartRef:
 def parse_body(raw: bytes) -> tuple[dict[str, Any], ChatCompletionParams]:
     """Decode and validate a request body; raise :class:`InvalidRequest` with a precise message."""
     try:
-        body = json.loads(raw)
+        body = orjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):

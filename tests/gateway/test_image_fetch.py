@@ -1,10 +1,12 @@
 import base64
+import binascii
+import os
 
 import pytest
 
 from gateway.config import ImageLimits
 from gateway.errors import InvalidRequest, PayloadTooLarge
-from gateway.image_fetch import ImageFetcher, is_public_address
+from gateway.image_fetch import _BASE64_SLICE, ImageFetcher, _decode_base64, is_public_address
 from tests.http_server import serve
 
 PNG = base64.b64decode(
@@ -82,3 +84,15 @@ async def test_data_urls():
 async def test_other_schemes_are_refused():
     with pytest.raises(InvalidRequest, match="'file'"):
         await fetch("file:///etc/passwd")
+
+
+def test_large_data_urls_decode_in_slices_exactly_as_one_strict_call() -> None:
+    data = os.urandom(3 * _BASE64_SLICE + 5)  # several slices, and padding at the end
+    encoded = base64.b64encode(data).decode()
+    assert _decode_base64(encoded) == data == binascii.a2b_base64(encoded, strict_mode=True)
+    broken = encoded[: _BASE64_SLICE - 2] + "==" + encoded[_BASE64_SLICE:]  # padding where a slice ends
+    for bad in (broken, encoded[:-1], encoded[:100] + "*" + encoded[101:]):
+        with pytest.raises(binascii.Error):
+            binascii.a2b_base64(bad, strict_mode=True)
+        with pytest.raises(binascii.Error):
+            _decode_base64(bad)
