@@ -47,6 +47,11 @@ def _tensor(array: np.ndarray, dtype_name: str) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if dtype_name == "bfloat16" else tensor
 
 
+def _positions(header) -> torch.Tensor:
+    """(3, n) int64: the M-RoPE positions the stored keys were computed at."""
+    return torch.from_numpy(header.positions_array().astype(np.int64)).T.contiguous()
+
+
 def _fits(header, *, model_id: str, layers: int, kv_heads: int, head_dim: int, tokens: int) -> bool:
     return (header.model_id, header.num_layers, header.kv_heads, header.head_dim, header.num_tokens,
             header.position_dims) == (model_id, layers, kv_heads, head_dim, tokens, 3) and header.kv_dtype in DTYPES
@@ -72,9 +77,8 @@ def read_head(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads:
         h = read.header
         if not _fits(h, model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens):
             return None
-        encoder = _tensor(read.encoder_array(), h.encoder_dtype)
-        positions = torch.from_numpy(h.positions_array().astype(np.int64)).T.contiguous()
-    return EntryHead(positions=positions, encoder=encoder, kv_dtype=h.kv_dtype)
+        return EntryHead(positions=_positions(h), encoder=_tensor(read.encoder_array(), h.encoder_dtype),
+                         kv_dtype=h.kv_dtype)
 
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -140,7 +144,7 @@ def read(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads: int,
             return None
         kv = _tensor(view.kv_array(), h.kv_dtype)  # (T, L, 2, H, D)
         encoder = _tensor(view.encoder_array(), h.encoder_dtype)
-        positions = torch.from_numpy(h.positions_array().astype(np.int64)).T.contiguous()
+        positions = _positions(h)
     k = kv[:, :, 0].permute(1, 0, 2, 3).contiguous()
     v = kv[:, :, 1].permute(1, 0, 2, 3).contiguous()
     return StoredImage(encoder=encoder, positions=positions, k=k, v=v)

@@ -50,6 +50,3 @@ class ExecutionEvents:
         self.counts[event] += count
         if self._metric is not None:
             self._metric.labels(event).inc(count)
-
-    def __getitem__(self, event: str) -> int:
-        return self.counts[event]
