@@ -1,8 +1,9 @@
 """Model building and training: the project's bundled vision-language models, built offline from recipes.
 
 Two architectures (Qwen2.5-VL and Qwen3-VL) in two sizes: ``tiny`` for tests and ``bench`` for
-timing, with a locally trained tokenizer and deterministic random weights; and ``reader``, a small
-Qwen2.5-VL whose weights were trained here to read panels (bundled.reader) and are committed.
+timing, with a locally trained tokenizer and deterministic random weights; and two small Qwen2.5-VL
+readers whose weights were trained here to read panels (bundled.reader) and are committed: ``reader`` and
+``oracle``, whose answers come from late-layer image KV.
 Nothing is downloaded. Neither the gateway nor the engine extension imports this package; the launcher's
 worker command and ``revisit serve`` build a bundled model before starting workers on it.
 
@@ -16,6 +17,7 @@ from bundled.recipes import (
     BENCH,
     DEFAULT_ARCH,
     DEFAULT_SIZE,
+    ORACLE,
     QWEN2_5_VL,
     QWEN3_VL,
     READER,
@@ -30,6 +32,7 @@ __all__ = [
     "BENCH",
     "DEFAULT_ARCH",
     "DEFAULT_SIZE",
+    "ORACLE",
     "QWEN2_5_VL",
     "QWEN3_VL",
     "READER",

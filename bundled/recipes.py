@@ -25,9 +25,13 @@ DEFAULT_ARCH = QWEN2_5_VL
 
 TINY = "tiny"
 BENCH = "bench"
-# A small Qwen2.5-VL trained here to read panels of labelled fields (bundled.reader): the quality oracle.
+# A small Qwen2.5-VL trained here to read panels of labelled fields (bundled.reader); it reads at
+# its first layer.
 READER = "reader"
-SIZES = (TINY, BENCH, READER)
+# A deeper reader whose answers come from late-layer image KV (bundled.reader.swap): the oracle that can judge
+# approximate reuse.
+ORACLE = "oracle"
+SIZES = (TINY, BENCH, READER, ORACLE)
 DEFAULT_SIZE = TINY
 
 # Bumped whenever the build code changes what it writes for an unchanged recipe.
@@ -182,6 +186,18 @@ _READER_TEXT = TextSpec(
     mrope_section=(4, 6, 6),
 )
 
+# The oracle: the reader's widths, twice its depth (a 3-layer warmup is a minority of 8 layers).
+_ORACLE_TEXT = dataclasses.replace(_READER_TEXT, num_layers=8)
+_READER_VISION = VisionSpec(
+    depth=4,
+    hidden_size=96,
+    num_heads=3,
+    intermediate_size=256,
+    patch_size=14,
+    fullatt_block_indexes=(1, 3),
+    window_size=112,
+)
+
 RECIPES: dict[tuple[str, str], ModelRecipe] = {
     (QWEN2_5_VL, TINY): ModelRecipe(
         arch=QWEN2_5_VL,
@@ -224,15 +240,17 @@ RECIPES: dict[tuple[str, str], ModelRecipe] = {
         max_image_tokens=64,
         trained="qwen2_5_vl-reader",
         text=_READER_TEXT,
-        vision=VisionSpec(
-            depth=4,
-            hidden_size=96,
-            num_heads=3,
-            intermediate_size=256,
-            patch_size=14,
-            fullatt_block_indexes=(1, 3),
-            window_size=112,
-        ),
+        vision=_READER_VISION,
+    ),
+    (QWEN2_5_VL, ORACLE): ModelRecipe(
+        arch=QWEN2_5_VL,
+        size=ORACLE,
+        dtype="float32",
+        # Two panels of up to 64 tokens each in one request.
+        max_image_tokens=64,
+        trained="qwen2_5_vl-oracle",
+        text=_ORACLE_TEXT,
+        vision=_READER_VISION,
     ),
     (QWEN3_VL, TINY): ModelRecipe(
         arch=QWEN3_VL,

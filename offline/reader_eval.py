@@ -1,4 +1,4 @@
-"""The reuse oracle: does reused image KV change the reader's answers?
+"""Judging reuse by a reader's answers: does reused image KV change them?
 
 Pairs (A cached, B asked), B being A with one or a few fields given another value. For each pair the reader is
 asked about a changed field of B (right answer: B's value; A's value means the stale KV was read) and about an
@@ -19,8 +19,11 @@ gateway     through a running gateway and its SGLang workers, with the real ``op
             exact_same_prefix, exact_moved, and whatever later plan kinds it reports), so a new reuse path is
             measured by switching it on in the gateway, with no change here.
 
-``python -m offline.reader_eval reference|gateway ...`` prints a table and can write JSON. ``accuracy``
-measures plain full-prefill accuracy on fresh questions.
+probe       the layer-sensitivity probe (offline.layer_probe): from which layers the reader takes a field.
+
+``python -m offline.reader_eval reference|gateway|probe --size reader|oracle ...`` prints a table and can write
+JSON. ``reference`` and ``gateway`` first measure plain full-prefill accuracy on fresh questions of every kind the
+reader is trained on (bundled.reader.questions).
 """
 
 from __future__ import annotations
@@ -28,19 +31,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import random
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from bundled.reader.panels import KEYS, Panel, changed, random_panel
+from bundled.reader.questions import FIELD, Question, field, random_question
 
 if TYPE_CHECKING:  # at run time, offline.reference is imported only in the functions that use it
     from offline.reference import EncoderOutput, ImageKV
@@ -74,12 +79,13 @@ def make_pairs(count: int, *, seed: int = 0, changes: int = 1, max_fields: int =
     return pairs
 
 
-def fresh_questions(count: int, *, seed: int = 0) -> list[tuple[Panel, str]]:
-    rng = random.Random(f"{QUESTION_SEED}:{seed}")
+def fresh_questions(count: int, *, seed: int = 0, kinds: Sequence[str] = (FIELD,)) -> list[Question]:
+    """``count`` full-difficulty questions of each kind (bundled.reader.questions), from generators that training
+    never uses."""
     out = []
-    for _ in range(count):
-        panel = random_panel(rng)
-        out.append((panel, rng.choice(panel.keys)))
+    for kind in kinds:
+        rng = random.Random(f"{QUESTION_SEED}:{seed}" + ("" if kind == FIELD else f":{kind}"))
+        out += [random_question(rng, kind) for _ in range(count)]
     return out
 
 
@@ -104,7 +110,8 @@ class Report:
     """Per strategy (reference) or per reported reuse (gateway): a tally for changed and for unchanged fields."""
 
     mode: str
-    tallies: dict[str, dict[str, Tally]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(Tally)))
+    tallies: dict[str, dict[str, Tally]] = dataclasses.field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(Tally)))
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -176,20 +183,27 @@ def answer_ids(tokenizer) -> dict[int, str]:
 
 
 @torch.no_grad()
+def cached_entry(model, pair: Pair) -> ImageKV:
+    """A's entry as a full prefill of A (asked about its unchanged field) leaves it in the store."""
+    from offline.reference import Fresh, capture, prefill
+
+    prompt = model.prompt([pair.cached.render(), pair.cached.question(pair.unchanged)])
+    encoder = model.encode(prompt)[0]
+    return capture(prefill(model, prompt, [Fresh(encoder)]).state, prompt.images[0], encoder)
+
+
+@torch.no_grad()
 def evaluate_reference(model, pairs: Sequence[Pair], strategies: dict[str, ReferenceStrategy] | None = None,
                        progress: Callable[[int, int], None] | None = None) -> Report:
     """``model`` is an offline.reference.ReferenceModel of the reader."""
-    from offline.reference import Fresh, capture, prefill
+    from offline.reference import prefill
 
     strategies = strategies or REFERENCE_STRATEGIES
     names = answer_ids(model.processor.tokenizer)
     report = Report(mode="reference")
     started = time.perf_counter()
     for done, pair in enumerate(pairs, 1):
-        a_prompt = model.prompt([pair.cached.render(), pair.cached.question(pair.unchanged)])
-        a_encoder = model.encode(a_prompt)[0]
-        a_full = prefill(model, a_prompt, [Fresh(a_encoder)])
-        entry = capture(a_full.state, a_prompt.images[0], a_encoder)
+        entry = cached_entry(model, pair)
         image = pair.asked.render()
         b_encoder = None
         for kind, key in pair.questions():
@@ -210,15 +224,23 @@ def evaluate_reference(model, pairs: Sequence[Pair], strategies: dict[str, Refer
 
 
 @torch.no_grad()
-def reference_accuracy(model, questions: Sequence[tuple[Panel, str]]) -> float:
-    """Full-prefill accuracy of the reader (transformers' own forward, one prompt at a time)."""
+def reference_accuracy(model, questions: Sequence[Question],
+                       progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+    """Full-prefill accuracy per question kind (transformers' own forward, one prompt at a time)."""
     names = answer_ids(model.processor.tokenizer)
-    right = 0
-    for panel, key in questions:
-        prompt = model.prompt([panel.render(), panel.question(key)])
+    right: Counter[str] = Counter()
+    for done, question in enumerate(questions, 1):
+        prompt = model.prompt([*(panel.render() for panel in question.panels), question.text])
         logits = model.hf_forward(prompt).logits[0, -1]
-        right += names.get(int(logits.argmax())) == panel.value(key)
-    return right / len(questions)
+        right[question.kind] += names.get(int(logits.argmax())) == question.answer
+        if progress:
+            progress(done, len(questions))
+    return _rates(right, questions)
+
+
+def _rates(right: Counter[str], questions: Sequence[Question]) -> dict[str, float]:
+    asked = Counter(question.kind for question in questions)
+    return {kind: right[kind] / asked[kind] for kind in asked}
 
 
 # --- through the gateway ---
@@ -230,14 +252,12 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-async def ask(client, model: str, panel: Panel, key: str) -> tuple[str, str]:
-    """The reader's answer through the gateway, and the reuse the gateway reported for the image."""
+async def ask(client, model: str, question: Question) -> tuple[str, str]:
+    """The reader's answer through the gateway, and the reuse the gateway reported for the images."""
+    images = [{"type": "image_url", "image_url": {"url": data_url(panel.render())}} for panel in question.panels]
     raw = await client.chat.completions.with_raw_response.create(
         model=model, temperature=0, max_tokens=1,
-        messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_url(panel.render())}},
-            {"type": "text", "text": panel.question(key)},
-        ]}],
+        messages=[{"role": "user", "content": [*images, {"type": "text", "text": question.text}]}],
     )
     completion = raw.parse()
     return (completion.choices[0].message.content or "").strip(), raw.headers.get("x-revisit-reuse", "none")
@@ -256,11 +276,11 @@ async def evaluate_gateway(client, model: str, pairs: Sequence[Pair], *, pause_s
     started = time.perf_counter()
     for done, pair in enumerate(pairs, 1):
         key = pair.changed[0]
-        answer, reuse = await ask(client, model, pair.cached, key)
+        answer, reuse = await ask(client, model, field(pair.cached, key))
         report.tallies[f"A: {reuse}"][CHANGED].add(answer, pair.cached.value(key))
         for kind, key in pair.questions():
             await (settle() if settle is not None else asyncio.sleep(pause_s))
-            answer, reuse = await ask(client, model, pair.asked, key)
+            answer, reuse = await ask(client, model, field(pair.asked, key))
             stale = pair.cached.value(key) if kind == CHANGED else None
             report.tallies[f"B: {reuse}"][kind].add(answer, pair.asked.value(key), stale)
         if progress:
@@ -269,12 +289,16 @@ async def evaluate_gateway(client, model: str, pairs: Sequence[Pair], *, pause_s
     return report
 
 
-async def gateway_accuracy(client, model: str, questions: Sequence[tuple[Panel, str]]) -> float:
-    right = 0
-    for panel, key in questions:
-        answer, _ = await ask(client, model, panel, key)
-        right += answer == panel.value(key)
-    return right / len(questions)
+async def gateway_accuracy(client, model: str, questions: Sequence[Question],
+                           progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+    """Accuracy per question kind through the gateway."""
+    right: Counter[str] = Counter()
+    for done, question in enumerate(questions, 1):
+        answer, _ = await ask(client, model, question)
+        right[question.kind] += answer == question.answer
+        if progress:
+            progress(done, len(questions))
+    return _rates(right, questions)
 
 
 # --- command line ---
@@ -289,48 +313,83 @@ def _progress(label: str) -> Callable[[int, int], None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Accuracy of the reader under reuse strategies.")
+    from bundled.recipes import ORACLE, READER
+
+    parser = argparse.ArgumentParser(description="A reader's accuracy, under reuse strategies, and from which layers "
+                                                 "it reads.")
     sub = parser.add_subparsers(dest="mode", required=True)
     ref = sub.add_parser("reference", help="through offline.reference")
-    ref.add_argument("--model", default=None, help="model directory (default: the bundled reader)")
     gate = sub.add_parser("gateway", help="through a running gateway")
     gate.add_argument("--url", required=True, help="the gateway's base URL, e.g. http://127.0.0.1:8000/v1")
     gate.add_argument("--model", default="default", help="model name as the gateway serves it")
     gate.add_argument("--api-key", default="none")
     gate.add_argument("--pause", type=float, default=0.2, help="seconds between questions (store writes land)")
-    for command in (ref, gate):
+    layers = sub.add_parser("probe", help="the layer-sensitivity probe (offline.layer_probe), through the reference")
+    for command in (ref, layers):
+        command.add_argument("--model", default=None, help="model directory (default: the bundled --size)")
+    for command in (ref, gate, layers):
+        command.add_argument("--size", choices=(READER, ORACLE), default=ORACLE,
+                             help="which reader: the bundled model (reference, probe) and the question kinds asked")
         command.add_argument("--pairs", type=int, default=500)
-        command.add_argument("--questions", type=int, default=1000, help="fresh questions for plain accuracy")
-        command.add_argument("--changes", type=int, default=1, help="fields changed per pair")
         command.add_argument("--seed", type=int, default=0)
         command.add_argument("--json", default=None, help="also write the results here")
+    for command in (ref, gate):
+        command.add_argument("--questions", type=int, default=1000,
+                             help="fresh questions of each kind for plain accuracy")
+        command.add_argument("--changes", type=int, default=1, help="fields changed per pair")
     args = parser.parse_args(argv)
+    if args.mode == "probe":
+        return _probe(args)
+    from bundled.reader.train import TASKS
+
     pairs = make_pairs(args.pairs, seed=args.seed, changes=args.changes)
-    questions = fresh_questions(args.questions, seed=args.seed)
+    questions = fresh_questions(args.questions, seed=args.seed, kinds=TASKS[args.size].kinds)
+    accuracy: dict[str, float] | None
     if args.mode == "reference":
-        from bundled import QWEN2_5_VL, READER, build_model
         from offline.reference import ReferenceModel
 
-        model = ReferenceModel.load(args.model or build_model(QWEN2_5_VL, READER))
-        accuracy = reference_accuracy(model, questions) if args.questions else None
+        model = ReferenceModel.load(args.model or _bundled(args.size))
+        accuracy = reference_accuracy(model, questions, _progress("questions")) if questions else None
         report = evaluate_reference(model, pairs, progress=_progress("pairs"))
     else:
         from openai import AsyncOpenAI
 
-        async def run() -> tuple[float | None, Report]:
+        async def run() -> tuple[dict[str, float] | None, Report]:
             client = AsyncOpenAI(base_url=args.url, api_key=args.api_key, max_retries=0, timeout=600)
-            acc = await gateway_accuracy(client, args.model, questions) if args.questions else None
+            acc = await gateway_accuracy(client, args.model, questions, _progress("questions")) if questions else None
             return acc, await evaluate_gateway(client, args.model, pairs, pause_s=args.pause,
-                                                  progress=_progress("pairs"))
+                                               progress=_progress("pairs"))
 
         accuracy, report = asyncio.run(run())
-    if accuracy is not None:
-        print(f"full-prefill accuracy on {len(questions)} fresh questions: {100 * accuracy:.1f}%")
+    for kind, rate in (accuracy or {}).items():
+        print(f"full-prefill accuracy, {args.questions} fresh {kind} questions: {100 * rate:.1f}%")
     print(f"{len(pairs)} pairs, {args.changes} field(s) changed, {report.seconds:.0f} s")
     print(report.table())
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"accuracy": accuracy, "questions": len(questions), **report.as_dict()}, handle, indent=2)
+            json.dump({"accuracy": accuracy, "questions_per_kind": args.questions, **report.as_dict()}, handle,
+                      indent=2)
+    return 0
+
+
+def _bundled(size: str):
+    from bundled import QWEN2_5_VL, build_model
+
+    return build_model(QWEN2_5_VL, size)
+
+
+def _probe(args) -> int:
+    from offline.layer_probe import probe
+    from offline.reference import ReferenceModel
+
+    model = ReferenceModel.load(args.model or _bundled(args.size))
+    report = probe(model, make_pairs(args.pairs, seed=args.seed), progress=_progress("pairs"))
+    print(f"{report.pairs} pairs differing in one field, {model.num_layers} layers, {report.seconds:.0f} s: "
+          f"B asked about its changed field, layers >= l planned as below")
+    print(report.table())
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report.as_dict(), handle, indent=2)
     return 0
 
 

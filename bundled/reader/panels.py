@@ -8,7 +8,7 @@ on a light background, in dark ink; styles and font sizes vary per panel, grids 
 
 A question names one key ("K?") and its answer is that field's value: "7", "q", a colour name such as "red" or
 the word (one token each in the bundled tokenizer). Changing one field's value changes the pixels of its one or
-two tokens only, which is what the reuse oracle needs: stale tokens give the old answer.
+two tokens only, which is what judging reuse needs: stale tokens give the old answer.
 """
 
 from __future__ import annotations
@@ -227,3 +227,32 @@ def changed(panel: Panel, rng: random.Random, count: int = 1) -> tuple[Panel, li
             new = value_of_kind(rng, kind)
         fields[cell] = (key, new)
     return replace(panel, fields=fields), keys
+
+
+def revalued(panel: Panel, rng: random.Random) -> Panel:
+    """The same panel (layout, keys, kinds, style) with every value drawn afresh: a sibling, whose values are
+    independent of this panel's (a drawn value may equal the old one)."""
+    fields = {cell: (key, value_of_kind(rng, kind_of(value))) for cell, (key, value) in panel.fields.items()}
+    return replace(panel, fields=fields)
+
+
+def with_values(panel: Panel, values: dict[str, str]) -> Panel:
+    """The panel with the named keys set to the given values (each of its field's kind: a word stays a word)."""
+    fields = dict(panel.fields)
+    for key, value in values.items():
+        cell = panel.cell_of(key)
+        if kind_of(value) != kind_of(fields[cell][1]):
+            raise ValueError(f"{key}: {value!r} is not a {kind_of(fields[cell][1])}")
+        fields[cell] = (key, value)
+    return replace(panel, fields=fields)
+
+
+def with_key(panel: Panel, key: str, rng: random.Random) -> Panel:
+    """The panel with ``key`` among its keys: if absent, a random field is renamed to it."""
+    if key in panel.keys:
+        return panel
+    fields = dict(panel.fields)
+    cell = rng.choice(sorted(fields))
+    fields[cell] = (key, fields[cell][1])
+    return replace(panel, fields=fields)
+

@@ -1,8 +1,10 @@
-"""Train the reader from scratch on CPU: ``python -m bundled.reader.train``.
+"""Train a reader from scratch on CPU: ``python -m bundled.reader.train --size reader|oracle``.
 
-The model is the bundled ``qwen2_5_vl`` / ``reader`` recipe (transformers' Qwen2.5-VL classes, the bundled tokenizer
-and processor), starting from the recipe's deterministic random weights. Each example is a generated panel
-(bundled.reader.panels), the question "K?" and the one-token answer, in the model's chat template. Loss:
+The model is the bundled ``qwen2_5_vl`` / ``reader`` or ``oracle`` recipe (transformers' Qwen2.5-VL classes, the
+bundled tokenizer and processor), starting from the recipe's deterministic random weights. Each example is a
+question over generated panels (bundled.reader.questions) and its one-token answer, in the model's chat template:
+the reader is asked "K?" only; the oracle "K?", "K=L?" and, over two panels, "K1?" / "K2?", each question next to
+its sibling, whose image K/V its text rows see below layer 3 (bundled.reader.swap). Loss:
 
     the answer token and <|im_end|> (cross-entropy on the language model's output), plus
     an auxiliary per-image-token loss: the vision tower's merged output of each image token is classified as its
@@ -10,7 +12,8 @@ and processor), starting from the recipe's deterministic random weights. Each ex
     learned "no field" vector each). It teaches the vision tower to read within a few hundred steps, and to say
     what it read in the language model's own embedding space, where the question's key token can find it;
     the question's key token is asked for the answer too (a one-hop signal: without it the model learned to read
-    values but not to pick the field whose key was asked, and answered with a random field's value).
+    values but not to pick the field whose key was asked, and answered with a random field's value); so is each
+    question token that can name a value (``Question.hops``).
 
 A curriculum starts with panels of at most 2 fields and raises the cap by 2 each time the running accuracy passes
 90%, up to 26. Batches are drawn from a generator seeded by (seed, step), so a resumed run sees the same data.
@@ -27,6 +30,8 @@ import math
 import random
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,9 +39,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from bundled.build import build_recipe
-from bundled.reader import artifacts
+from bundled.reader import artifacts, swap
 from bundled.reader.panels import KEYS, VALUES, Panel, random_panel
-from bundled.recipes import QWEN2_5_VL, READER, get_recipe
+from bundled.reader.questions import FIELD, QUESTION_KINDS, Question, field, random_question, sibling
+from bundled.recipes import ORACLE, QWEN2_5_VL, READER, get_recipe
 from bundled.weights import checkpoint_name
 
 DEFAULT_SEED = 20261129
@@ -45,7 +51,7 @@ EMPTY = "-"  # the auxiliary class of an image token that shows no field
 
 
 class Batcher:
-    """Turns (panel, key) examples into model inputs with the bundled processor and chat template."""
+    """Turns questions into model inputs with the bundled processor and chat template."""
 
     def __init__(self, processor) -> None:
         self.processor = processor
@@ -55,31 +61,35 @@ class Batcher:
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.vision_end = tokenizer.convert_tokens_to_ids("<|vision_end|>")
 
-    def prompt(self, question: str) -> str:
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    def prompt(self, question: Question) -> str:
+        content: list[dict] = [{"type": "image"} for _ in question.panels]
+        messages = [{"role": "user", "content": [*content, {"type": "text", "text": question.text}]}]
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def __call__(self, examples: list[tuple[Panel, str]], with_answers: bool = True) -> dict:
-        texts = [self.prompt(panel.question(key)) + (panel.value(key) + "<|im_end|>" if with_answers else "")
-                 for panel, key in examples]
-        inputs = self.processor(text=texts, images=[panel.render() for panel, _ in examples], padding=True,
-                                return_tensors="pt")
+    def __call__(self, questions: list[Question], with_answers: bool = True) -> dict:
+        texts = [self.prompt(q) + (q.answer + "<|im_end|>" if with_answers else "") for q in questions]
+        images = [panel.render() for q in questions for panel in q.panels]
+        inputs = self.processor(text=texts, images=images, padding=True, return_tensors="pt")
         lengths = inputs["attention_mask"].sum(1)
-        answers = torch.tensor([self.value_ids[panel.value(key)] for panel, key in examples])
+        answers = torch.tensor([self.value_ids[q.answer] for q in questions])
         offset = 2 if with_answers else 0
         # The position whose logits predict the answer: the last prompt token.
         inputs["answer_at"] = lengths - 1 - offset
-        # The question's key token, right after the image.
-        inputs["key_at"] = (inputs["input_ids"] == self.vision_end).int().argmax(1) + 1
+        # The question's first token, right after the last image.
+        ids = inputs["input_ids"]
+        question_at = ((ids == self.vision_end) * torch.arange(ids.shape[1])).argmax(1) + 1
+        hops = [(row, int(question_at[row]) + at, self.value_ids[value])
+                for row, q in enumerate(questions) for at, value in q.hops]
+        inputs["hop_rows"], inputs["hop_at"], inputs["hop_values"] = torch.tensor(hops).T
         inputs["answers"] = answers
         if with_answers:
-            labels = torch.full_like(inputs["input_ids"], -100)
-            rows = torch.arange(len(examples))
+            labels = torch.full_like(ids, -100)
+            rows = torch.arange(len(questions))
             labels[rows, lengths - 2] = answers
             labels[rows, lengths - 1] = self.im_end
             inputs["labels"] = labels
         keys, values = [], []
-        for panel, _ in examples:
+        for panel in (panel for q in questions for panel in q.panels):
             shown = token_labels(panel)
             for token in range(panel.rows * panel.cols):
                 key, value = shown.get(token, (EMPTY, EMPTY))
@@ -115,22 +125,53 @@ def _single_token(tokenizer, text: str) -> int:
     return ids[0]
 
 
-def examples(rng: random.Random, count: int, max_fields: int) -> list[tuple[Panel, str]]:
+@dataclass(frozen=True)
+class Task:
+    """What a reader is trained on: question kinds (drawn uniformly) and the sibling swap (bundled.reader.swap)."""
+
+    kinds: tuple[str, ...]
+    swap_layers: int = 0  # text rows see a sibling's image K/V below this decoder layer; 0: never
+
+
+TASKS = {
+    READER: Task(kinds=(FIELD,)),
+    # Reading below layer 3 is useless in training: a warmup of 3 of its 8 layers over stale KV gives stale answers.
+    ORACLE: Task(kinds=QUESTION_KINDS, swap_layers=3),
+}
+
+
+def examples(rng: random.Random, count: int, max_fields: int) -> list[Question]:
+    """The reader's questions: ``field`` only."""
     out = []
     for _ in range(count):
         panel = random_panel(rng, max_fields=max_fields)
-        out.append((panel, rng.choice(panel.keys)))
+        out.append(field(panel, rng.choice(panel.keys)))
     return out
 
 
-def held_out(count: int, seed: int = HELD_OUT_SEED) -> list[tuple[Panel, str]]:
-    """Full-difficulty questions from a generator the training batches never use."""
-    return examples(random.Random(f"held-out:{seed}"), count, len(KEYS))
+def draw(rng: random.Random, task: Task, count: int, max_fields: int) -> list[Question]:
+    """A batch of ``count`` questions; with a swap, ``count // 2`` questions followed by their siblings."""
+    if not task.swap_layers:
+        return examples(rng, count, max_fields)
+    questions = [random_question(rng, rng.choice(task.kinds), max_fields=max_fields) for _ in range(count // 2)]
+    return questions + [sibling(q, rng) for q in questions]
+
+
+def held_out(count: int, task: Task | None = None, seed: int = HELD_OUT_SEED) -> list[Question]:
+    """Full-difficulty questions from a generator the training batches never use (``count`` per kind)."""
+    rng = random.Random(f"held-out:{seed}")
+    if task is None or task.kinds == (FIELD,):
+        return examples(rng, count, len(KEYS))
+    return [random_question(rng, kind) for kind in task.kinds for _ in range(count)]
 
 
 class Trainer:
-    def __init__(self, model, processor, *, seed: int, batch: int, lr: float, steps: int) -> None:
-        self.model, self.batcher = model, Batcher(processor)
+    def __init__(self, model, processor, *, task: Task, seed: int, batch: int, lr: float, steps: int) -> None:
+        if task.swap_layers and batch % 2:
+            raise ValueError("with a sibling swap the batch holds question/sibling pairs: it must be even")
+        self.model, self.batcher, self.task = model, Batcher(processor), task
+        if task.swap_layers:
+            swap.install(model)
         hidden = model.config.text_config.hidden_size
         tokenizer = processor.tokenizer
         self.key_ids = torch.tensor([_single_token(tokenizer, key) for key in KEYS])
@@ -153,37 +194,47 @@ class Trainer:
 
     def train_step(self) -> dict:
         rng = random.Random(f"{self.seed}:{self.step}")
-        inputs = self.batcher(examples(rng, self.batch, self.level))
+        questions = draw(rng, self.task, self.batch, self.level)
+        inputs = self.batcher(questions)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
         self.model.train()
         self._vision_out.clear()
-        out = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                         pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
-                         labels=inputs["labels"])
+        with swap.swapping(self._swap(inputs["input_ids"])):
+            out = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                             pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
+                             labels=inputs["labels"])
         vision = self._vision_out[-1]
         embeddings = self.model.get_input_embeddings().weight
         key_table = torch.cat([self.no_field[:1], embeddings[self.key_ids]])
         value_table = torch.cat([self.no_field[1:], embeddings[self.value_ids]])
         aux = (F.cross_entropy(vision @ key_table.T, inputs["token_keys"])
                + F.cross_entropy(vision @ value_table.T, inputs["token_values"]))
-        rows = torch.arange(self.batch)
-        # The key token itself is taught to name the value: one content-matching hop, with its own signal; the
-        # answer position then only has to look a fixed distance back.
-        early = F.cross_entropy(out.logits[rows, inputs["key_at"]], inputs["answers"])
-        loss = out.loss + 0.5 * aux + 0.5 * early
+        # The question's key token itself (and each token that can name a value: bundled.reader.questions) is
+        # taught to name the value: one content-matching hop, with its own signal; the answer position then only
+        # has to look a fixed distance back.
+        hops = F.cross_entropy(out.logits[inputs["hop_rows"], inputs["hop_at"]], inputs["hop_values"])
+        loss = out.loss + 0.5 * aux + 0.5 * hops
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
-        predicted = out.logits[rows, inputs["answer_at"]].argmax(-1)
+        predicted = out.logits[torch.arange(len(questions)), inputs["answer_at"]].argmax(-1)
         accuracy = (predicted == inputs["answers"]).float().mean().item()
         self.running = accuracy if self.step == 0 else 0.95 * self.running + 0.05 * accuracy
         self.step += 1
         if self.running >= 0.9 and self.level < len(KEYS):
             self.level = min(len(KEYS), self.level + 2)
             self.running = 0.0
-        return {"loss": out.loss.item(), "aux": aux.item(), "early": early.item(), "accuracy": accuracy}
+        return {"loss": out.loss.item(), "aux": aux.item(), "early": hops.item(), "accuracy": accuracy}
+
+    def _swap(self, input_ids: torch.Tensor) -> swap.Swap | None:
+        """Each question's partner is its sibling, half a batch away (``draw``)."""
+        if not self.task.swap_layers:
+            return None
+        half = len(input_ids) // 2
+        partner = torch.cat([torch.arange(half) + half, torch.arange(half)])
+        return swap.Swap.over(input_ids, self.model.config.image_token_id, partner, self.task.swap_layers)
 
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "no_field": self.no_field.detach().clone(),
@@ -200,18 +251,56 @@ class Trainer:
 
 
 @torch.no_grad()
-def accuracy(model, batcher: Batcher, questions: list[tuple[Panel, str]], batch: int = 64) -> float:
+def accuracy(model, batcher: Batcher, questions: list[Question], batch: int = 64) -> float:
     """Greedy first-token accuracy of full-prefill answers."""
+    by_kind = accuracy_by_kind(model, batcher, questions, batch)
+    counts = Counter(q.kind for q in questions)
+    return sum(by_kind[kind] * counts[kind] for kind in counts) / len(questions)
+
+
+@torch.no_grad()
+def accuracy_by_kind(model, batcher: Batcher, questions: list[Question], batch: int = 64) -> dict[str, float]:
+    """Greedy first-token accuracy of full-prefill answers, per question kind."""
     model.eval()
-    right = 0
+    right: Counter[str] = Counter()
     for start in range(0, len(questions), batch):
         chunk = questions[start : start + batch]
         inputs = batcher(chunk, with_answers=False)
         logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                        pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]).logits
         predicted = logits[torch.arange(len(chunk)), inputs["answer_at"]].argmax(-1)
-        right += int((predicted == inputs["answers"]).sum())
-    return right / len(questions)
+        for question, ok in zip(chunk, (predicted == inputs["answers"]).tolist(), strict=True):
+            right[question.kind] += ok
+    counts = Counter(q.kind for q in questions)
+    return {kind: right[kind] / counts[kind] for kind in counts}
+
+
+def warm_start(model, arch: str, trained: str) -> int:
+    """Copy the vision tower (patch embedding, blocks, merger) and the token embeddings of committed weights into
+    ``model``; returns how many tensors were copied."""
+    weights = artifacts.load_trained(trained, torch.float32)
+    params = dict(model.named_parameters())
+    copied = 0
+    with torch.no_grad():
+        for name, param in params.items():
+            stored = checkpoint_name(arch, name)
+            if (stored.startswith("visual.") or stored == "model.embed_tokens.weight") and stored in weights:
+                if weights[stored].shape != param.shape:
+                    raise ValueError(f"{trained}: {stored} is {tuple(weights[stored].shape)}, the model's "
+                                     f"{tuple(param.shape)}")
+                param.copy_(weights[stored])
+                copied += 1
+    return copied
+
+
+def held_out_record(model, batcher: Batcher, questions: list[Question]) -> dict:
+    """The held-out accuracy for the log: overall, and per kind when there are several."""
+    by_kind = accuracy_by_kind(model, batcher, questions)
+    counts = Counter(q.kind for q in questions)
+    record: dict = {"held_out_accuracy": round(sum(by_kind[k] * counts[k] for k in counts) / len(questions), 4)}
+    if len(by_kind) > 1:
+        record["held_out_by_kind"] = {kind: round(value, 4) for kind, value in by_kind.items()}
+    return record
 
 
 def export(model, recipe, out_dir: Path, summary: dict, log_path: Path, config_path: Path) -> Path:
@@ -231,32 +320,40 @@ def export(model, recipe, out_dir: Path, summary: dict, log_path: Path, config_p
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, default=Path("scratch/reader"),
-                        help="checkpoints and the running log (resumed from if present)")
+    parser.add_argument("--size", choices=tuple(TASKS), default=READER, help="which reader (its recipe and task)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="checkpoints and the running log, resumed from if present (default scratch/<size>)")
     parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--batch", type=int, default=48)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--eval-every", type=int, default=250)
-    parser.add_argument("--eval-questions", type=int, default=256)
+    parser.add_argument("--eval-questions", type=int, default=256, help="held-out questions (per kind)")
     parser.add_argument("--stop-at", type=int, default=None,
                         help="stop at this step (with a checkpoint); the same command without it continues")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--init-from", default=None, metavar="TRAINED",
+                        help="start the vision tower and token embeddings from committed weights "
+                             "(e.g. qwen2_5_vl-reader); the language model's layers start from the recipe's")
     parser.add_argument("--export", type=Path, default=None,
                         help="when done, write the committed artifacts here (e.g. bundled/reader/trained/"
-                             "qwen2_5_vl-reader)")
+                             "qwen2_5_vl-<size>)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    args.work = args.work or Path("scratch") / args.size
 
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-    recipe = get_recipe(QWEN2_5_VL, READER)
+    recipe, task = get_recipe(QWEN2_5_VL, args.size), TASKS[args.size]
     start = build_recipe(dataclasses.replace(recipe, trained=""), on_progress=print)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(start, dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(start)
-    trainer = Trainer(model, processor, seed=args.seed, batch=args.batch, lr=args.lr, steps=args.steps)
+    if args.init_from:
+        print(f"vision tower and embeddings from {args.init_from}: {warm_start(model, recipe.arch, args.init_from)} "
+              f"tensors")
+    trainer = Trainer(model, processor, task=task, seed=args.seed, batch=args.batch, lr=args.lr, steps=args.steps)
     args.work.mkdir(parents=True, exist_ok=True)
     checkpoint, log_path = args.work / "checkpoint.pt", args.work / artifacts.LOG
     if checkpoint.is_file():
@@ -264,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resumed at step {trainer.step} (level {trainer.level}, {trainer.elapsed / 60:.1f} min trained)")
     else:
         log_path.write_text("")
-    questions = held_out(args.eval_questions)
+    questions = held_out(args.eval_questions, task)
     params = sum(p.numel() for p in model.parameters())
     print(f"training {recipe.name}: {params / 1e6:.2f}M parameters, {args.steps} steps of {args.batch}")
     window: list[dict] = []
@@ -280,17 +377,16 @@ def main(argv: list[str] | None = None) -> int:
             record = {"step": trainer.step, "minutes": round(trainer.elapsed / 60, 2), "level": trainer.level,
                       "lr": round(trainer.learning_rate(), 6), **{k: round(v, 4) for k, v in mean.items()}}
             if trainer.step % args.eval_every == 0 or last:
-                record["held_out_accuracy"] = round(accuracy(model, trainer.batcher, questions), 4)
+                record.update(held_out_record(model, trainer.batcher, questions))
                 torch.save(trainer.state(), checkpoint.with_suffix(".tmp"))
                 checkpoint.with_suffix(".tmp").replace(checkpoint)
             with log_path.open("a") as handle:
                 handle.write(json.dumps(record) + "\n")
             print(json.dumps(record), flush=True)
     if args.export and trainer.step == args.steps:
-        final = accuracy(model, trainer.batcher, questions)
-        summary = {"recipe": recipe.name, "seed": args.seed, "steps": args.steps, "batch": args.batch,
+        final = held_out_record(model, trainer.batcher, questions)
+        summary = {**final, "recipe": recipe.name, "seed": args.seed, "steps": args.steps, "batch": args.batch,
                    "lr": args.lr, "minutes": round(trainer.elapsed / 60, 1), "parameters": params,
-                   "held_out_accuracy": final,
                    "command": " ".join(["python -m bundled.reader.train",
                                         *(argv if argv is not None else sys.argv[1:])])}
         written = export(model, recipe, args.export, summary, log_path, start / "config.json")

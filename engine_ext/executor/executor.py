@@ -9,7 +9,7 @@ For each extend batch, the executor reads the plan each request carries in its i
            each image row computed only at the layers the plan's ratios give it, and its stored K/V, moved to this
            request's positions, written into its pool slots at the others. Those K/V are read on a reader thread,
            row group by row group, only the rows and layers that are reused (entries.KVFetch), while the forward
-           runs the layers before them (offline.reference is the oracle for these semantics)
+           runs the layers before them (offline.reference is the ground truth for these semantics)
 
 An exact plan whose entry is absent, damaged, or not this model's falls back to a full prefill (and stores the
 entry); K/V blocks found damaged during the forward have their rows computed from that layer on instead, which is

@@ -1,6 +1,6 @@
 """A reference implementation of every reuse path, in plain PyTorch over transformers' Qwen-VL models.
 
-The oracle the SGLang path is checked against: full prefill with the encoder output and per-token KV captured,
+The ground truth the SGLang path is checked against: full prefill with the encoder output and per-token KV captured,
 reuse with an identical prefix, position-independent reuse (keys re-positioned, the first r_l of an image's tokens
 recomputed at layer l), and the approximate plan (warmup layers, then recompute / reuse / drop sets).
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bundled import QWEN2_5_VL, READER, build_model
+from bundled import ORACLE, QWEN2_5_VL, READER, build_model
 from bundled.errors import BuildError
 from bundled.reader import artifacts
 from bundled.reader.panels import CELL, KEYS, VALUES, changed, random_panel
@@ -23,8 +23,6 @@ from offline.reader_eval import (
     fresh_questions,
     make_pairs,
 )
-
-TRAINED = "qwen2_5_vl-reader"
 
 
 @pytest.fixture(scope="module")
@@ -64,30 +62,33 @@ def test_every_question_key_and_answer_is_one_token(reader_path) -> None:
         assert tokenizer.tokenize(f"{key}?") == [key, "?"]
 
 
-def test_the_build_uses_the_committed_weights_after_checking_them(reader_path, tmp_path, monkeypatch) -> None:
-    committed = load_file(str(artifacts.trained_dir(TRAINED) / artifacts.WEIGHTS))
+@pytest.mark.parametrize("size", [READER, ORACLE])
+def test_the_build_uses_the_committed_weights_after_checking_them(size, tmp_path, monkeypatch) -> None:
+    trained = f"qwen2_5_vl-{size}"
+    reader_path = build_model(QWEN2_5_VL, size)
+    committed = load_file(str(artifacts.trained_dir(trained) / artifacts.WEIGHTS))
     built = load_file(str(reader_path / "model.safetensors"))
     assert built.keys() == committed.keys()
     assert all(torch.equal(built[name], committed[name].float()) for name in committed)
-    directory = artifacts.trained_dir(TRAINED)
+    directory = artifacts.trained_dir(trained)
     config = json.loads((directory / artifacts.CONFIG).read_text())
     assert config == json.loads((reader_path / "config.json").read_text())
-    assert artifacts.file_sha256(directory / artifacts.WEIGHTS) == artifacts.trained_sha256(TRAINED)
+    assert artifacts.file_sha256(directory / artifacts.WEIGHTS) == artifacts.trained_sha256(trained)
     for name, digest in artifacts.read_sums(directory).items():
         assert artifacts.file_sha256(directory / name) == digest
 
     copy = tmp_path / "trained"
     shutil.copytree(artifacts.TRAINED_ROOT, copy)
-    weights = copy / TRAINED / artifacts.WEIGHTS
+    weights = copy / trained / artifacts.WEIGHTS
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0xFF
     weights.write_bytes(bytes(data))
     monkeypatch.setattr(artifacts, "TRAINED_ROOT", copy)
     with pytest.raises(BuildError, match="checksum"):
-        artifacts.load_trained(TRAINED, torch.float32)
-    (copy / TRAINED / artifacts.SUMS).unlink()
+        artifacts.load_trained(trained, torch.float32)
+    (copy / trained / artifacts.SUMS).unlink()
     with pytest.raises(BuildError, match="bundled.reader.train"):
-        artifacts.trained_sha256(TRAINED)
+        artifacts.trained_sha256(trained)
 
 
 def test_full_prefill_reads_fresh_panels(reader_path) -> None:
@@ -109,8 +110,11 @@ def test_the_reader_tells_stale_kv_from_fresh(reference) -> None:
     assert tallies["recompute_changed"][UNCHANGED].right >= 36
 
 
-def test_training_logs_checkpoints_resumes_and_exports(tmp_path, capsys) -> None:
-    common = ["--batch", "3", "--eval-every", "2", "--eval-questions", "3", "--threads", "1"]
+@pytest.mark.parametrize("size", [READER, ORACLE])
+def test_training_logs_checkpoints_resumes_and_exports(size, tmp_path, capsys) -> None:
+    common = ["--size", size, "--batch", "4", "--eval-every", "2", "--eval-questions", "3", "--threads", "1"]
+    if size == ORACLE:
+        common += ["--init-from", "qwen2_5_vl-reader"]
     assert main(["--work", str(tmp_path / "straight"), "--steps", "4", *common]) == 0
     assert main(["--work", str(tmp_path / "resumed"), "--steps", "4", "--stop-at", "2", *common]) == 0
     out = tmp_path / "export"

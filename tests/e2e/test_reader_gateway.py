@@ -1,4 +1,5 @@
-"""The reader served by a real SGLang worker behind the gateway, asked with the real openai client."""
+"""The oracle (the deeper reader) served by a real SGLang worker behind the gateway, asked with the real openai
+client: every kind of question, two images in one request, and exact reuse keeping its answers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bundled import QWEN2_5_VL, READER, build_model
+from bundled import ORACLE, QWEN2_5_VL, build_model
+from bundled.reader.questions import FIELD, QUESTION_KINDS
 from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings
 from offline.reader_eval import (
     CHANGED,
@@ -25,7 +27,7 @@ from tests.conftest import WORKER_READY_TIMEOUT_S, free_port, run_gateway, worke
 
 pytestmark = pytest.mark.sglang
 
-READER_ID = "revisit-reader"
+READER_ID = "revisit-oracle"
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def reader_gateway(tmp_path_factory):
     """One reader worker and a gateway over a store of their own (LMDB opens once per process: not the session's)."""
     from launcher import WorkerSpec, start_worker
 
-    path = build_model(QWEN2_5_VL, READER)
+    path = build_model(QWEN2_5_VL, ORACLE)
     dram = Path(tempfile.mkdtemp(prefix="revisit-reader-store-", dir="/dev/shm"))
     env = {"REVISIT_STORE_DRAM_DIR": str(dram), "REVISIT_STORE_LMDB_DIR": str(tmp_path_factory.mktemp("reader-lmdb"))}
     logs = tmp_path_factory.mktemp("reader-worker")
@@ -78,7 +80,7 @@ def test_the_served_reader_reads_and_reuse_keeps_its_answers(reader_gateway) -> 
 
     workers = reader_gateway.config.workers
     accuracy, report, events = asyncio.run(run())
-    assert accuracy >= 0.9
+    assert accuracy[FIELD] >= 0.9
     tallies = report.tallies
     # What the worker executed is what the gateway reported: every miss ran the vision tower and the full prefill
     # and was stored, every exact plan reused stored KV (or found all its rows in SGLang's radix cache already).
@@ -94,3 +96,17 @@ def test_the_served_reader_reads_and_reuse_keeps_its_answers(reader_gateway) -> 
     # ... and asked again after the same text, B is an exact hit from the store, still right.
     exact = tallies["B: exact_same_prefix"][UNCHANGED]
     assert exact.asked == 12 and exact.right >= 10
+
+
+def test_the_served_oracle_answers_every_kind_of_question(reader_gateway) -> None:
+    """"K?", "K=L?" and, with two images in one request, "K1?" / "K2?": answered as the reference answers them."""
+    import openai
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=reader_gateway.url + "/v1", api_key="sk-reader", max_retries=0,
+                                    timeout=300)
+        return await gateway_accuracy(client, READER_ID, fresh_questions(25, seed=23, kinds=QUESTION_KINDS))
+
+    rates = asyncio.run(run())
+    assert set(rates) == set(QUESTION_KINDS)
+    assert all(rate >= 0.9 for rate in rates.values()), rates

@@ -1,0 +1,127 @@
+"""What a reader is asked: one or two panels, a question, and its one-token answer.
+
+    field       "K?"    one panel; the value of field K: "7", "q", "red", "cat"
+    equal       "K=L?"  one panel; whether fields K and L (of one kind) hold the same value: "y" or "n"
+    two_images  "K1?"   two panels that both have a field K; its value in the first ("K1?") or the second ("K2?")
+
+Every character of a question is one token in the bundled tokenizer (tested), so a question's token positions are
+known: ``hops`` names the question tokens that can name a value on their own (K in "K?", K and L in "K=L?", the
+image number in "K2?") and the value each names. Training asks those tokens for it too (the one-hop signal, see
+bundled.reader.train).
+
+A ``sibling`` of a question is the same question over the same panels (layout, keys, kinds, style) with every
+value drawn afresh: what the oracle's training shows the question in place of the real image below its reading
+layers.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from bundled.reader.panels import (
+    KEYS,
+    Panel,
+    kind_of,
+    random_panel,
+    revalued,
+    value_of_kind,
+    with_key,
+    with_values,
+)
+
+FIELD, EQUAL, TWO_IMAGES = "field", "equal", "two_images"
+QUESTION_KINDS = (FIELD, EQUAL, TWO_IMAGES)
+YES, NO = "y", "n"  # one token each (they are letter values too; the question says which is meant)
+
+
+@dataclass(frozen=True)
+class Question:
+    kind: str
+    panels: tuple[Panel, ...]
+    text: str
+    answer: str
+    hops: tuple[tuple[int, str], ...]  # (index of a token of `text`, the value that token names)
+
+    @property
+    def key(self) -> str:
+        """The (first) key the question names."""
+        return self.text[0]
+
+    def over(self, panels: tuple[Panel, ...]) -> Question:
+        """The same question asked of other panels (a sibling's, or the changed panel of a pair)."""
+        return ask(self.kind, panels, self.text)
+
+
+def ask(kind: str, panels: tuple[Panel, ...], text: str) -> Question:
+    """The question ``text`` of ``kind`` over ``panels``, with its answer and hops read off the panels."""
+    if kind == FIELD:
+        value = panels[0].value(text[0])
+        return Question(kind, panels, text, value, ((0, value),))
+    if kind == EQUAL:
+        first, second = panels[0].value(text[0]), panels[0].value(text[2])
+        return Question(kind, panels, text, YES if first == second else NO, ((0, first), (2, second)))
+    if kind == TWO_IMAGES:
+        value = panels[int(text[1]) - 1].value(text[0])
+        return Question(kind, panels, text, value, ((1, value),))
+    raise ValueError(f"unknown question kind {kind!r}; expected one of {QUESTION_KINDS}")
+
+
+def field(panel: Panel, key: str) -> Question:
+    return ask(FIELD, (panel,), f"{key}?")
+
+
+def equal(panel: Panel, key: str, other: str) -> Question:
+    return ask(EQUAL, (panel,), f"{key}={other}?")
+
+
+def two_images(first: Panel, second: Panel, key: str, which: int) -> Question:
+    return ask(TWO_IMAGES, (first, second), f"{key}{which}?")
+
+
+def random_question(rng: random.Random, kind: str, *, max_fields: int = len(KEYS)) -> Question:
+    """A question of ``kind`` over fresh panels of at most ``max_fields`` fields each; ``equal`` is "y" half the
+    time, and its two fields are always of one kind (else the kinds alone would answer it)."""
+    if kind == FIELD:
+        panel = random_panel(rng, max_fields=max_fields)
+        return field(panel, rng.choice(panel.keys))
+    if kind == EQUAL:
+        while True:
+            panel = random_panel(rng, min_fields=2, max_fields=max(2, max_fields))
+            key = rng.choice(panel.keys)
+            kind_ = kind_of(panel.value(key))
+            others = [k for k in panel.keys if k != key and kind_of(panel.value(k)) == kind_]
+            if others:
+                break
+        other = rng.choice(others)
+        if rng.random() < 0.5:
+            panel = with_values(panel, {other: panel.value(key)})
+        elif panel.value(other) == panel.value(key):
+            panel = with_values(panel, {other: _another(rng, panel.value(key))})
+        return equal(panel, key, other)
+    if kind == TWO_IMAGES:
+        first = random_panel(rng, max_fields=max_fields)
+        key = rng.choice(first.keys)
+        second = with_key(random_panel(rng, max_fields=max_fields), key, rng)
+        return two_images(first, second, key, rng.choice((1, 2)))
+    raise ValueError(f"unknown question kind {kind!r}; expected one of {QUESTION_KINDS}")
+
+
+def sibling(question: Question, rng: random.Random) -> Question:
+    """The question over its panels with every value drawn afresh, independently of the question's own values (an
+    ``equal`` sibling is again "y" half the time)."""
+    panels = tuple(revalued(panel, rng) for panel in question.panels)
+    if question.kind == EQUAL:
+        key, other = question.text[0], question.text[2]
+        value = panels[0].value(key)
+        same = rng.random() < 0.5
+        if same or panels[0].value(other) == value:
+            panels = (with_values(panels[0], {other: value if same else _another(rng, value)}),)
+    return question.over(panels)
+
+
+def _another(rng: random.Random, value: str) -> str:
+    new = value
+    while new == value:
+        new = value_of_kind(rng, kind_of(value))
+    return new

@@ -1,0 +1,161 @@
+"""The oracle: its questions, the sibling swap it is trained with, its committed weights, and that it reads late."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from bundled import ORACLE, QWEN2_5_VL, build_model
+from bundled.build import build_recipe
+from bundled.reader import swap
+from bundled.reader.panels import kind_of
+from bundled.reader.questions import EQUAL, FIELD, NO, QUESTION_KINDS, TWO_IMAGES, YES, random_question, sibling
+from bundled.reader.train import TASKS, Batcher, accuracy_by_kind, value_token_ids, warm_start
+from bundled.recipes import get_recipe
+from offline.layer_probe import CHANGED_DROPPED, CHANGED_RECOMPUTED, STALE_ABOVE, probe
+from offline.reader_eval import fresh_questions, make_pairs
+
+
+@pytest.fixture(scope="module")
+def untrained():
+    """The oracle's recipe with its deterministic random weights (what training starts from)."""
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    path = build_recipe(dataclasses.replace(get_recipe(QWEN2_5_VL, ORACLE), trained=""))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    return model, AutoProcessor.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def oracle_path():
+    return build_model(QWEN2_5_VL, ORACLE)
+
+
+@pytest.fixture(scope="module")
+def oracle_reference(oracle_path):
+    from offline.reference import ReferenceModel
+
+    return ReferenceModel.load(oracle_path)
+
+
+def test_questions_are_one_token_a_character_and_siblings_keep_the_layout(untrained) -> None:
+    tokenizer = untrained[1].tokenizer
+    assert len(set(value_token_ids(tokenizer).values())) == len(value_token_ids(tokenizer))
+    rng = random.Random(4)
+    answers: Counter[str] = Counter()
+    for _ in range(120):
+        for kind in QUESTION_KINDS:
+            question = random_question(rng, kind)
+            assert tokenizer.tokenize(question.text) == list(question.text)
+            twin = sibling(question, rng)
+            assert twin.text == question.text and twin.kind == kind
+            for panel, other in zip(question.panels, twin.panels, strict=True):
+                assert (panel.rows, panel.cols, panel.style, panel.tints) == (other.rows, other.cols, other.style,
+                                                                              other.tints)
+                assert [(cell, key, kind_of(value)) for cell, (key, value) in panel.fields.items()] == [
+                    (cell, key, kind_of(value)) for cell, (key, value) in other.fields.items()]
+            if kind == EQUAL:
+                key, other_key = question.text[0], question.text[2]
+                panel = question.panels[0]
+                assert kind_of(panel.value(key)) == kind_of(panel.value(other_key))
+                assert question.answer == (YES if panel.value(key) == panel.value(other_key) else NO)
+                answers[question.answer] += 1
+            if kind == TWO_IMAGES:
+                assert all(question.key in panel.keys for panel in question.panels)
+                assert question.answer == question.panels[int(question.text[1]) - 1].value(question.key)
+            if kind == FIELD:
+                assert question.answer == question.panels[0].value(question.key)
+    assert 40 <= answers[YES] <= 80  # "y" half the time
+
+
+def test_the_swap_shows_text_rows_the_siblings_image(untrained) -> None:
+    """With the swap at every layer, a question's answer row computes exactly what its sibling's does unswapped
+    (same text, the sibling's image K/V); with the swap at no layer, nothing changes."""
+    model, processor = untrained
+    swap.install(model)
+    model.eval()
+    rng = random.Random(9)
+    questions = [random_question(rng, kind, max_fields=6) for kind in QUESTION_KINDS]
+    batch = questions + [sibling(q, rng) for q in questions]
+    inputs = Batcher(processor)(batch, with_answers=False)
+    half = len(questions)
+    partner = torch.cat([torch.arange(half) + half, torch.arange(half)])
+    span = swap.Swap.over(inputs["input_ids"], model.config.image_token_id, partner, 0).span
+    image = inputs["input_ids"] == model.config.image_token_id
+    between = torch.tensor([2 * (len(q.panels) - 1) for q in batch])  # <|vision_end|><|vision_start|>
+    assert torch.equal(span.sum(1), image.sum(1) + between)
+    rows = torch.arange(len(batch))
+
+    def last_logits(layers: int | None) -> torch.Tensor:
+        context = swap.Swap(partner=partner, span=span, layers=layers) if layers is not None else None
+        with torch.no_grad(), swap.swapping(context):
+            out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                        pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+        return out.logits[rows, inputs["answer_at"]]
+
+    plain = last_logits(None)
+    torch.testing.assert_close(last_logits(0), plain)
+    swapped = last_logits(model.config.text_config.num_hidden_layers)
+    torch.testing.assert_close(swapped, plain[partner], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(swapped, plain, atol=1e-3)
+    partly = last_logits(TASKS[ORACLE].swap_layers)
+    assert not torch.allclose(partly, plain, atol=1e-3) and not torch.allclose(partly, plain[partner], atol=1e-3)
+
+
+def test_warm_start_copies_the_readers_vision_tower_and_embeddings() -> None:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from bundled.reader.artifacts import load_trained
+    from bundled.weights import checkpoint_name
+
+    path = build_recipe(dataclasses.replace(get_recipe(QWEN2_5_VL, ORACLE), trained=""))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    copied = warm_start(model, QWEN2_5_VL, "qwen2_5_vl-reader")
+    reader = load_trained("qwen2_5_vl-reader", torch.float32)
+    changed = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}
+    assert copied == len(changed) > 0
+    for name in changed:
+        stored = checkpoint_name(QWEN2_5_VL, name)
+        assert stored.startswith("visual.") or stored == "model.embed_tokens.weight"
+        assert torch.equal(dict(model.named_parameters())[name], reader[stored])
+    assert not any(".layers." in name for name in changed)  # the language model's layers are the recipe's
+
+
+def test_full_prefill_answers_every_kind_of_question(oracle_path) -> None:
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(oracle_path)
+    batcher = Batcher(AutoProcessor.from_pretrained(oracle_path))
+    rates = accuracy_by_kind(model, batcher, fresh_questions(150, seed=13, kinds=QUESTION_KINDS))
+    assert set(rates) == set(QUESTION_KINDS)
+    assert all(rate >= 0.93 for rate in rates.values()), rates
+
+
+def test_the_probe_shows_the_oracle_reads_late(oracle_reference) -> None:
+    """Stale KV above a warmup of 1..3 layers gives stale answers; the changed tokens recomputed give right ones;
+    the changed tokens dropped from layer 3 on leave nothing to read."""
+    report = probe(oracle_reference, make_pairs(24, seed=17))
+    layers = oracle_reference.num_layers
+    assert report.pairs == 24 and all(len(t) == layers + 1 for t in report.tallies.values())
+    for warmup in (1, 2, 3):
+        assert report.right(STALE_ABOVE, warmup) <= 0.4, report.table()
+        assert report.right(CHANGED_RECOMPUTED, warmup) >= 0.9, report.table()
+    assert report.right(CHANGED_DROPPED, 3) <= 0.5, report.table()
+    assert report.right(STALE_ABOVE, layers) >= 0.9  # every layer on B: a full prefill
+    assert report.tallies[STALE_ABOVE][0].stale >= 20  # A's entry as it is: A's answer
+
+
+def test_the_probe_shows_the_first_reader_reads_at_layer_0() -> None:
+    """The first reader, for contrast: from l = 1 on, nothing stale reaches its answers."""
+    from bundled import READER
+    from offline.reference import ReferenceModel
+
+    reference = ReferenceModel.load(build_model(QWEN2_5_VL, READER))
+    report = probe(reference, make_pairs(12, seed=17))
+    assert report.right(STALE_ABOVE, 0) <= 0.2
+    assert all(report.right(STALE_ABOVE, layer) >= 0.9 for layer in range(1, reference.num_layers + 1))
