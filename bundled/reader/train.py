@@ -131,6 +131,9 @@ class Task:
 
     kinds: tuple[str, ...]
     swap_layers: int = 0  # text rows see a sibling's image K/V below this decoder layer; 0: never
+    # The alternative to the swap, for measurement: until this step the question's rows see no image below
+    # swap_layers (bundled.reader.swap's withhold), then the whole image as usual. 0: swap instead.
+    withhold_until: int = 0
 
 
 TASKS = {
@@ -230,11 +233,13 @@ class Trainer:
 
     def _swap(self, input_ids: torch.Tensor) -> swap.Swap | None:
         """Each question's partner is its sibling, half a batch away (``draw``)."""
-        if not self.task.swap_layers:
+        task = self.task
+        if not task.swap_layers or (task.withhold_until and self.step >= task.withhold_until):
             return None
         half = len(input_ids) // 2
         partner = torch.cat([torch.arange(half) + half, torch.arange(half)])
-        return swap.Swap.over(input_ids, self.model.config.image_token_id, partner, self.task.swap_layers)
+        return swap.Swap.over(input_ids, self.model.config.image_token_id, partner, task.swap_layers,
+                              withhold=bool(task.withhold_until))
 
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "no_field": self.no_field.detach().clone(),
@@ -335,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-from", default=None, metavar="TRAINED",
                         help="start the vision tower and token embeddings from committed weights "
                              "(e.g. qwen2_5_vl-reader); the language model's layers start from the recipe's")
+    parser.add_argument("--withhold-until", type=int, default=0, metavar="STEP",
+                        help="oracle, for measurement: instead of the sibling swap, hide the image from the "
+                             "question below the swap layer until STEP, then show it")
     parser.add_argument("--export", type=Path, default=None,
                         help="when done, write the committed artifacts here (e.g. bundled/reader/trained/"
                              "qwen2_5_vl-<size>)")
@@ -347,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
     recipe, task = get_recipe(QWEN2_5_VL, args.size), TASKS[args.size]
+    if args.withhold_until:
+        if not task.swap_layers:
+            parser.error(f"--withhold-until needs a reader trained with a swap layer (not {args.size})")
+        task = dataclasses.replace(task, withhold_until=args.withhold_until)
     start = build_recipe(dataclasses.replace(recipe, trained=""), on_progress=print)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(start, dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(start)

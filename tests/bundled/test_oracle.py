@@ -74,7 +74,7 @@ def test_questions_are_one_token_a_character_and_siblings_keep_the_layout(untrai
 
 def test_the_swap_shows_text_rows_the_siblings_image(untrained) -> None:
     """With the swap at every layer, a question's answer row computes exactly what its sibling's does unswapped
-    (same text, the sibling's image K/V); with the swap at no layer, nothing changes."""
+    (same text, the sibling's image K/V); with the swap at no layer, nothing changes; withheld, no image counts."""
     model, processor = untrained
     swap.install(model)
     model.eval()
@@ -90,8 +90,8 @@ def test_the_swap_shows_text_rows_the_siblings_image(untrained) -> None:
     assert torch.equal(span.sum(1), image.sum(1) + between)
     rows = torch.arange(len(batch))
 
-    def last_logits(layers: int | None) -> torch.Tensor:
-        context = swap.Swap(partner=partner, span=span, layers=layers) if layers is not None else None
+    def last_logits(layers: int | None, withhold: bool = False) -> torch.Tensor:
+        context = None if layers is None else swap.Swap(partner=partner, span=span, layers=layers, withhold=withhold)
         with torch.no_grad(), swap.swapping(context):
             out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                         pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
@@ -102,6 +102,10 @@ def test_the_swap_shows_text_rows_the_siblings_image(untrained) -> None:
     swapped = last_logits(model.config.text_config.num_hidden_layers)
     torch.testing.assert_close(swapped, plain[partner], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(swapped, plain, atol=1e-3)
+    # Withheld at every layer, the image cannot reach the answer: a question and its sibling answer alike.
+    blind = last_logits(model.config.text_config.num_hidden_layers, withhold=True)
+    torch.testing.assert_close(blind, blind[partner], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(last_logits(1, withhold=True), plain, atol=1e-3)
     partly = last_logits(TASKS[ORACLE].swap_layers)
     assert not torch.allclose(partly, plain, atol=1e-3) and not torch.allclose(partly, plain[partner], atol=1e-3)
 
