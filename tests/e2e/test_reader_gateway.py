@@ -27,7 +27,7 @@ from tests.conftest import WORKER_READY_TIMEOUT_S, free_port, run_gateway, worke
 
 pytestmark = pytest.mark.sglang
 
-READER_ID = "revisit-oracle"
+ORACLE_ID = "revisit-oracle"
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +39,12 @@ def reader_gateway(tmp_path_factory):
     dram = Path(tempfile.mkdtemp(prefix="revisit-reader-store-", dir="/dev/shm"))
     env = {"REVISIT_STORE_DRAM_DIR": str(dram), "REVISIT_STORE_LMDB_DIR": str(tmp_path_factory.mktemp("reader-lmdb"))}
     logs = tmp_path_factory.mktemp("reader-worker")
-    worker = start_worker(WorkerSpec(model_path=path, port=free_port(), served_model_name=READER_ID,
+    worker = start_worker(WorkerSpec(model_path=path, port=free_port(), served_model_name=ORACLE_ID,
                                      log_file=logs / "worker.log", env=env))
     server = None
     try:
         worker.wait_ready(WORKER_READY_TIMEOUT_S)
-        config = GatewayConfig(model=READER_ID, workers=(worker.url,), processor=ProcessorSettings.from_model_dir(path),
+        config = GatewayConfig(model=ORACLE_ID, workers=(worker.url,), processor=ProcessorSettings.from_model_dir(path),
                                reuse=ReuseSettings.for_model(path, store=StoreConfig.from_env(env)),
                                health_interval_s=0.5)
         server = run_gateway(config)
@@ -56,13 +56,13 @@ def reader_gateway(tmp_path_factory):
         shutil.rmtree(dram, ignore_errors=True)
 
 
-def test_the_served_reader_reads_and_reuse_keeps_its_answers(reader_gateway) -> None:
+def test_the_served_oracle_reads_and_reuse_keeps_its_answers(reader_gateway) -> None:
     import openai
 
     async def run():
         client = openai.AsyncOpenAI(base_url=reader_gateway.url + "/v1", api_key="sk-reader", max_retries=0,
                                     timeout=300)
-        accuracy = await gateway_accuracy(client, READER_ID, fresh_questions(60, seed=21))
+        accuracy = await gateway_accuracy(client, ORACLE_ID, fresh_questions(60, seed=21))
         before = worker_events(workers)
 
         async def stored_every_miss() -> None:
@@ -74,7 +74,7 @@ def test_the_served_reader_reads_and_reuse_keeps_its_answers(reader_gateway) -> 
                 await asyncio.sleep(0.1)
             raise AssertionError("the worker did not store its misses' entries")
 
-        report = await evaluate_gateway(client, READER_ID, make_pairs(12, seed=21), settle=stored_every_miss)
+        report = await evaluate_gateway(client, ORACLE_ID, make_pairs(12, seed=21), settle=stored_every_miss)
         await stored_every_miss()
         return accuracy, report, worker_events(workers) - before
 
@@ -105,7 +105,7 @@ def test_the_served_oracle_answers_every_kind_of_question(reader_gateway) -> Non
     async def run():
         client = openai.AsyncOpenAI(base_url=reader_gateway.url + "/v1", api_key="sk-reader", max_retries=0,
                                     timeout=300)
-        return await gateway_accuracy(client, READER_ID, fresh_questions(25, seed=23, kinds=QUESTION_KINDS))
+        return await gateway_accuracy(client, ORACLE_ID, fresh_questions(25, seed=23, kinds=QUESTION_KINDS))
 
     rates = asyncio.run(run())
     assert set(rates) == set(QUESTION_KINDS)
