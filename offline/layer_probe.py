@@ -18,12 +18,14 @@ every cell from l = 1 on, which is why the first reader could not judge approxim
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from bundled.reader.questions import field
 from offline.reader_eval import Pair, Tally, answer_ids, cached_entry
 
 STALE_ABOVE, CHANGED_RECOMPUTED, CHANGED_DROPPED = "stale_above", "changed_recomputed", "changed_dropped"
@@ -35,7 +37,7 @@ class ProbeReport:
     layers: int
     pairs: int = 0
     seconds: float = 0.0
-    tallies: dict[str, list[Tally]] = field(default_factory=dict)  # plan -> per l (0 .. layers)
+    tallies: dict[str, list[Tally]] = dataclasses.field(default_factory=dict)  # plan -> per l (0 .. layers)
 
     def __post_init__(self) -> None:
         for plan in PLANS:
@@ -95,7 +97,7 @@ def probe(model, pairs: Sequence[Pair], progress: Callable[[int, int], None] | N
             raise ValueError("the probe's pairs differ in exactly one field")
         key = pair.changed[0]
         entry = cached_entry(model, pair)
-        prompt = model.prompt([pair.asked.render(), pair.asked.question(key)])
+        prompt = model.prompt([pair.asked.render(), field(pair.asked, key).text])
         encoder = model.encode(prompt)[0]
         rows, tokens = pair.asked.token_indices(key), len(prompt.images[0])
         for name in PLANS:

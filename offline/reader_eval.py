@@ -187,7 +187,7 @@ def cached_entry(model, pair: Pair) -> ImageKV:
     """A's entry as a full prefill of A (asked about its unchanged field) leaves it in the store."""
     from offline.reference import Fresh, capture, prefill
 
-    prompt = model.prompt([pair.cached.render(), pair.cached.question(pair.unchanged)])
+    prompt = model.prompt([pair.cached.render(), field(pair.cached, pair.unchanged).text])
     encoder = model.encode(prompt)[0]
     return capture(prefill(model, prompt, [Fresh(encoder)]).state, prompt.images[0], encoder)
 
@@ -207,7 +207,7 @@ def evaluate_reference(model, pairs: Sequence[Pair], strategies: dict[str, Refer
         image = pair.asked.render()
         b_encoder = None
         for kind, key in pair.questions():
-            prompt = model.prompt([image, pair.asked.question(key)])
+            prompt = model.prompt([image, field(pair.asked, key).text])
             if b_encoder is None:
                 b_encoder = model.encode(prompt)[0]
             case = Case(pair=pair, cached=entry, encoder=b_encoder, tokens=len(prompt.images[0]),

@@ -1,4 +1,4 @@
-"""Panels of labelled fields: the reader's pictures, questions and answers.
+"""Panels of labelled fields: the readers' pictures.
 
 A panel is a grid of cells, each exactly one language-model token wide and high (28 x 28 pixels for a patch of 14
 merged 2 x 2). A field shows its key, an upper-case letter, on the left of its first cell, then its value: a digit,
@@ -6,9 +6,9 @@ a lower-case letter or a colour swatch in the same cell, or a short word running
 field is two cells wide). Cells are laid out as a table (grid lines) or as a panel (a tinted background per field),
 on a light background, in dark ink; styles and font sizes vary per panel, grids from 1 to 8 cells a side.
 
-A question names one key ("K?") and its answer is that field's value: "7", "q", a colour name such as "red" or
-the word (one token each in the bundled tokenizer). Changing one field's value changes the pixels of its one or
-two tokens only, which is what judging reuse needs: stale tokens give the old answer.
+The questions asked of panels, and their one-token answers, are in bundled.reader.questions. Changing one field's
+value changes the pixels of its one or two tokens only, which is what judging reuse needs: stale tokens give the
+old answer.
 """
 
 from __future__ import annotations
@@ -126,12 +126,6 @@ class Panel:
             else:
                 _glyph(draw, font, value, x + 14, y, self.ink)
         return image
-
-    @staticmethod
-    def question(key: str) -> str:
-        # "K?": the key is a token of its own for every letter (after a space, the bundled tokenizer merges some
-        # letters with the space and not others).
-        return f"{key}?"
 
 
 def _glyph(draw: ImageDraw.ImageDraw, font, text: str, left: int, top: int, ink) -> None:

@@ -68,6 +68,8 @@ def ask(kind: str, panels: tuple[Panel, ...], text: str) -> Question:
 
 
 def field(panel: Panel, key: str) -> Question:
+    # "K?": the key is a token of its own for every letter (after a space, the bundled tokenizer merges some
+    # letters with the space and not others).
     return ask(FIELD, (panel,), f"{key}?")
 
 

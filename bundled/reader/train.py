@@ -258,7 +258,11 @@ class Trainer:
 @torch.no_grad()
 def accuracy(model, batcher: Batcher, questions: list[Question], batch: int = 64) -> float:
     """Greedy first-token accuracy of full-prefill answers."""
-    by_kind = accuracy_by_kind(model, batcher, questions, batch)
+    return overall(accuracy_by_kind(model, batcher, questions, batch), questions)
+
+
+def overall(by_kind: dict[str, float], questions: list[Question]) -> float:
+    """The accuracy over all questions, from the accuracy per kind."""
     counts = Counter(q.kind for q in questions)
     return sum(by_kind[kind] * counts[kind] for kind in counts) / len(questions)
 
@@ -301,8 +305,7 @@ def warm_start(model, arch: str, trained: str) -> int:
 def held_out_record(model, batcher: Batcher, questions: list[Question]) -> dict:
     """The held-out accuracy for the log: overall, and per kind when there are several."""
     by_kind = accuracy_by_kind(model, batcher, questions)
-    counts = Counter(q.kind for q in questions)
-    record: dict = {"held_out_accuracy": round(sum(by_kind[k] * counts[k] for k in counts) / len(questions), 4)}
+    record: dict = {"held_out_accuracy": round(overall(by_kind, questions), 4)}
     if len(by_kind) > 1:
         record["held_out_by_kind"] = {kind: round(value, 4) for kind, value in by_kind.items()}
     return record
