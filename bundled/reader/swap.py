@@ -60,15 +60,15 @@ _active: ContextVar[Swap | None] = ContextVar("sibling_swap", default=None)
 def attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     swap = _active.get()
     if swap is None or module.layer_idx >= swap.layers:
-        return out, None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0], None
     if swap.withhold:
         hidden = swap.questions[:, None, :, None] & swap.span[:, None, None, :]  # (batch, 1, query, key)
         withheld, _ = sdpa_attention_forward(module, query, key, value, _allowed(attention_mask, query) & ~hidden,
                                              **kwargs)
         return withheld, None
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # the image's own rows
     span = swap.span[:, None, :, None]  # key/value: (batch, kv_heads, tokens, head_dim)
     key = torch.where(span, key[swap.partner].detach(), key)
     value = torch.where(span, value[swap.partner].detach(), value)

@@ -40,8 +40,8 @@ from safetensors.torch import save_file
 
 from bundled.build import build_recipe
 from bundled.reader import artifacts, swap
-from bundled.reader.panels import KEYS, VALUES, Panel, random_panel
-from bundled.reader.questions import FIELD, QUESTION_KINDS, Question, field, random_question, sibling
+from bundled.reader.panels import KEYS, VALUES, Panel
+from bundled.reader.questions import FIELD, QUESTION_KINDS, Question, random_question, sibling
 from bundled.recipes import ORACLE, QWEN2_5_VL, READER, get_recipe
 from bundled.weights import checkpoint_name
 
@@ -130,7 +130,7 @@ class Task:
     """What a reader is trained on: question kinds (drawn uniformly) and the sibling swap (bundled.reader.swap)."""
 
     kinds: tuple[str, ...]
-    swap_layers: int = 0  # text rows see a sibling's image K/V below this decoder layer; 0: never
+    swap_layers: int = 0  # the question's rows see a sibling's image K/V below this decoder layer; 0: never
     # The alternative to the swap, for measurement: until this step the question's rows see no image below
     # swap_layers (bundled.reader.swap's withhold), then the whole image as usual. 0: swap instead.
     withhold_until: int = 0
@@ -145,11 +145,7 @@ TASKS = {
 
 def examples(rng: random.Random, count: int, max_fields: int) -> list[Question]:
     """The reader's questions: ``field`` only."""
-    out = []
-    for _ in range(count):
-        panel = random_panel(rng, max_fields=max_fields)
-        out.append(field(panel, rng.choice(panel.keys)))
-    return out
+    return [random_question(rng, FIELD, max_fields=max_fields) for _ in range(count)]
 
 
 def draw(rng: random.Random, task: Task, count: int, max_fields: int) -> list[Question]:
