@@ -33,12 +33,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-
 @dataclass(slots=True)
 class ApplyReport:
     applied: Counter = field(default_factory=Counter)
     missing: Counter = field(default_factory=Counter)  # the store had no valid copy to act on
     seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # time applying, by kind
+    longest_s: float = 0.0  # the longest single decision: what it would have held the event loop for
 
 
 class CacheManager:
@@ -48,10 +48,12 @@ class CacheManager:
     from the event loop (or directly where no loop is involved, as the policy tests do).
     """
 
-    def __init__(self, policy: CachePolicy, store: TieredStore | None):
+    def __init__(self, policy: CachePolicy, store: TieredStore | None,
+                 on_gone: Callable[[str], None] | None = None):
         self.policy = policy
         self.store = store
         self.report = ApplyReport()
+        self.on_gone = on_gone  # called with each key an eviction leaves in no tier (the match index forgets it)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-cache")
 
     async def run(self, work: Callable[..., T], /, *args: object, **kwargs: object) -> T:
@@ -77,7 +79,11 @@ class CacheManager:
                 log.warning("could not apply %s to the store: %s", decision, exc)
                 done = False
             (self.report.applied if done else self.report.missing)[decision.kind] += 1
-            self.report.seconds[decision.kind] += time.perf_counter() - started
+            if isinstance(decision, Evict) and self.on_gone is not None and not self.store.contains(decision.key):
+                self.on_gone(decision.key)
+            took = time.perf_counter() - started
+            self.report.seconds[decision.kind] += took
+            self.report.longest_s = max(self.report.longest_s, took)
         return decisions
 
     def _apply_one(self, decision: Decision) -> bool:
@@ -104,6 +110,9 @@ class CacheManager:
 
     def record_exact_hit(self, key: str) -> list[Decision]:
         return self.apply(self.policy.record_exact_hit(key))
+
+    def record_approximate_hit(self, key: str) -> None:
+        self.policy.record_approximate_hit(key)  # a sparse read of the alias moves nothing
 
     def remove(self, key: str, *, force: bool = False) -> list[Decision]:
         return self.apply(self.policy.remove(key, force=force))

@@ -22,9 +22,11 @@ from tests.images_lib import data_url, encode, small
 
 pytestmark = pytest.mark.sglang
 
-# Under 20 ms of lag is what a loop doing only its own work shows on this 2-core host with SGLang workers beside
-# it; one synchronous move of one of these entries holds a loop for hundreds of milliseconds.
-MAX_LAG_S = 0.020
+# A loop that waited on the store would lag at least as long as the longest single store operation (one move of
+# one of these entries: tens to hundreds of milliseconds). The bound is half of that operation, measured in the same
+# run, rather than a fixed figure: on a noisy 2-core host a free loop has been seen lagging 31 ms once, while every
+# stalled loop lags by the whole operation.
+MIN_STORE_OPERATION_S = 0.040
 LAYERS, KV_HEADS, TOKENS, HEAD_DIM = 16, 8, 1024, 128  # 2 x 32 MiB of bf16 K/V per entry
 
 
@@ -76,7 +78,9 @@ def test_store_work_never_stalls_the_event_loop(gateway) -> None:
     assert report.applied["demote"] >= 3 and report.applied["evict"] >= 1 and report.applied["promote"] >= 1
     store_seconds = sum(report.seconds.values())
     assert lag.samples > 20
-    print(f"store work {store_seconds * 1e3:.0f} ms on the cache thread; the loop's worst lag "
-          f"{lag.max_lag_s * 1e3:.1f} ms over {lag.samples} samples")
-    assert store_seconds > 5 * MAX_LAG_S, "the store work was too quick to tell a stalled loop from a free one"
-    assert lag.max_lag_s < MAX_LAG_S
+    print(f"store work {store_seconds * 1e3:.0f} ms on the cache thread (longest operation "
+          f"{report.longest_s * 1e3:.0f} ms); the loop's worst lag {lag.max_lag_s * 1e3:.1f} ms over {lag.samples} "
+          "samples")
+    assert report.longest_s > MIN_STORE_OPERATION_S, "store work too quick to tell a stalled loop from a free one"
+    assert lag.max_lag_s < report.longest_s / 2, (f"the loop lagged {lag.max_lag_s * 1e3:.1f} ms; the longest store "
+                                                  f"operation took {report.longest_s * 1e3:.1f} ms")
