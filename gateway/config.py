@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plan import DEFAULT_RECOMPUTE_RATIO, PROFILE_FILE, PlanError, RecomputeProfile, check_ratios
+from plan import (
+    DEFAULT_RECOMPUTE_RATIO,
+    ENTROPY_AWARE,
+    PROFILE_FILE,
+    SELECTORS,
+    PlanError,
+    RecomputeProfile,
+    check_ratios,
+)
 from plan.checkpoint import UnreadableProcessorConfig, image_processor_config, text_layers
 from settings import PREFIX as ENV_PREFIX
 from settings import EnvReader, SettingsError
@@ -94,19 +102,75 @@ class ImageLimits:
             raise ConfigError("fetch_timeout_s must be positive")
 
 
+MATCH_ENV_PREFIX = ENV_PREFIX + "MATCH_"
+EXTRACTORS = ("pixel",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatchSettings:
+    """Approximate matching and approximate plans (gateway/matching, gateway/planner.py), ``REVISIT_MATCH_<FIELD>``.
+
+    Lookup: the coarse stage keeps ``candidates`` entries whose every 2 x 2 regional cosine exceeds
+    ``coarse_threshold``; the fine stage matches when the mean per-token cosine over the aligned grid reaches
+    ``match_threshold``; a token is similar at ``patch_threshold``; tokens under ``blank_entropy`` bits are blank.
+    Plans: B = the lowest-entropy ``reuse_share`` of the tokens, R = ``recompute_share`` of them, ``warmup_layers``
+    layers on every token first; the guard plans a miss when more than ``max_changed_share`` of the tokens changed.
+    ``strategy`` is the default selector (plan.SELECTORS); a request may name another in the ``x-revisit-strategy``
+    header only when ``allow_strategy_header``.
+    """
+
+    enabled: bool = True
+    extractor: str = "pixel"
+    coarse_threshold: float = 0.8
+    candidates: int = 5
+    match_threshold: float = 0.9
+    patch_threshold: float = 0.9
+    blank_entropy: float = 0.5
+    reuse_share: float = 0.1
+    recompute_share: float = 0.3
+    warmup_layers: int = 3
+    max_changed_share: float = 0.5
+    strategy: str = ENTROPY_AWARE
+    allow_strategy_header: bool = False
+    scan_limit: int = 2048  # entries of one grid searched by a plain scan; an HNSW graph past it
+    feature_cache_bytes: int = 256 << 20  # per-token features kept in memory for the fine stage
+    pending_grace_s: float = 600.0  # how long an indexed image may wait for its worker to store the entry
+
+    def __post_init__(self) -> None:
+        if self.extractor not in EXTRACTORS:
+            raise ConfigError(f"match extractor must be one of {EXTRACTORS}, got {self.extractor!r}")
+        if self.strategy not in SELECTORS:
+            raise ConfigError(f"match strategy must be one of {SELECTORS}, got {self.strategy!r}")
+        for name in ("coarse_threshold", "match_threshold", "patch_threshold", "reuse_share", "recompute_share",
+                     "max_changed_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"match {name} must be in [0, 1], got {getattr(self, name)}")
+        if self.candidates < 1 or self.scan_limit < 1 or self.warmup_layers < 0:
+            raise ConfigError("match candidates and scan_limit must be positive, warmup_layers not negative")
+        if self.blank_entropy < 0 or self.feature_cache_bytes < 0 or self.pending_grace_s < 0:
+            raise ConfigError("match blank_entropy, feature_cache_bytes and pending_grace_s must not be negative")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MatchSettings:
+        return cls(**EnvReader(environ, error=ConfigError).fields(cls, MATCH_ENV_PREFIX))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReuseSettings:
     """Reuse planning (gateway/planner.py): the store it reads, and how much of a moved image to recompute.
 
     ``store`` None attaches no store and plans nothing (every request runs as in plain SGLang). ``ratios`` are
     per-layer recompute ratios for an image stored after another prefix; None (the layer count is unknown) has
-    such images recomputed in full.
+    such images recomputed in full. ``layers`` is the language model's layer count when known (it bounds the
+    approximate plans' warmup). ``match`` configures approximate matching.
     """
 
     enabled: bool = True
     store: StoreConfig | None = None
     ratios: tuple[float, ...] | None = None
     ratios_source: str = "none"
+    layers: int | None = None
+    match: MatchSettings = field(default_factory=MatchSettings)
 
     def __post_init__(self) -> None:
         if self.ratios is not None:
@@ -117,23 +181,26 @@ class ReuseSettings:
 
     @classmethod
     def for_model(cls, model_dir: str | Path | None, *, store: StoreConfig | None, enabled: bool = True,
-                  profile: str | Path | None = None, uniform_ratio: float = DEFAULT_RECOMPUTE_RATIO) -> ReuseSettings:
+                  profile: str | Path | None = None, uniform_ratio: float = DEFAULT_RECOMPUTE_RATIO,
+                  match: MatchSettings | None = None) -> ReuseSettings:
         """Ratios from a recompute profile (the given path, else MODEL_DIR/recompute_profile.json when present),
         else uniform_ratio at every layer of the model in model_dir; none when the layer count is unknown."""
         if not 0.0 <= uniform_ratio <= 1.0:
             raise ConfigError(f"recompute ratio must be in [0, 1], got {uniform_ratio}")
+        layers = text_layers(model_dir) if model_dir else None
+        common: dict[str, Any] = {"enabled": enabled, "store": store, "layers": layers,
+                                  "match": match or MatchSettings()}
         candidate = Path(profile) if profile else (Path(model_dir) / PROFILE_FILE if model_dir else None)
         if candidate is not None and (profile or candidate.is_file()):
             try:
                 loaded = RecomputeProfile.load(candidate)
             except PlanError as exc:
                 raise ConfigError(str(exc)) from None
-            return cls(enabled=enabled, store=store, ratios=loaded.ratios, ratios_source=f"profile {candidate}")
-        layers = text_layers(model_dir) if model_dir else None
+            return cls(ratios=loaded.ratios, ratios_source=f"profile {candidate}", **common)
         if layers is None:
-            return cls(enabled=enabled, store=store)
-        return cls(enabled=enabled, store=store, ratios=(uniform_ratio,) * layers,
-                   ratios_source=f"uniform {uniform_ratio} over {layers} layers")
+            return cls(**common)
+        return cls(ratios=(uniform_ratio,) * layers, ratios_source=f"uniform {uniform_ratio} over {layers} layers",
+                   **common)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,7 +368,8 @@ class GatewayConfig:
             raise ConfigError(str(exc)) from None
         kwargs["reuse"] = ReuseSettings.for_model(
             model_dir, store=store, enabled=reuse_enabled, profile=get("RECOMPUTE_PROFILE", str),
-            uniform_ratio=get("RECOMPUTE_RATIO", float, DEFAULT_RECOMPUTE_RATIO))
+            uniform_ratio=get("RECOMPUTE_RATIO", float, DEFAULT_RECOMPUTE_RATIO),
+            match=MatchSettings.from_env(env.environ))
         kwargs.update(overrides)
         missing = [name for name in ("model", "workers") if name not in kwargs]
         if missing:

@@ -50,11 +50,11 @@ class CanonicalMemo:
         return image
 
     def put(self, namespace: str, digest: bytes, image: CanonicalImage) -> None:
-        cost = len(image.payload) + _ENTRY_OVERHEAD
+        cost = image.nbytes + _ENTRY_OVERHEAD
         if cost > self._budget or (namespace, digest) in self._entries:
             return
         self._entries[(namespace, digest)] = image
         self._bytes += cost
         while self._bytes > self._budget:
             _, evicted = self._entries.popitem(last=False)
-            self._bytes -= len(evicted.payload) + _ENTRY_OVERHEAD
+            self._bytes -= evicted.nbytes + _ENTRY_OVERHEAD

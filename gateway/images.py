@@ -20,6 +20,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from gateway.config import ImageLimits, ProcessorSettings
 from gateway.errors import InvalidRequest, PayloadTooLarge, UnprocessableImage
+from gateway.matching.features import Extractor, TokenFeatures
 
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"})
 MAX_ASPECT_RATIO = 200  # the Qwen-VL processors refuse more elongated images
@@ -51,6 +52,12 @@ class CanonicalImage:
     payload: bytes  # what the worker receives: bytes that decode to exactly the keyed pixels
     mime: str
     as_uploaded: bool = False  # payload is the uploaded bytes themselves (a data: URL can be forwarded as it came)
+    features: TokenFeatures | None = None  # per-token features for approximate matching (gateway/matching)
+
+    @property
+    def nbytes(self) -> int:
+        """What holding this image costs in memory: its payload and its features."""
+        return len(self.payload) + (self.features.nbytes if self.features is not None else 0)
 
     @property
     def data_url(self) -> str:
@@ -142,8 +149,10 @@ def canonicalize(
     processor: ProcessorSettings,
     model: str,
     namespace: str,
+    extractor: Extractor | None = None,
 ) -> CanonicalImage:
-    """Decode, orient and key one image. CPU-bound: run it off the event loop.
+    """Decode, orient and key one image, and with an extractor compute its per-token features on the grid the
+    model will see. CPU-bound: run it off the event loop.
 
     An RGB PNG or JPEG with no orientation to apply is forwarded as it came: the worker
     decodes those bytes with the same Pillow to the same pixels. Anything else (a rotation,
@@ -164,5 +173,6 @@ def canonicalize(
         out = io.BytesIO()
         rgb.save(out, format="PNG", compress_level=1)
         payload, mime = out.getvalue(), "image/png"
+    features = extractor.extract(rgb, (grid.rows, grid.cols), processor.factor) if extractor is not None else None
     return CanonicalImage(key=key, width=rgb.width, height=rgb.height, grid=grid, payload=payload, mime=mime,
-                          as_uploaded=as_uploaded)
+                          as_uploaded=as_uploaded, features=features)

@@ -19,6 +19,7 @@ from gateway.errors import ClientError, InvalidRequest, ModelNotFound
 from gateway.image_fetch import ImageFetcher
 from gateway.image_memo import CanonicalMemo
 from gateway.images import CanonicalImage, canonicalize
+from gateway.matching.features import Extractor
 from gateway.offload import off_loop
 from gateway.protocol import ChatCompletionParams, ImagePartRef, iter_image_parts, parse_body
 
@@ -34,9 +35,10 @@ class IntakeResult:
 
 
 class Intake:
-    def __init__(self, config: GatewayConfig, fetcher: ImageFetcher):
+    def __init__(self, config: GatewayConfig, fetcher: ImageFetcher, extractor: Extractor | None = None):
         self._config = config
         self._fetcher = fetcher
+        self._extractor = extractor  # with one, every new image gets per-token features (approximate matching)
         self.memo = CanonicalMemo(config.image_memo_bytes)
 
     async def process(self, raw: bytes, *, namespace: str) -> IntakeResult:
@@ -75,6 +77,7 @@ class Intake:
                 processor=self._config.processor,
                 model=self._config.model,
                 namespace=namespace,
+                extractor=self._extractor,
             )
         except ClientError as exc:
             exc.message = f"{ref.param}: {exc.message}"

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.planner import KINDS, Planner
 from gateway.policy import CachePolicy
 
 PREFIX = "revisit_cache"
@@ -63,9 +64,40 @@ class PolicyCollector(Collector):
         )
 
 
-def build_registry(policy: CachePolicy) -> CollectorRegistry:
+class PlannerCollector(Collector):
+    """What the planner decided per image, and the approximate-match index's size; the same figures as the
+    ``plans`` and ``matching`` parts of GET /admin/stats."""
+
+    def __init__(self, planner: Planner):
+        self._planner = planner
+
+    def collect(self) -> Iterator[Metric]:
+        plans = CounterMetricFamily("revisit_plans", "Images planned, by kind (miss, exact_same_prefix, exact_moved, "
+                                    "approximate), and lookups that were near misses or guard fallbacks.",
+                                    labels=["kind"])
+        for kind, count in sorted(planner_stats(self._planner)["plans"].items()):
+            plans.add_metric([kind], count)
+        yield plans
+        matching = planner_stats(self._planner)["matching"]
+        yield GaugeMetricFamily("revisit_match_index_entries", "Images in the approximate-match index.",
+                                value=matching["indexed"])
+
+
+def planner_stats(planner: Planner) -> dict:
+    """The planner's counts and the match index's size (call on the cache thread, where they change)."""
+    plans = {kind: 0 for kind in (*KINDS, "near_miss", "guard_fallback")}
+    plans.update(planner.counts)
+    matcher = planner.matcher
+    return {"plans": plans, "matching": {"enabled": matcher is not None,
+                                         "indexed": len(matcher.index) if matcher is not None else 0,
+                                         "damaged_records": matcher.damaged_records if matcher is not None else 0}}
+
+
+def build_registry(policy: CachePolicy, planner: Planner | None = None) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(PolicyCollector(policy))
+    if planner is not None:
+        registry.register(PlannerCollector(planner))
     return registry
 
 

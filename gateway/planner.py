@@ -8,6 +8,15 @@ settings and the tenant's namespace (so no plan ever names another tenant's entr
                                       same tokens, so reusing its KV is identical to computing it
     stored after another prefix       exact, position-independent: keys moved, the first r_l of the image's tokens
                                       recomputed at layer l (the recompute profile's ratios, or a uniform ratio)
+    not stored, but a near-duplicate  approximate: the matcher (gateway/matching) found a stored image of the same
+    of a stored image                 namespace that it nearly duplicates; the plan names it as the alias, with the
+                                      change map and the reuse set of the strategy (gateway/matching/plans.py), or
+                                      is a miss when the guard finds too much changed
+    anything else                     miss
+
+Every image planned as a miss is indexed for approximate matching (its features persist beside the store), since
+the worker stores its entry. Approximate plans are counted as such; workers that cannot execute them yet run them
+as a full prefill (and store the image, which is then exact) and count ``approximate_not_executed``.
 
 The planner learns about entries from the store itself: a worker writes an entry after the miss that planned it,
 recording the plan's prefix digest in it, and the next plan that finds it in the store admits it to the policy.
@@ -29,7 +38,10 @@ from dataclasses import dataclass
 
 from gateway.cache import CacheManager
 from gateway.config import ReuseSettings
+from gateway.images import CanonicalImage
 from gateway.intake import IntakeResult
+from gateway.matching.matcher import Match, Matcher
+from gateway.matching.plans import approximate_plan
 from gateway.policy.decisions import Reject
 from plan import EXACT, MISS, ImagePlan, RequestPlan
 
@@ -38,17 +50,31 @@ log = logging.getLogger(__name__)
 _REMEMBERED = 65536  # holders of recent images
 
 
+KINDS = ("miss", "exact_same_prefix", "exact_moved", "approximate")  # what each image was planned as
+# Also counted: "admitted" (entries found in the store and taken into the books), "near_miss" (candidates compared
+# but none similar enough), "guard_fallback" (a match planned as a miss: too much changed).
+
+
 @dataclass(frozen=True)
 class Planned:
     plan: RequestPlan | None
     prefer: str | None  # worker URL to prefer, if any
-    kinds: tuple[str, ...]  # per image: "miss", "exact_same_prefix", "exact_moved"
+    kinds: tuple[str, ...]  # per image, one of KINDS
+    similarities: tuple[float | None, ...] = ()  # per image: an approximate plan's match score
+
+    def reuse_header(self) -> str:
+        """Per image, what was planned: ``miss``, ``exact_same_prefix``, ``exact_moved`` or
+        ``approximate;similarity=0.973``."""
+        return ",".join(kind if similarity is None else f"{kind};similarity={similarity:.3f}"
+                        for kind, similarity in zip(self.kinds, self.similarities or (None,) * len(self.kinds),
+                                                    strict=True))
 
 
 class Planner:
-    def __init__(self, cache: CacheManager, settings: ReuseSettings) -> None:
+    def __init__(self, cache: CacheManager, settings: ReuseSettings, matcher: Matcher | None = None) -> None:
         self.cache = cache
         self.settings = settings
+        self.matcher = matcher if settings.match.enabled else None
         self._holder: OrderedDict[str, str] = OrderedDict()  # key -> worker URL that last served it
         self.counts: Counter[str] = Counter()
 
@@ -56,25 +82,34 @@ class Planner:
     def enabled(self) -> bool:
         return self.settings.enabled and self.cache.store is not None
 
-    async def plan(self, intake: IntakeResult) -> Planned:
-        """One plan per image, read from the store and the books on the cache thread (never on the loop)."""
+    async def plan(self, intake: IntakeResult, *, strategy: str | None = None) -> Planned:
+        """One plan per image, read from the store, the books and the match index on the cache thread (never on
+        the loop). ``strategy`` overrides the settings' default selector for approximate plans (the route checks
+        that the settings allow it)."""
         if not self.enabled or not intake.images:
             return Planned(None, None, ())
-        plans, kinds = await self.cache.run(self._plan_images, intake)
+        plans, kinds, similarities = await self.cache.run(self._plan_images, intake,
+                                                          strategy or self.settings.match.strategy)
         prefer = next((self._holder[image.key] for image, kind in zip(intake.images, kinds, strict=True)
                        if kind != "miss" and image.key in self._holder), None)
-        return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds))
+        return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds), tuple(similarities))
 
-    def _plan_images(self, intake: IntakeResult) -> tuple[list[ImagePlan], list[str]]:
+    def _plan_images(self, intake: IntakeResult, strategy: str) -> tuple[list[ImagePlan], list[str],
+                                                                          list[float | None]]:
         """The cache thread's part of plan()."""
-        plans, kinds = [], []
+        plans: list[ImagePlan] = []
+        kinds: list[str] = []
+        similarities: list[float | None] = []
         for image, prefix_digest in zip(intake.images, intake.prefix_digests, strict=True):
             grid = (image.grid.rows, image.grid.cols)
             stored_digest = self._stored_prefix_digest(image.key)
+            similarities.append(None)
             if stored_digest is None:
-                plans.append(ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
-                                       prefix_digest=prefix_digest))
-                kinds.append("miss")
+                plan = self._plan_new(image, prefix_digest, intake.namespace, strategy)
+                plans.append(plan)
+                kinds.append(plan.strategy)
+                if plan.strategy != MISS:
+                    similarities[-1] = plan.similarity
                 continue
             same = stored_digest == prefix_digest
             ratios = () if same else self.settings.ratios
@@ -89,7 +124,41 @@ class Planner:
             kinds.append("exact_same_prefix" if same else "exact_moved")
             self.cache.record_exact_hit(image.key)
         self.counts.update(kinds)
-        return plans, kinds
+        return plans, kinds, similarities
+
+    def _plan_new(self, image: CanonicalImage, prefix_digest: str, namespace: str, strategy: str) -> ImagePlan:
+        """An image the store does not hold: approximate when it nearly duplicates a stored image of its
+        namespace (and the guard agrees), else a miss. Either way the worker stores it, so it is indexed."""
+        grid = (image.grid.rows, image.grid.cols)
+        miss = ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
+                         prefix_digest=prefix_digest)
+        if self.matcher is None or image.features is None:
+            return miss
+        lookup = self.matcher.lookup(namespace, image.key, image.features)
+        alias = self._usable_alias(lookup.matches)
+        self.matcher.add(image.key, namespace, image.features)
+        if alias is None:
+            if lookup.near_miss:
+                self.counts["near_miss"] += 1
+            return miss
+        plan = approximate_plan(alias, image.features.entropy, key=image.key, grid=grid, prefix_digest=prefix_digest,
+                                settings=self.settings.match, strategy=strategy, layers=self.settings.layers)
+        if plan is None:
+            self.counts["guard_fallback"] += 1
+            return miss
+        self.cache.record_approximate_hit(alias.alias)
+        return plan
+
+    def _usable_alias(self, matches: tuple[Match, ...]) -> Match | None:
+        """The best match whose entry the store holds (admitting it to the books if need be). Matches whose entry
+        is gone, and not merely still being written by a worker, leave the index."""
+        assert self.matcher is not None
+        for match in matches:
+            if self._stored_prefix_digest(match.alias) is not None:
+                return match
+            if not self.matcher.is_pending(match.alias):
+                self.matcher.remove(match.alias)
+        return None
 
     def served(self, intake: IntakeResult, worker_url: str) -> None:
         """The request went well on this worker: it now holds its images in its own caches. Event loop only."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,11 +16,15 @@ from gateway.dispatch import Dispatcher
 from gateway.image_fetch import ImageFetcher
 from gateway.intake import Intake
 from gateway.loop_lag import LoopLag
+from gateway.matching import extractor_for, scope
+from gateway.matching.matcher import Matcher
 from gateway.metrics import build_registry
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
 from gateway.workers import WorkerPool
-from store import open_store
+from store import FeatureStore, open_store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -55,17 +60,24 @@ class Services:
         reuse = config.reuse
         # The store the workers write: shared-memory files and LMDB on this host (see store/config.py).
         store = open_store(reuse.store) if reuse.enabled and reuse.store is not None else None
-        cache = CacheManager(policy, store=store)
-        registry = build_registry(policy)
+        matcher, extractor = None, None
+        if store is not None and reuse.store is not None and reuse.match.enabled:
+            # Approximate matching: every new image gets per-token features; they persist beside the store.
+            extractor = extractor_for(reuse.match.extractor)
+            matcher = Matcher(reuse.match, scope=scope(config.model, config.processor, extractor),
+                              features=FeatureStore(reuse.store.features_path))
+        cache = CacheManager(policy, store=store, on_gone=matcher.remove if matcher is not None else None)
+        planner = Planner(cache, reuse, matcher)
+        registry = build_registry(policy, planner)
         return cls(
             config=config,
             client=client,
             pool=pool,
             fetcher=fetcher,
-            intake=Intake(config, fetcher),
+            intake=Intake(config, fetcher, extractor),
             dispatcher=Dispatcher(pool, client),
             cache=cache,
-            planner=Planner(cache, reuse),
+            planner=planner,
             metrics=registry,
             loop_lag=LoopLag(registry, config.loop_lag_interval_s),
         )
@@ -77,10 +89,18 @@ class Services:
     async def start(self) -> None:
         self.loop_lag.start()
         await self.pool.start()
+        matcher, store = self.planner.matcher, self.cache.store
+        if matcher is not None and store is not None:
+            started = time.perf_counter()
+            indexed = await self.cache.run(matcher.rebuild, store.contains)
+            log.info("match index rebuilt from the store: %d images in %.2f s", indexed,
+                     time.perf_counter() - started)
 
     async def aclose(self) -> None:
         await self.loop_lag.stop()
         await self.pool.stop()
         await asyncio.to_thread(self.cache.close)
+        if self.planner.matcher is not None and self.planner.matcher.features is not None:
+            self.planner.matcher.features.close()
         await self.fetcher.aclose()
         await self.client.aclose()

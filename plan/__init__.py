@@ -14,9 +14,28 @@ extension inside each worker; neither imports the other.
 from plan.errors import PlanError
 from plan.profile import PROFILE_FILE, RecomputeProfile
 from plan.ratios import DEFAULT_RECOMPUTE_RATIO, check_ratios, recompute_count
-from plan.request import APPROXIMATE, EXACT, MISS, PLAN_VERSION, RID_PREFIX, STRATEGIES, ImagePlan, RequestPlan
+from plan.request import (
+    APPROXIMATE,
+    ATTENTION_ONLY,
+    CACHEBLEND,
+    CHANGED,
+    ENTROPY_AWARE,
+    EXACT,
+    FULL_REUSE,
+    MISS,
+    PLAN_VERSION,
+    RID_PREFIX,
+    SAME,
+    SELECTORS,
+    SIMILAR,
+    STRATEGIES,
+    VLCACHE,
+    ImagePlan,
+    RequestPlan,
+)
 
 __all__ = [
-    "APPROXIMATE", "DEFAULT_RECOMPUTE_RATIO", "EXACT", "MISS", "PLAN_VERSION", "PROFILE_FILE", "RID_PREFIX",
-    "STRATEGIES", "ImagePlan", "PlanError", "RecomputeProfile", "RequestPlan", "check_ratios", "recompute_count",
+    "APPROXIMATE", "ATTENTION_ONLY", "CACHEBLEND", "CHANGED", "DEFAULT_RECOMPUTE_RATIO", "ENTROPY_AWARE", "EXACT",
+    "FULL_REUSE", "MISS", "PLAN_VERSION", "PROFILE_FILE", "RID_PREFIX", "SAME", "SELECTORS", "SIMILAR", "STRATEGIES",
+    "VLCACHE", "ImagePlan", "PlanError", "RecomputeProfile", "RequestPlan", "check_ratios", "recompute_count",
 ]

@@ -6,15 +6,29 @@ A ``RequestPlan`` holds one ``ImagePlan`` per image of the request, in the order
     exact        the entry under ``key`` is reused: the vision tower is skipped, keys are moved to this request's
                  positions, and at layer l the first floor(ratios[l] * n) image tokens are recomputed (empty ratios:
                  none; that is exact when the text before the image is the same as when the entry was made)
-    approximate  the image is new but similar to the entry ``alias`` (same grid): warmup layers on every token,
-                 then ``reuse`` tokens read the alias' late-layer KV, the worker picks ``recompute_share`` of the
-                 tokens by attention to recompute, and drops the rest (see offline.reference.plans)
+    approximate  the image is new but similar to the entry ``alias``: its token (r, c) lines up with the alias'
+                 token (r - dy, c - dx) for ``shift`` (dy, dx) (a scrolled page, a panned frame, a crop), and
+                 ``change_map`` says per token whether it is the same ("="), similar ("~") or changed ("x", also
+                 every token with no aligned alias token). Warmup layers [0, W) run every token; from W on the
+                 ``reuse`` tokens (B) read the alias' K/V at their aligned tokens, the worker picks the tokens to
+                 recompute (R: every changed token, plus ``recompute_share`` of the tokens by the selector's score)
+                 and drops the rest (see offline.reference.plans). The selector names the strategy:
+
+        entropy_aware   B = the lowest-entropy share of the same/similar tokens (the gateway picks it); R is scored
+                        by the attention the question pays each token in the warmup, normalised against attention
+                        sinks, and never takes a token of B (the design's default)
+        attention_only  B = every same/similar token; R by warmup attention, taken out of B
+        cacheblend      B = every same/similar token; R = the tokens whose K/V deviate most from the alias' after
+                        the first layer (W = 1), taken out of B
+        vlcache         B = every same/similar token; R = the first tokens of the image, taken out of B
+        full_reuse      B = every aligned token, changed ones too; nothing recomputed but tokens with no alias
+                        token (the naive baseline)
 
 The wire form is compact JSON with a version; a worker refuses a version it does not know (PlanError) rather than
 guess, and runs the request without a plan (a full prefill).
 
 Transport: the plan rides in the request id (SGLang's ``rid``, which reaches the model's forward and is unique
-among requests in flight): ``rv2.<request id>.<base64 of the zlib'd JSON>.`` The gateway replaces the id in what
+among requests in flight): ``rv3.<request id>.<base64 of the zlib'd JSON>.`` The gateway replaces the id in what
 it returns to clients, so the plan is never shown to them; anything SGLang appends after the last dot (it suffixes
 ids of parallel samples) is ignored.
 """
@@ -33,12 +47,17 @@ from typing import Any
 from plan.errors import PlanError
 from plan.ratios import check_ratios
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 RID_PREFIX = f"rv{PLAN_VERSION}."
 
 MISS, EXACT, APPROXIMATE = "miss", "exact", "approximate"
 STRATEGIES = (MISS, EXACT, APPROXIMATE)
+ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE, FULL_REUSE = (
+    "entropy_aware", "attention_only", "cacheblend", "vlcache", "full_reuse")
+SELECTORS = (ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE, FULL_REUSE)
+SAME, SIMILAR, CHANGED = "=", "~", "x"  # the change map's characters
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+_CHANGE_MAP_RE = re.compile(r"^[=~x]*$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,10 +68,14 @@ class ImagePlan:
     grid: tuple[int, int]
     ratios: tuple[float, ...] = ()  # exact: per layer
     alias: str | None = None  # approximate: the matched entry's key
+    alias_grid: tuple[int, int] | None = None  # approximate: the alias' grid (a crop's alias is larger)
+    shift: tuple[int, int] = (0, 0)  # approximate: (dy, dx) in tokens, see the module docstring
+    change_map: str = ""  # approximate: one of "=~x" per token
+    similarity: float = 0.0  # approximate: the match's score (reported, not executed)
     warmup_layers: int = 0  # approximate: W
-    reuse: tuple[int, ...] = ()  # approximate: B, token indices
+    reuse: tuple[int, ...] = ()  # approximate: B, token indices of this image
     recompute_share: float = 0.0  # approximate: rho
-    selector: str = "default"  # which token selection (baselines are chosen per request for evaluation)
+    selector: str = ENTROPY_AWARE  # approximate: the strategy (baselines are chosen per request for evaluation)
     store: bool = True  # miss: whether the worker writes the entry
     prefix_digest: str = ""  # the gateway's digest of the prompt before the image; the worker records it in the entry
 
@@ -79,14 +102,47 @@ class ImagePlan:
             object.__setattr__(self, "reuse", tuple(sorted(reuse)))
             if not 0.0 <= self.recompute_share <= 1.0 or self.warmup_layers < 0:
                 raise PlanError("recompute_share must be in [0, 1] and warmup_layers >= 0")
-        elif self.alias is not None or self.reuse or self.recompute_share or self.warmup_layers:
-            raise PlanError("alias, reuse, recompute_share and warmup_layers belong to approximate plans")
+            self._check_alignment()
+        elif (self.alias is not None or self.alias_grid is not None or self.reuse or self.recompute_share
+              or self.warmup_layers or self.change_map or self.shift != (0, 0) or self.similarity):
+            raise PlanError("alias, alias_grid, shift, change_map, similarity, reuse, recompute_share and "
+                            "warmup_layers belong to approximate plans")
+
+    def _check_alignment(self) -> None:
+        if self.selector not in SELECTORS:
+            raise PlanError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+        alias_grid = self.alias_grid or self.grid
+        if len(alias_grid) != 2 or any(not isinstance(g, int) or g <= 0 for g in alias_grid):
+            raise PlanError(f"alias_grid must be two positive ints, got {self.alias_grid!r}")
+        object.__setattr__(self, "alias_grid", tuple(alias_grid))
+        if len(self.shift) != 2 or any(not isinstance(d, int) for d in self.shift):
+            raise PlanError(f"shift must be two ints, got {self.shift!r}")
+        object.__setattr__(self, "shift", tuple(self.shift))
+        if len(self.change_map) != self.tokens or not _CHANGE_MAP_RE.match(self.change_map):
+            raise PlanError(f"change_map must hold one of '=~x' per token ({self.tokens})")
+        for i in self.reuse:
+            if self.alias_token(i) is None:
+                raise PlanError(f"reuse token {i} has no aligned alias token")
+            if self.change_map[i] == CHANGED and self.selector != FULL_REUSE:
+                raise PlanError(f"reuse token {i} is changed; only {FULL_REUSE} reuses changed tokens")
+
+    def alias_token(self, token: int) -> int | None:
+        """The alias token aligned with this image's token (row-major index), or None where there is none."""
+        rows_alias, cols_alias = self.alias_grid or self.grid
+        row, col = divmod(token, self.grid[1])
+        row, col = row - self.shift[0], col - self.shift[1]
+        if 0 <= row < rows_alias and 0 <= col < cols_alias:
+            return row * cols_alias + col
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["grid"] = list(self.grid)
         data["ratios"] = list(self.ratios)
         data["reuse"] = list(self.reuse)
+        data["shift"] = list(self.shift)
+        if self.alias_grid is not None:
+            data["alias_grid"] = list(self.alias_grid)
         return data
 
     @classmethod
@@ -102,6 +158,9 @@ class ImagePlan:
             values["grid"] = tuple(values["grid"])
             values["ratios"] = tuple(values.get("ratios", ()))
             values["reuse"] = tuple(values.get("reuse", ()))
+            values["shift"] = tuple(values.get("shift", (0, 0)))
+            if values.get("alias_grid") is not None:
+                values["alias_grid"] = tuple(values["alias_grid"])
             return cls(**values)
         except (KeyError, TypeError) as exc:
             raise PlanError(f"bad image plan: {exc}") from None

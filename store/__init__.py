@@ -4,6 +4,7 @@
 - :mod:`store.base`: ``KVStore``, the one interface every tier implements; ``BufferTier`` for buffer-backed ones.
 - :mod:`store.dram`, :mod:`store.lmdb_tier`: the tiers, one file each; :mod:`store.tiered`: fastest-first
   composition, moves only when told (the gateway's policy tells it).
+- :mod:`store.features`: ``FeatureStore``, the gateway's image features beside the entries (its index outlives it).
 - :mod:`store.views`: read handles (whole entries, sparse reads of some tokens' layers), zero-copy.
 - :mod:`store.config`: ``StoreConfig`` (``REVISIT_STORE_*``) and ``Tier``; :mod:`store.errors`: its exceptions.
 
@@ -26,13 +27,14 @@ from store.errors import (
     StoreFullError,
     UnknownTierError,
 )
+from store.features import FeatureStore
 from store.lmdb_tier import LmdbTier
 from store.tiered import TieredStore, open_store, open_tier
 from store.views import EntryView, SparseRead, SparseSegment
 
 __all__ = [
     "ByteRange", "ConfigError", "DramTier", "Entry", "EntryFormatError", "EntryHeader", "EntryPinnedError",
-    "EntryView", "InvalidKeyError", "InvalidReadError", "KVStore", "LmdbTier", "SparseRead", "SparseSegment",
-    "StoreClosedError", "StoreConfig", "StoreError", "StoreFullError", "StoreStats", "Tier", "TieredStore",
-    "UnknownTierError", "open_store", "open_tier", "split_kv", "validate_key",
+    "EntryView", "FeatureStore", "InvalidKeyError", "InvalidReadError", "KVStore", "LmdbTier", "SparseRead",
+    "SparseSegment", "StoreClosedError", "StoreConfig", "StoreError", "StoreFullError", "StoreStats", "Tier",
+    "TieredStore", "UnknownTierError", "open_store", "open_tier", "split_kv", "validate_key",
 ]

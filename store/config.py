@@ -44,6 +44,7 @@ class StoreConfig:
     lmdb_max_readers: int = 1024
     lmdb_grow_wait_s: float = 5.0  # how long a put waits for this process's read handles before growing the map
     lmdb_sync: bool = True  # fsync on commit; False trades crash durability of recent puts for write speed
+    features_dir: Path | None = None  # None: beside the LMDB tier, <lmdb dir>-features (store/features.py)
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -70,6 +71,12 @@ class StoreConfig:
         if self.lmdb_dir is not None:
             return self.lmdb_dir
         return Path.home() / ".cache" / "revisit" / f"store-{self.name}"
+
+    @property
+    def features_path(self) -> Path:
+        if self.features_dir is not None:
+            return self.features_dir
+        return self.lmdb_path.with_name(self.lmdb_path.name + "-features")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreConfig:

@@ -6,7 +6,8 @@ wrong token is a 401; with no token configured the admin API is disabled and ans
 ``REVISIT_METRICS_REQUIRE_TOKEN=1``, which puts it behind the same token.
 
 Routes:
-  GET    /admin/stats                    the policy's figures (same as /metrics)
+  GET    /admin/stats                    the policy's figures, the planner's counts and the match index's size
+                                         (the same as /metrics)
   GET    /admin/entries?limit&cursor&tier entries sorted by key; ``next_cursor`` pages on
   GET    /admin/entries/{key}            one entry
   DELETE /admin/entries/{key}?force=     drop it (409 when pinned, unless force=true)
@@ -29,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.cache import CacheManager
 from gateway.errors import ClientError, InvalidRequest, Unauthorized
-from gateway.metrics import exposition
+from gateway.metrics import exposition, planner_stats
 from gateway.policy import (
     CacheEntry,
     CachePolicy,
@@ -120,7 +121,9 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/stats")
 async def stats(request: Request) -> dict:
-    return {"object": "cache.stats", **await _on_cache_thread(request, lambda policy, cache: policy.stats().as_dict())}
+    planner = request.app.state.services.planner
+    return {"object": "cache.stats", **await _on_cache_thread(
+        request, lambda policy, cache: {**policy.stats().as_dict(), **planner_stats(planner)})}
 
 
 @router.get("/entries")

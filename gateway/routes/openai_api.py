@@ -11,17 +11,20 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from gateway.config import MatchSettings
 from gateway.dispatch import Route, UpstreamRequest
-from gateway.errors import ModelNotFound, PayloadTooLarge
+from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.services import Services
 from gateway.tenancy import namespace_for
 from gateway.workers import Worker
+from plan import SELECTORS
 
 router = APIRouter()
 T = TypeVar("T")
 
 IMAGE_KEYS_HEADER = "x-revisit-image-keys"
-REUSE_HEADER = "x-revisit-reuse"  # per image: miss, exact_same_prefix or exact_moved
+REUSE_HEADER = "x-revisit-reuse"  # per image: miss, exact_same_prefix, exact_moved or approximate;similarity=...
+STRATEGY_HEADER = "x-revisit-strategy"  # a request's choice of approximate strategy, where settings allow it
 # SGLang request fields the gateway owns: a client's value would name another request or another tenant's cache.
 _GATEWAY_FIELDS = frozenset({"rid", "extra_key"})
 
@@ -69,16 +72,17 @@ async def chat_completions(request: Request) -> Any:
     namespace = namespace_for(
         request.headers.get("authorization"), mapping=config.namespaces, default=config.default_namespace
     )
+    strategy = _requested_strategy(request, config.reuse.match)
     intake = await services.intake.process(raw, namespace=namespace)
     headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
-    planned = await services.planner.plan(intake)
+    planned = await services.planner.plan(intake, strategy=strategy)
     if planned.kinds:
-        headers[REUSE_HEADER] = ",".join(planned.kinds)
+        headers[REUSE_HEADER] = planned.reuse_header()
     request_id = uuid.uuid4().hex
     public_id = f"chatcmpl-{request_id}"
     body = upstream_body(intake.upstream_body, namespace=namespace,
                          rid=planned.plan.to_rid(request_id) if planned.plan else public_id,
-                         approximate="exact_moved" in planned.kinds)
+                         approximate=bool({"exact_moved", "approximate"} & set(planned.kinds)))
     upstream = await UpstreamRequest.encode(body, size_hint=len(raw))
     def on_served(worker: Worker) -> None:
         services.planner.served(intake, worker.url)
@@ -92,11 +96,26 @@ async def chat_completions(request: Request) -> Any:
     return JSONResponse(result, headers=headers)
 
 
+def _requested_strategy(request: Request, settings: MatchSettings) -> str | None:
+    """The approximate strategy a request names in its header, checked; None when it names none."""
+    name = request.headers.get(STRATEGY_HEADER)
+    if name is None:
+        return None
+    if not settings.allow_strategy_header:
+        raise InvalidRequest(f"this gateway does not let requests choose the reuse strategy ({STRATEGY_HEADER}); "
+                             "an operator can allow it with REVISIT_MATCH_ALLOW_STRATEGY_HEADER=1",
+                             param=STRATEGY_HEADER, code="strategy_not_allowed")
+    if name not in SELECTORS:
+        raise InvalidRequest(f"{STRATEGY_HEADER} must be one of {', '.join(SELECTORS)}, got {name[:40]!r}",
+                             param=STRATEGY_HEADER, code="invalid_strategy")
+    return name
+
+
 def upstream_body(body: dict[str, Any], *, namespace: str, rid: str, approximate: bool) -> dict[str, Any]:
     """The body SGLang gets: the gateway's request id (which may carry the reuse plan) instead of any the client
     sent, and SGLang's prefix cache scoped to the tenant's namespace, so that no tenant's request is served KV that
-    another tenant's request computed. KV computed under a position-independent plan is approximate: it is kept
-    apart from exactly computed KV under a salt of its own."""
+    another tenant's request computed. KV computed under a position-independent or an approximate plan is not
+    exactly what a full prefill computes: it is kept apart from exactly computed KV under a salt of its own."""
     upstream = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
     upstream["rid"] = rid
     upstream["extra_key"] = "revisit-ns-" + hashlib.blake2b(namespace.encode(), digest_size=12).hexdigest()

@@ -12,6 +12,7 @@ from plan import (
     MISS,
     PLAN_VERSION,
     RID_PREFIX,
+    VLCACHE,
     ImagePlan,
     PlanError,
     RecomputeProfile,
@@ -27,12 +28,22 @@ def test_request_plan_round_trips_through_json() -> None:
         ImagePlan(key=A, strategy=MISS, tokens=64, grid=(8, 8)),
         ImagePlan(key=B, strategy=EXACT, tokens=6, grid=(2, 3), ratios=(0.5, 0.1, 0.0)),
         ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, warmup_layers=3, reuse=(4, 1),
-                  recompute_share=0.3),
+                  recompute_share=0.3, change_map="=~x=~=", similarity=0.93),
+        ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, alias_grid=(3, 3), shift=(-1, 0),
+                  change_map="==x===", reuse=(0, 5), selector=VLCACHE),
     ))
     wire = plan.to_json()
     assert " " not in wire and json.loads(wire)["version"] == PLAN_VERSION
     back = RequestPlan.from_json(wire)
-    assert back == plan and back.images[2].reuse == (1, 4)
+    assert back == plan and back.images[2].reuse == (1, 4) and back.images[2].alias_grid == (2, 3)
+    assert back.images[3].shift == (-1, 0) and back.images[3].alias_grid == (3, 3)
+
+
+def test_a_shift_lines_tokens_up_with_the_alias_grid() -> None:
+    scrolled = ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, shift=(1, -1),
+                         change_map="xxx==x")
+    # new (1, 0) shows alias (0, 1); row 0 scrolled in; column 2 of row 1 would come from alias column 3: none
+    assert [scrolled.alias_token(i) for i in range(6)] == [None, None, None, 1, 2, None]
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -45,9 +56,17 @@ def test_request_plan_round_trips_through_json() -> None:
     ({"ratios": [0.1]}, "exact"),
     ({"strategy": APPROXIMATE}, "alias"),
     ({"strategy": APPROXIMATE, "alias": A}, "alias"),  # its own key
-    ({"strategy": APPROXIMATE, "alias": B, "reuse": [6]}, "reuse"),
-    ({"strategy": APPROXIMATE, "alias": B, "reuse": [1, 1]}, "reuse"),
+    ({"strategy": APPROXIMATE, "alias": B, "reuse": [6], "change_map": "======"}, "reuse"),
+    ({"strategy": APPROXIMATE, "alias": B, "reuse": [1, 1], "change_map": "======"}, "reuse"),
     ({"reuse": [1]}, "approximate"),
+    ({"shift": [1, 0]}, "approximate"),
+    ({"change_map": "======"}, "approximate"),
+    ({"strategy": APPROXIMATE, "alias": B, "change_map": "==="}, "change_map"),
+    ({"strategy": APPROXIMATE, "alias": B, "change_map": "==?==="}, "change_map"),
+    ({"strategy": APPROXIMATE, "alias": B, "change_map": "=x====", "reuse": [1]}, "changed"),
+    ({"strategy": APPROXIMATE, "alias": B, "change_map": "xxx===", "shift": [1, 0], "reuse": [0]}, "aligned"),
+    ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "selector": "magic"}, "selector"),
+    ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "alias_grid": [0, 3]}, "alias_grid"),
     ({"colour": "blue"}, "unknown"),
 ])
 def test_bad_image_plans_are_refused(change: dict, message: str) -> None:
@@ -56,8 +75,8 @@ def test_bad_image_plans_are_refused(change: dict, message: str) -> None:
         RequestPlan.from_json(json.dumps({"version": PLAN_VERSION, "images": [data]}))
 
 
-@pytest.mark.parametrize("wire", ["not json", "[]", '{"version": 1, "images": []}', '{"version": 2}',
-                                  '{"version": 2, "images": [3]}'])
+@pytest.mark.parametrize("wire", ["not json", "[]", '{"version": 2, "images": []}', '{"version": 3}',
+                                  '{"version": 3, "images": [3]}'])
 def test_bad_request_plans_are_refused(wire: str) -> None:
     with pytest.raises(PlanError):
         RequestPlan.from_json(wire)

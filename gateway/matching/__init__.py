@@ -1,0 +1,29 @@
+"""Approximate matching: recognising a new image as a near-duplicate of a cached one, and planning its reuse.
+
+- :mod:`gateway.matching.features`: ``TokenFeatures`` (per token: exact digest, descriptor vector, entropy) and
+  the ``Extractor`` interface; :mod:`gateway.matching.pixel`: the default, weight-free extractor.
+- :mod:`gateway.matching.index`: the coarse stage (2 x 2 regional descriptors per namespace and grid, a scan or an
+  HNSW graph) and the digest sketch.
+- :mod:`gateway.matching.align`: the fine stage (whole-token shift, change map, similarity).
+- :mod:`gateway.matching.matcher`: ``Matcher``, coarse to fine, with the features persisted beside the store.
+- :mod:`gateway.matching.plans`: from a match to an approximate ``plan.ImagePlan`` (reuse set, guard).
+"""
+
+from __future__ import annotations
+
+from gateway.config import ConfigError, ProcessorSettings
+from gateway.matching.features import Extractor
+from gateway.matching.pixel import PixelExtractor
+
+
+def extractor_for(name: str) -> Extractor:
+    """The extractor a MatchSettings.extractor names."""
+    if name == "pixel":
+        return PixelExtractor()
+    raise ConfigError(f"unknown feature extractor {name!r}")
+
+
+def scope(model: str, processor: ProcessorSettings, extractor: Extractor) -> str:
+    """What features are comparable within: one model, one image processor setting, one extractor."""
+    return (f"{model}|{processor.patch_size},{processor.merge_size},{processor.temporal_patch_size},"
+            f"{processor.min_pixels},{processor.max_pixels}|{extractor.name}")

@@ -1,0 +1,172 @@
+"""Per-token image features: what approximate matching compares, one row per LLM token of the image's grid.
+
+For each token of the grid the model will see (``grid.rows x grid.cols``, one token per ``factor x factor`` pixels
+of the resized image), an extractor gives
+
+    digest   an exact 64-bit digest of the pixels the token is made from, so "unchanged" is known exactly
+    vector   an L2-normalised descriptor; cosine similarity between two images' vectors at a position says how
+             alike the two tokens look
+    entropy  the Shannon entropy (bits) of the token's grey-level histogram: low for blank margins and flat
+             regions, whose KV is the least risky to reuse
+
+Digests are of the source pixels a token is resized from (its rectangle of the canonical image plus the resize
+kernel's reach), so equal digests mean the resize produced the same pixels; when the image needs no resize the
+rectangle is the token's own 28 x 28 pixels. Vectors and entropy are computed on the resized image the model sees.
+
+Extractors implement :class:`Extractor`; the default, :class:`gateway.matching.pixel.PixelExtractor`, needs no
+weights. ``TokenFeatures.regional`` gives the coarse stage's 2 x 2 regional descriptors.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import xxhash
+from PIL import Image
+
+HISTOGRAM_BINS = 32  # grey levels per entropy histogram: log2(32) = 5 bits at most
+_RECORD = struct.Struct("<4sHHHH")  # magic, version, rows, cols, dim
+_MAGIC, _VERSION = b"RVTF", 1
+
+
+@dataclass(frozen=True, eq=False)
+class TokenFeatures:
+    """One image's features, one row per token in row-major grid order."""
+
+    grid: tuple[int, int]  # (rows, cols)
+    digests: np.ndarray  # (n,) uint64
+    vectors: np.ndarray  # (n, dim) float16, each row of unit L2 norm (or zero)
+    entropy: np.ndarray  # (n,) float16, bits
+
+    def __post_init__(self) -> None:
+        n = self.grid[0] * self.grid[1]
+        if self.digests.shape != (n,) or self.entropy.shape != (n,) or self.vectors.ndim != 2 \
+                or self.vectors.shape[0] != n:
+            raise ValueError(f"features do not fit grid {self.grid}: digests {self.digests.shape}, vectors "
+                             f"{self.vectors.shape}, entropy {self.entropy.shape}")
+
+    @property
+    def tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def dim(self) -> int:
+        return int(self.vectors.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.digests.nbytes + self.vectors.nbytes + self.entropy.nbytes
+
+    def regional(self) -> np.ndarray:
+        """(4, dim) float32: the mean of the token vectors in each quadrant of the grid (top-left, top-right,
+        bottom-left, bottom-right), each L2-normalised. A one-token-wide grid splits its one side only."""
+        rows, cols = self.grid
+        grid = self.vectors.astype(np.float32).reshape(rows, cols, -1)  # (rows, cols, dim)
+        # A side of one token is not split: both halves are that one row (or column).
+        top, left = (slice(0, max(1, rows // 2)), slice(rows // 2, rows)), (slice(0, max(1, cols // 2)),
+                                                                             slice(cols // 2, cols))
+        means = np.stack([grid[r, c].reshape(-1, grid.shape[2]).mean(axis=0) for r in top for c in left])  # (4, dim)
+        return normalise(means)
+
+    def to_bytes(self) -> bytes:
+        head = _RECORD.pack(_MAGIC, _VERSION, self.grid[0], self.grid[1], self.dim)
+        return b"".join((head, self.digests.astype("<u8").tobytes(), self.vectors.astype("<f2").tobytes(),
+                         self.entropy.astype("<f2").tobytes()))
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> TokenFeatures:
+        """Raises ValueError for bytes that are not a features record of this version."""
+        data = memoryview(data)
+        if len(data) < _RECORD.size:
+            raise ValueError("features record is truncated")
+        magic, version, rows, cols, dim = _RECORD.unpack_from(data)
+        if magic != _MAGIC or version != _VERSION:
+            raise ValueError(f"not a features record of version {_VERSION}")
+        n = rows * cols
+        if len(data) != _RECORD.size + n * (8 + 2 * dim + 2):
+            raise ValueError("features record has the wrong length")
+        at = _RECORD.size
+        digests = np.frombuffer(data, "<u8", n, at).astype(np.uint64)
+        at += 8 * n
+        vectors = np.frombuffer(data, "<f2", n * dim, at).reshape(n, dim).astype(np.float16)
+        at += 2 * n * dim
+        entropy = np.frombuffer(data, "<f2", n, at).astype(np.float16)
+        return cls(grid=(rows, cols), digests=digests, vectors=vectors, entropy=entropy)
+
+
+class Extractor(Protocol):
+    """Computes :class:`TokenFeatures` for a canonical RGB image and its token grid. Thread-safe; CPU-bound (call
+    it off the event loop)."""
+
+    name: str  # names the extractor and its version: features of different names are never compared
+    dim: int
+
+    def extract(self, image: Image.Image, grid: tuple[int, int], factor: int) -> TokenFeatures: ...
+
+
+def normalise(vectors: np.ndarray, floor: float = 1e-12) -> np.ndarray:
+    """Rows scaled to unit L2 norm; all-zero rows stay zero."""
+    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+    return vectors / np.maximum(norms, floor)
+
+
+def resized(image: Image.Image, grid: tuple[int, int], factor: int) -> np.ndarray:
+    """(rows * factor, cols * factor, 3) uint8: the image at the size the model's processor resizes it to
+    (bicubic, as Qwen-VL's processors resize)."""
+    size = (grid[1] * factor, grid[0] * factor)
+    rgb = image if image.size == size else image.resize(size, Image.Resampling.BICUBIC)
+    return np.asarray(rgb.convert("RGB"), dtype=np.uint8)
+
+
+def token_blocks(pixels: np.ndarray, factor: int) -> np.ndarray:
+    """(rows, cols, factor, factor, channels) view of a (rows * factor, cols * factor, channels) image."""
+    height, width, channels = pixels.shape
+    blocks = pixels.reshape(height // factor, factor, width // factor, factor, channels)
+    return blocks.swapaxes(1, 2)
+
+
+def token_digests(image: Image.Image, grid: tuple[int, int], factor: int) -> np.ndarray:
+    """(n,) uint64: per token, xxh3 of the canonical pixels it is resized from (see the module docstring)."""
+    pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    rows, cols = grid
+    height, width = pixels.shape[:2]
+    if (height, width) == (rows * factor, cols * factor):
+        blocks = np.ascontiguousarray(token_blocks(pixels, factor)).reshape(rows * cols, -1)  # (n, f*f*3)
+        return np.fromiter((xxhash.xxh3_64_intdigest(row.tobytes()) for row in blocks), np.uint64, rows * cols)
+    scale_y, scale_x = height / (rows * factor), width / (cols * factor)
+    # A bicubic (antialiased when shrinking) output pixel reads 2 * max(1, scale) source pixels on each side.
+    margin_y, margin_x = math.ceil(2 * max(1.0, scale_y)) + 1, math.ceil(2 * max(1.0, scale_x)) + 1
+    digests = np.empty(rows * cols, np.uint64)
+    for r in range(rows):
+        top = max(0, math.floor(r * factor * scale_y) - margin_y)
+        bottom = min(height, math.ceil((r + 1) * factor * scale_y) + margin_y)
+        for c in range(cols):
+            left = max(0, math.floor(c * factor * scale_x) - margin_x)
+            right = min(width, math.ceil((c + 1) * factor * scale_x) + margin_x)
+            block = np.ascontiguousarray(pixels[top:bottom, left:right])
+            digests[r * cols + c] = xxhash.xxh3_64_intdigest(struct.pack("<4I", top, bottom, left, right)
+                                                             + block.tobytes())
+    return digests
+
+
+def grey(blocks: np.ndarray) -> np.ndarray:
+    """(..., f, f) float32 in [0, 1] from (..., f, f, 3) uint8 RGB (ITU-R 601 luma)."""
+    weights = np.array([0.299, 0.587, 0.114], np.float32) / 255.0
+    return blocks.astype(np.float32) @ weights
+
+
+def token_entropy(luma: np.ndarray) -> np.ndarray:
+    """(rows, cols) float32: Shannon entropy in bits of each token's grey-level histogram, from (rows, cols, f, f)
+    luma in [0, 1]."""
+    rows, cols = luma.shape[:2]
+    levels = np.minimum((luma * HISTOGRAM_BINS).astype(np.int64), HISTOGRAM_BINS - 1).reshape(rows * cols, -1)
+    offsets = (np.arange(rows * cols) * HISTOGRAM_BINS)[:, None]
+    counts = np.bincount((levels + offsets).ravel(), minlength=rows * cols * HISTOGRAM_BINS)
+    p = counts.reshape(rows * cols, HISTOGRAM_BINS) / levels.shape[1]  # (n, bins)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bits = -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=1)
+    return bits.reshape(rows, cols).astype(np.float32)

@@ -1,0 +1,162 @@
+"""Approximate matching, coarse to fine: from a new image's features to the cached images it nearly duplicates.
+
+``Matcher.lookup`` asks the index (gateway.matching.index) for a handful of candidates of the caller's namespace,
+reads each one's per-token features from the feature store (a small in-memory LRU in front), aligns it with the
+new image (gateway.matching.align: a whole-token shift from the digests, then a change map) and keeps those whose
+similarity reaches ``match_threshold``, best first. A lookup whose candidates all fall short is a near miss.
+
+``Matcher.add`` indexes a new image and persists its features beside the store, so ``Matcher.rebuild`` can restore
+the index after a restart from the records whose KV entry the store still holds.
+
+Threading: the cache thread's (called from the planner and from CacheManager's removals), like the policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.config import MatchSettings
+from gateway.matching.align import Alignment, align, find_shift
+from gateway.matching.features import TokenFeatures
+from gateway.matching.index import IndexRecord, MatchIndex
+from store import FeatureStore, StoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class Match:
+    alias: str
+    alignment: Alignment
+    alias_features: TokenFeatures
+
+
+@dataclass(frozen=True, eq=False)
+class Lookup:
+    matches: tuple[Match, ...]  # at or above the match threshold, best first
+    candidates: int  # compared in full
+    best_similarity: float | None  # the best fine score among the candidates (None: there were none)
+
+    @property
+    def near_miss(self) -> bool:
+        return not self.matches and self.candidates > 0
+
+
+class Matcher:
+    def __init__(self, settings: MatchSettings, *, scope: str, features: FeatureStore | None) -> None:
+        self.settings = settings
+        self.scope = scope
+        self.features = features
+        self.index = MatchIndex(coarse_threshold=settings.coarse_threshold, candidates=settings.candidates,
+                                scan_limit=settings.scan_limit)
+        self._cache: OrderedDict[str, TokenFeatures] = OrderedDict()
+        self._cache_bytes = 0
+        self.damaged_records = 0
+
+    def record(self, key: str, namespace: str, features: TokenFeatures) -> IndexRecord:
+        return IndexRecord.of(key, namespace, self.scope, features, blank_entropy=self.settings.blank_entropy)
+
+    def add(self, key: str, namespace: str, features: TokenFeatures) -> None:
+        """Index an image (and persist its features) under its exact key."""
+        record = self.record(key, namespace, features)
+        if self.features is not None:
+            try:
+                self.features.put(key, record.to_bytes(), features.to_bytes())
+            except StoreError as exc:  # the index still works for this process's lifetime
+                log.warning("could not persist the features of %s: %s", key[:16], exc)
+        self.index.add(record)
+        self._remember(key, features)
+
+    def remove(self, key: str) -> None:
+        """Forget an image: its entry left the store."""
+        self.index.remove(key)
+        cached = self._cache.pop(key, None)
+        if cached is not None:
+            self._cache_bytes -= cached.nbytes
+        if self.features is not None:
+            try:
+                self.features.remove(key)
+            except StoreError as exc:
+                log.warning("could not drop the features of %s: %s", key[:16], exc)
+
+    def lookup(self, namespace: str, key: str, features: TokenFeatures) -> Lookup:
+        query = self.record(key, namespace, features)
+        candidates = self.index.lookup(namespace, query)
+        matches, best, compared = [], None, 0
+        for alias in candidates:
+            alias_features = self._tokens(alias)
+            if alias_features is None:
+                continue
+            compared += 1
+            shift = find_shift(features, alias_features)
+            alignment = align(features, alias_features, shift=shift,
+                              patch_threshold=self.settings.patch_threshold,
+                              blank_entropy=self.settings.blank_entropy)
+            best = alignment.similarity if best is None else max(best, alignment.similarity)
+            if alignment.similarity >= self.settings.match_threshold:
+                matches.append(Match(alias=alias, alignment=alignment, alias_features=alias_features))
+        matches.sort(key=lambda m: -m.alignment.similarity)
+        return Lookup(matches=tuple(matches), candidates=compared, best_similarity=best)
+
+    def is_pending(self, key: str) -> bool:
+        """Whether key was indexed recently enough that its entry may still be on its way into the store."""
+        record = self.index.get(key)
+        return record is not None and time.time() - record.added_at < self.settings.pending_grace_s
+
+    def rebuild(self, stored: Callable[[str], bool]) -> int:
+        """Index every persisted record of this scope whose KV entry is stored (or may still be on its way);
+        drop the records whose entry is gone. Returns the number indexed."""
+        if self.features is None:
+            return 0
+        indexed, now = 0, time.time()
+        for key, data in self.features.index_records():
+            try:
+                record = IndexRecord.from_bytes(key, data)
+            except ValueError:
+                self.damaged_records += 1
+                self.features.remove(key)
+                continue
+            if record.scope != self.scope:
+                continue  # another model or extractor's: not ours to judge
+            if not stored(key) and now - record.added_at >= self.settings.pending_grace_s:
+                self.features.remove(key)
+                continue
+            self.index.add(record)
+            indexed += 1
+        return indexed
+
+    def _tokens(self, key: str) -> TokenFeatures | None:
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return cached
+        if self.features is None:
+            return None
+        data = self.features.tokens(key)
+        if data is None:
+            self.index.remove(key)
+            return None
+        try:
+            features = TokenFeatures.from_bytes(data)
+        except ValueError:
+            self.damaged_records += 1
+            self.remove(key)
+            return None
+        self._remember(key, features)
+        return features
+
+    def _remember(self, key: str, features: TokenFeatures) -> None:
+        previous = self._cache.pop(key, None)
+        if previous is not None:
+            self._cache_bytes -= previous.nbytes
+        if features.nbytes > self.settings.feature_cache_bytes:
+            return
+        self._cache[key] = features
+        self._cache_bytes += features.nbytes
+        while self._cache_bytes > self.settings.feature_cache_bytes:
+            _, evicted = self._cache.popitem(last=False)
+            self._cache_bytes -= evicted.nbytes

@@ -1,0 +1,56 @@
+"""From a match to an approximate plan: the reuse set B for the chosen strategy, the recompute share, the guard.
+
+Per strategy (plan.request's table), B is
+
+    entropy_aware            the lowest-entropy ``reuse_share`` of the tokens among those that are the same or
+                             similar, ranked by the larger of the two images' entropies (low in both)
+    attention_only, cacheblend, vlcache
+                             every same or similar token (the worker takes R out of them)
+    full_reuse               every token with an aligned alias token
+
+Changed tokens are never in B (full_reuse aside) and always in R; when they outnumber ``recompute_share`` of the
+tokens, the share is widened to hold them, and when they outnumber ``max_changed_share`` the guard plans a miss
+instead: recomputing that much costs about what a miss does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gateway.config import MatchSettings
+from gateway.matching.align import CHANGED
+from gateway.matching.matcher import Match
+from plan import APPROXIMATE, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, ImagePlan
+
+
+def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: tuple[int, int], prefix_digest: str,
+                     settings: MatchSettings, strategy: str, layers: int | None) -> ImagePlan | None:
+    """The plan for a new image matched to ``match.alias``; None when the guard says a miss is better."""
+    alignment = match.alignment
+    n = grid[0] * grid[1]
+    changed = alignment.changes == CHANGED
+    changed_share = float(changed.mean())
+    if changed_share > settings.max_changed_share:
+        return None
+    aligned = alignment.alias_index >= 0
+    if strategy == FULL_REUSE:
+        reuse = np.flatnonzero(aligned)
+    elif strategy == ENTROPY_AWARE:
+        candidates = np.flatnonzero(aligned & ~changed)
+        alias_entropy = match.alias_features.entropy.astype(np.float32)[alignment.alias_index[candidates]]
+        risk = np.maximum(new_entropy.astype(np.float32)[candidates], alias_entropy)
+        reuse = candidates[np.argsort(risk, kind="stable")[: int(settings.reuse_share * n)]]
+    else:
+        reuse = np.flatnonzero(aligned & ~changed)
+    warmup = 1 if strategy == CACHEBLEND else settings.warmup_layers
+    if strategy == FULL_REUSE:
+        warmup, share = 0, 0.0
+    else:
+        share = min(1.0, max(settings.recompute_share, changed_share))
+    if layers is not None:
+        warmup = min(warmup, max(0, layers - 1))
+    return ImagePlan(key=key, strategy=APPROXIMATE, tokens=n, grid=grid, prefix_digest=prefix_digest,
+                     alias=match.alias, alias_grid=match.alias_features.grid, shift=alignment.shift,
+                     change_map=alignment.change_map, similarity=round(alignment.similarity, 4),
+                     reuse=tuple(int(i) for i in reuse), warmup_layers=warmup, recompute_share=round(share, 4),
+                     selector=strategy)

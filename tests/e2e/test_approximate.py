@@ -1,0 +1,128 @@
+"""Approximate matching through the gateway, with the real openai client and real SGLang CPU workers: a
+near-duplicate of a stored image is planned as approximate (the workers run it as a full prefill for now, and say
+so), another tenant's near-duplicate is not, and a restarted gateway (a real ``revisit gateway`` process over the
+same store) still finds the alias."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+from PIL import Image, ImageDraw
+
+from tests.conftest import MODEL_ID, STORE_ENV, free_port, worker_events
+from tests.e2e.test_reuse import executed, wait_stored
+from tests.images_lib import load, png_data_url
+
+pytestmark = pytest.mark.sglang
+
+CELL = 28
+
+
+def page(seed: int) -> Image.Image:
+    """A text page of 8 x 12 tokens (scikit-image's page.png) with one line of text that depends on seed."""
+    image = load("page.png").convert("RGB").resize((12 * CELL, 8 * CELL), Image.Resampling.BICUBIC)
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((2 * CELL, 5 * CELL + 2, 6 * CELL, 5 * CELL + 24), fill=(255, 255, 255))
+    draw.text((2 * CELL + 2, 5 * CELL + 6), f"total: {seed * 7919 % 10000:04d}", fill=(0, 0, 0))
+    return image
+
+
+def ask(base_url: str, api_key: str, image: Image.Image):
+    with openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=300) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL_ID, max_tokens=4, temperature=0,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
+                                                   {"type": "text", "text": "What is the total?"}]}])
+        return raw.headers, raw.parse()
+
+
+def plans_metric(base_url: str, kind: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text):
+        if family.name == "revisit_plans":
+            return sum(s.value for s in family.samples if s.labels.get("kind") == kind)
+    return 0.0
+
+
+def test_a_near_duplicate_is_approximate_for_its_tenant_only(gateway) -> None:
+    me, them = (f"sk-{uuid.uuid4().hex}" for _ in range(2))
+    headers, _ = ask(gateway.url, me, page(1))
+    assert headers["x-revisit-reuse"] == "miss"
+    first_key = headers["x-revisit-image-keys"]
+    wait_stored(gateway, first_key)
+
+    approximate_before = plans_metric(gateway.url, "approximate")
+    before = worker_events(gateway.config.workers)
+    headers, reply = ask(gateway.url, me, page(2))  # the same page with one number changed
+    kind, _, similarity = headers["x-revisit-reuse"].partition(";similarity=")
+    assert kind == "approximate" and 0.9 <= float(similarity) < 1.0
+    assert reply.choices[0].message.content is not None and reply.id.startswith("chatcmpl-")
+    done = executed(gateway, before, approximate_not_executed=1, stored=1)
+    # Until workers execute approximate plans they run a full prefill, store the new image, and count it.
+    assert (done["approximate_not_executed"], done["vision_images"], done["stored"]) == (1, 1, 1)
+    assert plans_metric(gateway.url, "approximate") == approximate_before + 1
+    assert gateway.app.state.services.policy.get(first_key).approximate_hits == 1
+
+    headers, _ = ask(gateway.url, them, page(3))
+    assert headers["x-revisit-reuse"] == "miss"  # their near-duplicate of my page: never my cache
+
+
+def test_a_restarted_gateway_still_finds_the_alias(gateway, model_path, tmp_path) -> None:
+    tenant = f"sk-{uuid.uuid4().hex}"
+    port = free_port()
+    env = {**os.environ, **STORE_ENV, "REVISIT_MODEL": MODEL_ID, "REVISIT_MODEL_DIR": str(model_path),
+           "REVISIT_WORKERS": ",".join(gateway.config.workers), "REVISIT_HEALTH_INTERVAL_S": "0.5"}
+    url = f"http://127.0.0.1:{port}"
+
+    logs = []
+
+    def start() -> subprocess.Popen:
+        logs.append(tmp_path / f"gateway-{len(logs)}.log")
+        with open(logs[-1], "wb") as log:
+            process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--port", str(port)],
+                                       env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, "the gateway exited"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return process
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the gateway did not become healthy"
+            time.sleep(0.2)
+
+    process = start()
+    try:
+        headers, _ = ask(url, tenant, page(10))
+        assert headers["x-revisit-reuse"] == "miss"
+        alias = headers["x-revisit-image-keys"]
+        wait_stored(gateway, alias)
+    finally:
+        stop(process)
+    assert "Application shutdown complete" in logs[0].read_text()
+    process = start()
+    try:
+        headers, _ = ask(url, tenant, page(11))
+        assert headers["x-revisit-reuse"].startswith("approximate;similarity=")
+        assert plans_metric(url, "approximate") == 1
+    finally:
+        stop(process)
+    rebuilt = [line for line in logs[1].read_text().splitlines() if "match index rebuilt" in line]
+    assert rebuilt and int(rebuilt[0].split("store: ")[1].split()[0]) >= 1
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM: uvicorn shuts the app down (closing the store), then re-raises the signal, so the process ends
+    with it."""
+    process.terminate()
+    assert process.wait(timeout=30) in (0, -signal.SIGTERM)

@@ -1,0 +1,65 @@
+"""The fine stage: shifts from digests, change maps against the pixels, similarity of near and unrelated pairs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gateway.matching.align import CHANGED, SAME, SIMILAR, align, find_shift
+from tests.gateway.matching.pairs import CELL, aligned, changed_tokens, edited, features, jpeg
+
+PATCH, BLANK = 0.9, 0.5
+
+
+def compare(a, b, shift=None):
+    fa, fb = features(a), features(b)
+    return align(fb, fa, shift=find_shift(fb, fa) if shift is None else shift, patch_threshold=PATCH,
+                 blank_entropy=BLANK)
+
+
+def test_an_edit_changes_exactly_the_tokens_it_touched() -> None:
+    a = aligned("page.png", 10, 16)
+    b = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24), "new words")
+    result = compare(a, b)
+    truth = changed_tokens(a, b)
+    assert result.shift == (0, 0)
+    assert ((result.changes == CHANGED) == truth).all()  # every touched token changed, no other
+    assert (result.changes[~truth] == SAME).all() and result.similarity > 0.95
+
+
+def test_a_reencoded_photo_is_similar_everywhere() -> None:
+    a = aligned("astronaut.png", 12, 12)
+    result = compare(a, jpeg(a, 70))
+    assert (result.changes != CHANGED).all() and result.count(SIMILAR) > 100 and result.similarity > 0.98
+
+
+def test_a_scroll_by_whole_tokens_is_found_and_aligned() -> None:
+    page = aligned("text.png", 14, 16)
+    a = page.crop((0, 0, 16 * CELL, 10 * CELL))
+    b = page.crop((0, 3 * CELL, 16 * CELL, 13 * CELL))  # scrolled down by three token rows
+    result = compare(a, b)
+    assert result.shift == (-3, 0)
+    rows = np.arange(b.height // CELL * (b.width // CELL)) // 16
+    assert (result.changes[rows >= 7] == CHANGED).all()  # the three rows that scrolled in have no alias token
+    assert (result.changes[rows < 7] == SAME).all() and (result.alias_index[rows < 7] == np.arange(7 * 16) + 48).all()
+    assert result.similarity > 0.99
+
+
+def test_a_crop_along_token_lines_aligns_with_a_larger_alias() -> None:
+    a = aligned("coffee.png", 10, 14)
+    b = a.crop((2 * CELL, 1 * CELL, 12 * CELL, 9 * CELL))
+    result = compare(a, b)
+    assert result.shift == (-1, -2) and (result.changes == SAME).all()
+
+
+def test_unrelated_images_do_not_look_alike() -> None:
+    names = ("astronaut.png", "coffee.png", "chelsea.png", "page.png", "text.png", "camera.png")
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            result = compare(aligned(first, 10, 10), aligned(second, 10, 10))
+            assert result.similarity < 0.5, (first, second, result.similarity)
+            assert result.count(SAME) == 0
+
+
+def test_no_shift_without_enough_agreeing_digests() -> None:
+    a = aligned("camera.png", 8, 8)
+    assert find_shift(features(jpeg(a)), features(a)) == (0, 0)  # a re-encode keeps no digest

@@ -1,0 +1,71 @@
+"""Per-token features: exact digests, unit descriptors, entropy, and their stored form."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gateway.matching.features import TokenFeatures
+from gateway.matching.pixel import PixelExtractor
+from tests.gateway.matching.pairs import CELL, aligned, changed_tokens, edited, features
+
+
+def test_one_row_per_token_with_unit_vectors_and_bounded_entropy() -> None:
+    image = aligned("astronaut.png", 6, 9)
+    f = features(image)
+    assert f.grid == (6, 9) and f.digests.shape == (54,) and f.vectors.shape == (54, PixelExtractor.dim)
+    assert np.allclose(np.linalg.norm(f.vectors.astype(np.float32), axis=1), 1.0, atol=2e-3)
+    assert (f.entropy >= 0).all() and (f.entropy <= 5.0).all() and f.entropy.max() > 2.0
+
+
+def test_digests_are_exact_per_token() -> None:
+    a = aligned("page.png", 8, 12)
+    b = edited(a, (3 * CELL + 5, 2 * CELL + 5, 4 * CELL + 20, 2 * CELL + 20))
+    fa, fb = features(a), features(b)
+    assert ((fa.digests != fb.digests) == changed_tokens(a, b)).all()
+    assert (fa.digests != fb.digests).sum() == 2  # the painted box touches two tokens
+
+
+def test_blank_tokens_have_no_entropy_and_differ_from_ink() -> None:
+    blank = Image.new("RGB", (4 * CELL, 2 * CELL), (255, 255, 255))
+    f = features(blank)
+    assert (f.entropy == 0).all() and len(set(f.digests.tolist())) == 1
+    black = features(Image.new("RGB", (4 * CELL, 2 * CELL), (0, 0, 0)))
+    cosine = float(f.vectors[0].astype(np.float32) @ black.vectors[0].astype(np.float32))
+    assert cosine < 0  # white and black point apart, not in the same direction
+
+
+def test_a_resized_image_gets_digests_of_its_source_pixels() -> None:
+    image = aligned("coffee.png", 10, 14).resize((500, 357))  # no whole number of tokens: the model resizes it
+    grid = (13, 18)
+    first = PixelExtractor().extract(image, grid, CELL)
+    again = PixelExtractor().extract(image.copy(), grid, CELL)
+    assert (first.digests == again.digests).all() and len(set(first.digests.tolist())) == first.tokens
+    corner = image.copy()
+    corner.paste((255, 0, 0), (480, 340, 500, 357))  # the bottom-right corner only
+    moved = PixelExtractor().extract(corner, grid, CELL)
+    differ = np.flatnonzero(moved.digests != first.digests)
+    rows, cols = np.divmod(differ, grid[1])
+    assert len(differ) >= 1 and rows.min() >= grid[0] - 2 and cols.min() >= grid[1] - 2
+
+
+def test_features_round_trip_and_damage_is_refused() -> None:
+    f = features(aligned("chelsea.png", 5, 7))
+    back = TokenFeatures.from_bytes(f.to_bytes())
+    assert back.grid == f.grid and (back.digests == f.digests).all()
+    assert (back.vectors == f.vectors).all() and (back.entropy == f.entropy).all()
+    with pytest.raises(ValueError):
+        TokenFeatures.from_bytes(f.to_bytes()[:-1])
+    with pytest.raises(ValueError):
+        TokenFeatures.from_bytes(b"XXXX" + f.to_bytes()[4:])
+
+
+def test_regional_descriptors_are_four_unit_quadrant_means() -> None:
+    f = features(aligned("rocket.jpg", 6, 8))
+    regional = f.regional()
+    grid = f.vectors.astype(np.float32).reshape(6, 8, -1)
+    top_right = grid[:3, 4:].reshape(-1, f.dim).mean(axis=0)
+    assert regional.shape == (4, f.dim) and np.allclose(np.linalg.norm(regional, axis=1), 1.0, atol=1e-5)
+    assert np.allclose(regional[1], top_right / np.linalg.norm(top_right), atol=1e-5)
+    assert features(aligned("rocket.jpg", 1, 5)).regional().shape == (4, f.dim)  # a one-row grid

@@ -1,0 +1,171 @@
+"""Approximate plans: the reuse set per strategy and the guard (plans.py), and the planner choosing them over a
+real store (shared-memory files + LMDB) and a real feature store, never across namespaces."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gateway.cache import CacheManager
+from gateway.config import GatewayConfig, MatchSettings, PolicySettings, ProcessorSettings, ReuseSettings
+from gateway.images import canonicalize
+from gateway.intake import IntakeResult
+from gateway.matching.align import CHANGED
+from gateway.matching.matcher import Matcher
+from gateway.matching.plans import approximate_plan
+from gateway.planner import Planner
+from gateway.policy import CachePolicy
+from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, SELECTORS
+from store import Entry, FeatureStore, StoreConfig
+from store.tiered import TieredStore, open_tier
+from tests.gateway.matching.pairs import CELL, EXTRACTOR, aligned, edited, encode_png, features, jpeg
+
+SETTINGS = MatchSettings()
+PROCESSOR = ProcessorSettings()
+
+
+def match_of(a, b, settings: MatchSettings = SETTINGS):
+    m = Matcher(settings, scope="s", features=None)
+    m.add("a" * 64, "ns", features(a))
+    found = m.lookup("ns", "b" * 64, features(b))
+    assert found.matches
+    return found.matches[0], features(b)
+
+
+def plan_for(a, b, strategy: str = ENTROPY_AWARE, settings: MatchSettings = SETTINGS, layers: int | None = 8):
+    match, fb = match_of(a, b, settings)
+    return approximate_plan(match, fb.entropy, key="b" * 64, grid=fb.grid, prefix_digest="p", settings=settings,
+                            strategy=strategy, layers=layers), match
+
+
+def test_entropy_aware_reuses_the_lowest_entropy_unchanged_tokens() -> None:
+    a = aligned("page.png", 10, 16)
+    b = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24))
+    plan, match = plan_for(a, b)
+    assert plan is not None and plan.strategy == APPROXIMATE and plan.alias == "a" * 64
+    assert len(plan.reuse) == int(0.1 * 160) and plan.recompute_share == 0.3 and plan.warmup_layers == 3
+    changed = set(np.flatnonzero(match.alignment.changes == CHANGED).tolist())
+    assert changed and not changed & set(plan.reuse)
+    entropy = np.maximum(features(b).entropy.astype(np.float32), features(a).entropy.astype(np.float32))
+    unchanged = sorted(set(range(160)) - changed, key=lambda i: entropy[i])
+    assert max(entropy[list(plan.reuse)]) <= entropy[unchanged[len(plan.reuse)]]  # the lowest-entropy ones
+    assert plan.change_map.count("x") == len(changed) and plan.similarity == round(match.alignment.similarity, 4)
+
+
+def test_each_strategy_names_its_reuse_set() -> None:
+    a = aligned("page.png", 10, 16)
+    b = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24))
+    plans = {strategy: plan_for(a, b, strategy)[0] for strategy in SELECTORS}
+    assert all(p is not None and p.selector == s for s, p in plans.items())
+    unchanged = {i for i, c in enumerate(plans[ENTROPY_AWARE].change_map) if c != "x"}
+    assert set(plans[ATTENTION_ONLY].reuse) == unchanged == set(plans[CACHEBLEND].reuse)
+    assert plans[CACHEBLEND].warmup_layers == 1
+    assert set(plans[FULL_REUSE].reuse) == set(range(160)) and plans[FULL_REUSE].recompute_share == 0.0
+
+
+def test_the_guard_plans_a_miss_when_too_much_changed_and_widens_r_below_that() -> None:
+    a = aligned("text.png", 10, 10)
+    b = a.copy()
+    b.paste(aligned("camera.png", 10, 10).crop((0, 0, 10 * CELL, 4 * CELL)), (0, 0))  # 40% of the tokens replaced
+    lenient = MatchSettings(match_threshold=0.0, max_changed_share=0.6)
+    plan, match = plan_for(a, b, settings=lenient)
+    share = float((match.alignment.changes == CHANGED).mean())
+    assert plan is not None and share > 0.3 and plan.recompute_share == pytest.approx(share, abs=1e-4)
+    strict = MatchSettings(match_threshold=0.0, max_changed_share=0.3)
+    assert plan_for(a, b, settings=strict)[0] is None
+
+
+def test_the_warmup_fits_the_model() -> None:
+    a = aligned("chelsea.png", 6, 6)
+    plan, _ = plan_for(a, jpeg(a), layers=2)
+    assert plan is not None and plan.warmup_layers == 1
+
+
+# --- the planner over a real store ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cache(tmp_path: Path):
+    name = f"plan-{uuid.uuid4().hex[:12]}"
+    config = StoreConfig(name=name, dram_dir=Path("/dev/shm") / f"revisit-store-{name}", lmdb_dir=tmp_path / "lmdb",
+                         lmdb_map_size=8 << 20, pin_host_memory=False, lmdb_sync=False)
+    store = TieredStore([open_tier(tier, config) for tier in config.tiers])
+    features_store = FeatureStore(config.features_path)
+    matcher = Matcher(SETTINGS, scope="test", features=features_store)
+    manager = CacheManager(CachePolicy(PolicySettings()), store, on_gone=matcher.remove)
+    yield manager, matcher
+    manager.close()
+    features_store.close()
+    shutil.rmtree(config.dram_path, ignore_errors=True)
+
+
+def intake(image, namespace: str) -> IntakeResult:
+    canonical = canonicalize(encode_png(image), limits=GatewayConfig(model="m", workers=("http://w",)).images,
+                             processor=PROCESSOR, model="m", namespace=namespace,
+                             extractor=EXTRACTOR)
+    return IntakeResult(upstream_body={}, params=None, images=(canonical,), namespace=namespace,  # type: ignore
+                        prefix_digests=("p",))
+
+
+def store_like_a_worker(manager: CacheManager, key: str, grid: tuple[int, int]) -> None:
+    n = grid[0] * grid[1]
+    k = np.zeros((2, 1, n, 4), np.float16)  # (layers, kv_heads, tokens, head_dim)
+    positions = np.stack([np.zeros(n), np.arange(n) // grid[1], np.arange(n) % grid[1]], axis=1).astype(np.int32)
+    manager.store.put(key, Entry.from_arrays(model_id="m", grid=grid, positions=positions,  # type: ignore[union-attr]
+                                             encoder_output=np.zeros((n, 4), np.float16), k=k, v=k,
+                                             prefix_digest="p"))
+
+
+def plan(planner: Planner, image, namespace: str):
+    return asyncio.run(planner.plan(intake(image, namespace)))
+
+
+def test_the_planner_plans_a_near_duplicate_as_approximate_in_its_namespace_only(cache) -> None:
+    manager, matcher = cache
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8), matcher)
+    a = aligned("page.png", 10, 16)
+    first = plan(planner, a, "tenant-a")
+    assert first.kinds == ("miss",) and first.plan is not None
+    near = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24))
+    assert plan(planner, near, "tenant-a").kinds == ("miss",)  # the first entry is not stored yet
+    store_like_a_worker(manager, first.plan.images[0].key, (10, 16))
+    again = plan(planner, near, "tenant-a")
+    assert again.kinds == ("approximate",) and again.plan is not None
+    image_plan = again.plan.images[0]
+    assert image_plan.alias == first.plan.images[0].key and image_plan.store
+    assert again.reuse_header().startswith("approximate;similarity=0.9")
+    assert manager.policy.get(image_plan.alias).approximate_hits == 1
+    assert plan(planner, near, "tenant-b").kinds == ("miss",)  # another tenant: never its alias
+    assert planner.counts["approximate"] == 1
+
+
+def test_an_evicted_alias_leaves_the_index(cache) -> None:
+    manager, matcher = cache
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8), matcher)
+    a = aligned("coffee.png", 8, 8)
+    key = plan(planner, a, "ns").plan.images[0].key  # type: ignore[union-attr]
+    store_like_a_worker(manager, key, (8, 8))
+    assert plan(planner, jpeg(a), "ns").kinds == ("approximate",)
+    manager.remove(key, force=True)
+    assert key not in matcher.index and matcher.features.index_record(key) is None  # type: ignore[union-attr]
+    assert plan(planner, jpeg(a, 60), "ns").plan.images[0].alias != key  # type: ignore[union-attr]
+
+
+def test_a_match_whose_entry_never_arrived_is_dropped_after_the_grace(cache) -> None:
+    manager, _ = cache
+    matcher = Matcher(MatchSettings(pending_grace_s=0), scope="test", features=None)
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8), matcher)
+    a = aligned("rocket.jpg", 8, 8)
+    key = plan(planner, a, "ns").plan.images[0].key  # type: ignore[union-attr]
+    assert plan(planner, jpeg(a), "ns").kinds == ("miss",) and key not in matcher.index
+
+
+def test_matching_can_be_turned_off(cache) -> None:
+    manager, matcher = cache
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), match=MatchSettings(enabled=False)), matcher)
+    assert planner.matcher is None and plan(planner, aligned("camera.png", 4, 4), "ns").kinds == ("miss",)
