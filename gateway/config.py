@@ -103,7 +103,7 @@ class ImageLimits:
 
 
 MATCH_ENV_PREFIX = ENV_PREFIX + "MATCH_"
-EXTRACTORS = ("pixel",)
+EXTRACTORS = ("pixel", "encoder")  # gateway/matching/pixel.py, gateway/matching/encoder.py
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,10 +121,11 @@ class MatchSettings:
 
     enabled: bool = True
     extractor: str = "pixel"
+    extractor_dir: Path | None = None  # the encoder extractor's model folder (default: REVISIT_MODEL_DIR)
     coarse_threshold: float = 0.8
     candidates: int = 5
     match_threshold: float = 0.9
-    patch_threshold: float = 0.9
+    patch_threshold: float = 0.95
     blank_entropy: float = 0.5
     reuse_share: float = 0.1
     recompute_share: float = 0.3
@@ -139,6 +140,9 @@ class MatchSettings:
     def __post_init__(self) -> None:
         if self.extractor not in EXTRACTORS:
             raise ConfigError(f"match extractor must be one of {EXTRACTORS}, got {self.extractor!r}")
+        if self.extractor == "encoder" and self.extractor_dir is None:
+            raise ConfigError("the encoder extractor needs a model folder: set REVISIT_MATCH_EXTRACTOR_DIR or "
+                              "REVISIT_MODEL_DIR")
         if self.strategy not in SELECTORS:
             raise ConfigError(f"match strategy must be one of {SELECTORS}, got {self.strategy!r}")
         for name in ("coarse_threshold", "match_threshold", "patch_threshold", "reuse_share", "recompute_share",
@@ -151,8 +155,12 @@ class MatchSettings:
             raise ConfigError("match blank_entropy, feature_cache_bytes and pending_grace_s must not be negative")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> MatchSettings:
-        return cls(**EnvReader(environ, error=ConfigError).fields(cls, MATCH_ENV_PREFIX))
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, model_dir: str | Path | None = None) -> \
+            MatchSettings:
+        fields = EnvReader(environ, error=ConfigError).fields(cls, MATCH_ENV_PREFIX)
+        if fields.get("extractor") == "encoder" and fields.get("extractor_dir") is None and model_dir is not None:
+            fields["extractor_dir"] = Path(model_dir)
+        return cls(**fields)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -369,7 +377,7 @@ class GatewayConfig:
         kwargs["reuse"] = ReuseSettings.for_model(
             model_dir, store=store, enabled=reuse_enabled, profile=get("RECOMPUTE_PROFILE", str),
             uniform_ratio=get("RECOMPUTE_RATIO", float, DEFAULT_RECOMPUTE_RATIO),
-            match=MatchSettings.from_env(env.environ))
+            match=MatchSettings.from_env(env.environ, model_dir=model_dir))
         kwargs.update(overrides)
         missing = [name for name in ("model", "workers") if name not in kwargs]
         if missing:

@@ -63,7 +63,7 @@ class Services:
         matcher, extractor = None, None
         if store is not None and reuse.store is not None and reuse.match.enabled:
             # Approximate matching: every new image gets per-token features; they persist beside the store.
-            extractor = extractor_for(reuse.match.extractor)
+            extractor = extractor_for(reuse.match)
             matcher = Matcher(reuse.match, scope=scope(config.model, config.processor, extractor),
                               features=FeatureStore(reuse.store.features_path))
         cache = CacheManager(policy, store=store, on_gone=matcher.remove if matcher is not None else None)

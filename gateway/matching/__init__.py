@@ -1,7 +1,8 @@
 """Approximate matching: recognising a new image as a near-duplicate of a cached one, and planning its reuse.
 
 - :mod:`gateway.matching.features`: ``TokenFeatures`` (per token: exact digest, descriptor vector, entropy) and
-  the ``Extractor`` interface; :mod:`gateway.matching.pixel`: the default, weight-free extractor.
+  the ``Extractor`` interface; :mod:`gateway.matching.pixel`: the default, weight-free extractor;
+  :mod:`gateway.matching.encoder`: the VLM's own vision tower (its stored encoder output serves for entries).
 - :mod:`gateway.matching.index`: the coarse stage (2 x 2 regional descriptors per namespace and grid, a scan or an
   HNSW graph) and the digest sketch.
 - :mod:`gateway.matching.align`: the fine stage (whole-token shift, change map, similarity).
@@ -11,16 +12,20 @@
 
 from __future__ import annotations
 
-from gateway.config import ConfigError, ProcessorSettings
+from gateway.config import ConfigError, MatchSettings, ProcessorSettings
 from gateway.matching.features import Extractor
 from gateway.matching.pixel import PixelExtractor
 
 
-def extractor_for(name: str) -> Extractor:
-    """The extractor a MatchSettings.extractor names."""
-    if name == "pixel":
+def extractor_for(settings: MatchSettings) -> Extractor:
+    """The extractor the settings name (the encoder's weights are loaded here, once)."""
+    if settings.extractor == "pixel":
         return PixelExtractor()
-    raise ConfigError(f"unknown feature extractor {name!r}")
+    if settings.extractor == "encoder" and settings.extractor_dir is not None:
+        from gateway.matching.encoder import EncoderExtractor
+
+        return EncoderExtractor(settings.extractor_dir)
+    raise ConfigError(f"unknown feature extractor {settings.extractor!r}")
 
 
 def scope(model: str, processor: ProcessorSettings, extractor: Extractor) -> str:

@@ -19,6 +19,7 @@ weights. ``TokenFeatures.regional`` gives the coarse stage's 2 x 2 regional desc
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import xxhash
 from PIL import Image
 
 HISTOGRAM_BINS = 32  # grey levels per entropy histogram: log2(32) = 5 bits at most
+COARSE_DIM = 64  # width of the coarse stage's regional descriptors
 _RECORD = struct.Struct("<4sHHHH")  # magic, version, rows, cols, dim
 _MAGIC, _VERSION = b"RVTF", 1
 
@@ -62,14 +64,20 @@ class TokenFeatures:
         return self.digests.nbytes + self.vectors.nbytes + self.entropy.nbytes
 
     def regional(self) -> np.ndarray:
-        """(4, dim) float32: the mean of the token vectors in each quadrant of the grid (top-left, top-right,
-        bottom-left, bottom-right), each L2-normalised. A one-token-wide grid splits its one side only."""
+        """(4, min(dim, COARSE_DIM)) float32: the mean of the token vectors in each quadrant of the grid (top-left,
+        top-right, bottom-left, bottom-right), each L2-normalised. A one-token-wide grid splits its one side only.
+
+        Wider vectors are first projected to COARSE_DIM by a fixed random matrix (the same for every image of one
+        width): a random projection keeps cosines near 1 nearly exact and others within a few hundredths, which
+        is all a coarse filter needs, at a fraction of the memory and graph-building time (bench/matching.py)."""
         rows, cols = self.grid
         grid = self.vectors.astype(np.float32).reshape(rows, cols, -1)  # (rows, cols, dim)
         # A side of one token is not split: both halves are that one row (or column).
         top, left = (slice(0, max(1, rows // 2)), slice(rows // 2, rows)), (slice(0, max(1, cols // 2)),
                                                                              slice(cols // 2, cols))
         means = np.stack([grid[r, c].reshape(-1, grid.shape[2]).mean(axis=0) for r in top for c in left])  # (4, dim)
+        if self.dim > COARSE_DIM:
+            means = means @ _projection(self.dim)  # (4, COARSE_DIM)
         return normalise(means)
 
     def to_bytes(self) -> bytes:
@@ -98,6 +106,12 @@ class TokenFeatures:
         return cls(grid=(rows, cols), digests=digests, vectors=vectors, entropy=entropy)
 
 
+@functools.cache
+def _projection(dim: int) -> np.ndarray:
+    """(dim, COARSE_DIM) float32, fixed for a width (seeded by it): Gaussian entries scaled to keep norms."""
+    return (np.random.default_rng(dim).standard_normal((dim, COARSE_DIM)) / np.sqrt(COARSE_DIM)).astype(np.float32)
+
+
 class Extractor(Protocol):
     """Computes :class:`TokenFeatures` for a canonical RGB image and its token grid. Thread-safe; CPU-bound (call
     it off the event loop)."""
@@ -118,8 +132,8 @@ def resized(image: Image.Image, grid: tuple[int, int], factor: int) -> np.ndarra
     """(rows * factor, cols * factor, 3) uint8: the image at the size the model's processor resizes it to
     (bicubic, as Qwen-VL's processors resize)."""
     size = (grid[1] * factor, grid[0] * factor)
-    rgb = image if image.size == size else image.resize(size, Image.Resampling.BICUBIC)
-    return np.asarray(rgb.convert("RGB"), dtype=np.uint8)
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    return np.asarray(rgb if rgb.size == size else rgb.resize(size, Image.Resampling.BICUBIC), dtype=np.uint8)
 
 
 def token_blocks(pixels: np.ndarray, factor: int) -> np.ndarray:
@@ -129,10 +143,15 @@ def token_blocks(pixels: np.ndarray, factor: int) -> np.ndarray:
     return blocks.swapaxes(1, 2)
 
 
-def token_digests(image: Image.Image, grid: tuple[int, int], factor: int) -> np.ndarray:
-    """(n,) uint64: per token, xxh3 of the canonical pixels it is resized from (see the module docstring)."""
-    pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+def token_digests(image: Image.Image, grid: tuple[int, int], factor: int, *,
+                  resized_pixels: np.ndarray | None = None) -> np.ndarray:
+    """(n,) uint64: per token, xxh3 of the canonical pixels it is resized from (see the module docstring).
+    ``resized_pixels``: the image as :func:`resized` gives it, when the caller has it already."""
     rows, cols = grid
+    if image.size == (cols * factor, rows * factor) and image.mode == "RGB":
+        pixels = resized_pixels if resized_pixels is not None else np.asarray(image, dtype=np.uint8)
+    else:
+        pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
     height, width = pixels.shape[:2]
     if (height, width) == (rows * factor, cols * factor):
         blocks = np.ascontiguousarray(token_blocks(pixels, factor)).reshape(rows * cols, -1)  # (n, f*f*3)
@@ -153,20 +172,24 @@ def token_digests(image: Image.Image, grid: tuple[int, int], factor: int) -> np.
     return digests
 
 
-def grey(blocks: np.ndarray) -> np.ndarray:
-    """(..., f, f) float32 in [0, 1] from (..., f, f, 3) uint8 RGB (ITU-R 601 luma)."""
+def grey(rgb: np.ndarray) -> np.ndarray:
+    """(...) float32 in [0, 1] from (..., 3) RGB in [0, 255] (ITU-R 601 luma)."""
     weights = np.array([0.299, 0.587, 0.114], np.float32) / 255.0
-    return blocks.astype(np.float32) @ weights
+    return rgb.astype(np.float32, copy=False) @ weights
 
 
-def token_entropy(luma: np.ndarray) -> np.ndarray:
-    """(rows, cols) float32: Shannon entropy in bits of each token's grey-level histogram, from (rows, cols, f, f)
-    luma in [0, 1]."""
-    rows, cols = luma.shape[:2]
-    levels = np.minimum((luma * HISTOGRAM_BINS).astype(np.int64), HISTOGRAM_BINS - 1).reshape(rows * cols, -1)
-    offsets = (np.arange(rows * cols) * HISTOGRAM_BINS)[:, None]
-    counts = np.bincount((levels + offsets).ravel(), minlength=rows * cols * HISTOGRAM_BINS)
-    p = counts.reshape(rows * cols, HISTOGRAM_BINS) / levels.shape[1]  # (n, bins)
+def token_entropy(luma: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """(n,) float32: Shannon entropy in bits of each token's grey-level histogram (HISTOGRAM_BINS levels), from
+    luma in [0, 1] on a whole number of samples per token: the resized image's pixels, or (what the pixel
+    extractor passes) the means of its 2 x 2-pixel cells, which count the same flat regions as flat."""
+    rows, cols = grid
+    height, width = luma.shape
+    levels = np.minimum((luma * HISTOGRAM_BINS).astype(np.int32), HISTOGRAM_BINS - 1)  # (H, W)
+    token_row = (np.arange(height, dtype=np.int32) // (height // rows)) * cols  # (H,)
+    token_col = np.arange(width, dtype=np.int32) // (width // cols)  # (W,)
+    codes = (token_row[:, None] + token_col[None, :]) * HISTOGRAM_BINS + levels  # (H, W): token * bins + level
+    counts = np.bincount(codes.ravel(), minlength=rows * cols * HISTOGRAM_BINS).reshape(rows * cols, HISTOGRAM_BINS)
+    p = counts / (height // rows * (width // cols))  # (n, bins)
     with np.errstate(divide="ignore", invalid="ignore"):
         bits = -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=1)
-    return bits.reshape(rows, cols).astype(np.float32)
+    return bits.astype(np.float32)

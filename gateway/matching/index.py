@@ -17,7 +17,6 @@ the policy (no locking).
 
 from __future__ import annotations
 
-import json
 import struct
 import time
 from collections import Counter
@@ -31,7 +30,8 @@ from gateway.matching.features import TokenFeatures
 SKETCH = 32  # digests per entry in the sketch
 SKETCH_VOTES = 3  # shared digests that make an entry a candidate (all of a shorter sketch)
 _TAIL = 4096  # sketch postings kept unsorted before a merge
-_HEAD = struct.Struct("<I")
+_RECORD = struct.Struct("<BHHHHHHd")  # version, namespace and scope lengths, grid, dim, sketch length, added_at
+_RECORD_VERSION = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,24 +55,33 @@ class IndexRecord:
                    sketch=sketch, added_at=time.time())
 
     def to_bytes(self) -> bytes:
-        meta = json.dumps({"namespace": self.namespace, "scope": self.scope, "grid": list(self.grid),
-                           "dim": int(self.regional.shape[1]), "sketch": [str(d) for d in self.sketch],
-                           "added_at": self.added_at}, separators=(",", ":")).encode()
-        return _HEAD.pack(len(meta)) + meta + self.regional.astype("<f4").tobytes()
+        namespace, scope = self.namespace.encode(), self.scope.encode()
+        head = _RECORD.pack(_RECORD_VERSION, len(namespace), len(scope), self.grid[0], self.grid[1],
+                            self.regional.shape[1], len(self.sketch), self.added_at)
+        return b"".join((head, namespace, scope, np.asarray(self.sketch, "<u8").tobytes(),
+                         self.regional.astype("<f4").tobytes()))
 
     @classmethod
     def from_bytes(cls, key: str, data: bytes) -> IndexRecord:
         """Raises ValueError for a damaged record."""
         try:
-            (length,) = _HEAD.unpack_from(data)
-            meta = json.loads(data[_HEAD.size:_HEAD.size + length])
-            dim = int(meta["dim"])
-            regional = np.frombuffer(data, "<f4", 4 * dim, _HEAD.size + length).reshape(4, dim).astype(np.float32)
-            return cls(key=key, namespace=str(meta["namespace"]), scope=str(meta["scope"]),
-                       grid=(int(meta["grid"][0]), int(meta["grid"][1])), regional=regional,
-                       sketch=tuple(int(d) for d in meta["sketch"]), added_at=float(meta["added_at"]))
-        except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+            version, ns_len, scope_len, rows, cols, dim, sketch_len, added_at = _RECORD.unpack_from(data)
+            if version != _RECORD_VERSION:
+                raise ValueError(f"version {version}")
+            at = _RECORD.size
+            namespace = data[at:at + ns_len].decode()
+            scope = data[at + ns_len:at + ns_len + scope_len].decode()
+            at += ns_len + scope_len
+            if len(data) != at + 8 * sketch_len + 16 * dim or min(rows, cols, dim) < 1:
+                raise ValueError("wrong length")
+            sketch = tuple(np.frombuffer(data, "<u8", sketch_len, at).tolist())
+            regional = np.frombuffer(data, "<f4", 4 * dim, at + 8 * sketch_len).reshape(4, dim).astype(np.float32)
+        except (struct.error, UnicodeDecodeError) as exc:
             raise ValueError(f"damaged index record: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"damaged index record: {exc}") from None
+        return cls(key=key, namespace=namespace, scope=scope, grid=(rows, cols), regional=regional, sketch=sketch,
+                   added_at=added_at)
 
 
 class CoarseTable:
@@ -96,6 +105,10 @@ class CoarseTable:
     def uses_graph(self) -> bool:
         return self._graph is not None
 
+    def graph_bytes(self) -> int:
+        """What the HNSW graph holds in native memory (0 while scanning)."""
+        return int(self._graph.memory_usage) if self._graph is not None else 0
+
     def add(self, key: str, regional: np.ndarray) -> None:
         row = (regional.astype(np.float32) / 2).reshape(-1)  # four unit halves: a unit row, inner = mean cosine
         self.remove(key)
@@ -112,6 +125,18 @@ class CoarseTable:
         self._keys.append(key)
         if len(self._keys) > self.scan_limit:
             self._switch_to_graph()
+
+    def add_many(self, keys: list[str], regionals: np.ndarray) -> None:
+        """add() for many new keys at once (the graph takes them in one parallel batch)."""
+        for key in keys:
+            self.remove(key)
+        if self._graph is None and len(self._keys) + len(keys) > self.scan_limit:
+            self._switch_to_graph()
+        if self._graph is not None:
+            self._add_to_graph(keys, (regionals.astype(np.float32) / 2).reshape(len(keys), -1))
+            return
+        for key, regional in zip(keys, regionals, strict=True):
+            self.add(key, regional)
 
     def remove(self, key: str) -> bool:
         if self._graph is not None:
@@ -160,7 +185,7 @@ class CoarseTable:
     def _switch_to_graph(self) -> None:
         from usearch.index import Index
 
-        self._graph = Index(ndim=4 * self.dim, metric="ip", dtype="f16", connectivity=16, expansion_add=128,
+        self._graph = Index(ndim=4 * self.dim, metric="ip", dtype="f16", connectivity=16, expansion_add=64,
                             expansion_search=128)
         keys, rows = list(self._keys), self._matrix[: len(self._keys)]
         self._keys, self._rows, self._matrix = [], {}, np.zeros((0, 4 * self.dim), np.float32)
@@ -178,51 +203,61 @@ class CoarseTable:
 
 class SketchTable:
     """Every entry's sketch digests of one namespace as two arrays sorted by digest (16 bytes a posting, not a
-    Python set per digest), with a short unsorted tail of recent additions merged in when it grows. Removed entries
-    leave postings behind until the next merge drops them."""
+    Python set per digest), with a short unsorted tail of recent additions merged in (one sorted insert, linear
+    in the table) when it grows past _TAIL. Removed entries leave postings behind until they outnumber the live
+    entries' and a compaction drops them."""
 
     def __init__(self) -> None:
         self._digests = np.zeros(0, np.uint64)  # sorted
         self._ids = np.zeros(0, np.int64)
-        self._tail: list[tuple[int, int]] = []
+        self._tail_digests: list[int] = []
+        self._tail_ids: list[int] = []
         self._keys: dict[int, str] = {}  # live entry id -> key
+        self._dead = 0
         self._next_id = 0
 
     def add(self, key: str, sketch: tuple[int, ...]) -> int:
         ident = self._next_id
         self._next_id += 1
         self._keys[ident] = key
-        self._tail += [(digest, ident) for digest in sketch]
-        if len(self._tail) > _TAIL:
+        self._tail_digests += sketch
+        self._tail_ids += [ident] * len(sketch)
+        if len(self._tail_digests) > _TAIL:
             self._merge()
         return ident
 
     def remove(self, ident: int) -> None:
-        self._keys.pop(ident, None)
+        if self._keys.pop(ident, None) is not None:
+            self._dead += 1
+            if self._dead > len(self._keys):
+                self._compact()
 
     def __len__(self) -> int:
         return len(self._keys)
 
     def votes(self, sketch: tuple[int, ...]) -> Counter[str]:
         """How many of the sketch's digests each live entry shares."""
+        self._merge()
         query = np.asarray(sketch, np.uint64)
         lo, hi = np.searchsorted(self._digests, query, "left"), np.searchsorted(self._digests, query, "right")
-        hits = [self._ids[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True) if b > a]
-        wanted = set(sketch)
-        hits.append(np.asarray([ident for digest, ident in self._tail if digest in wanted], np.int64))
-        ids = np.concatenate(hits) if hits else np.zeros(0, np.int64)
-        return Counter(self._keys[i] for i in ids.tolist() if i in self._keys)
-
-    def nbytes(self) -> int:
-        return self._digests.nbytes + self._ids.nbytes + 16 * len(self._tail)
+        ids = [self._ids[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True) if b > a]
+        found = np.concatenate(ids).tolist() if ids else []
+        return Counter(self._keys[i] for i in found if i in self._keys)
 
     def _merge(self) -> None:
-        tail = np.asarray(self._tail, np.uint64).reshape(-1, 2)
-        digests = np.concatenate([self._digests, tail[:, 0]])
-        ids = np.concatenate([self._ids, tail[:, 1].astype(np.int64)])
-        live = np.isin(ids, np.fromiter(self._keys, np.int64, len(self._keys)))
-        order = np.argsort(digests[live], kind="stable")
-        self._digests, self._ids, self._tail = digests[live][order], ids[live][order], []
+        if not self._tail_digests:
+            return
+        digests = np.asarray(self._tail_digests, np.uint64)
+        order = np.argsort(digests, kind="stable")
+        digests, ids = digests[order], np.asarray(self._tail_ids, np.int64)[order]
+        at = np.searchsorted(self._digests, digests)
+        self._digests, self._ids = np.insert(self._digests, at, digests), np.insert(self._ids, at, ids)
+        self._tail_digests, self._tail_ids = [], []
+
+    def _compact(self) -> None:
+        self._merge()
+        live = np.isin(self._ids, np.fromiter(self._keys, np.int64, len(self._keys)))
+        self._digests, self._ids, self._dead = self._digests[live], self._ids[live], 0
 
 
 class Indexed(NamedTuple):
@@ -264,6 +299,22 @@ class MatchIndex:
         table.add(record.key, record.regional)
         self._sketch_ids[record.key] = self._sketches.setdefault(record.namespace, SketchTable()).add(
             record.key, record.sketch)
+
+    def add_many(self, records: list[IndexRecord]) -> None:
+        """add() for many records (rebuilding after a restart): each grid's descriptors in one batch."""
+        by_table: dict[tuple[str, tuple[int, int]], list[IndexRecord]] = {}
+        for record in records:
+            self.remove(record.key)
+            self._records[record.key] = Indexed(record.namespace, record.grid, record.added_at)
+            by_table.setdefault((record.namespace, record.grid), []).append(record)
+            self._sketch_ids[record.key] = self._sketches.setdefault(record.namespace, SketchTable()).add(
+                record.key, record.sketch)
+        for (namespace, grid), group in by_table.items():
+            table = self._tables.get((namespace, grid))
+            if table is None:
+                table = self._tables[(namespace, grid)] = CoarseTable(group[0].regional.shape[1],
+                                                                      scan_limit=self.scan_limit)
+            table.add_many([r.key for r in group], np.stack([r.regional for r in group]))
 
     def remove(self, key: str) -> bool:
         record = self._records.pop(key, None)

@@ -112,7 +112,7 @@ class Matcher:
         drop the records whose entry is gone. Returns the number indexed."""
         if self.features is None:
             return 0
-        indexed, now = 0, time.time()
+        now, records = time.time(), []
         for key, data in self.features.index_records():
             try:
                 record = IndexRecord.from_bytes(key, data)
@@ -125,9 +125,9 @@ class Matcher:
             if not stored(key) and now - record.added_at >= self.settings.pending_grace_s:
                 self.features.remove(key)
                 continue
-            self.index.add(record)
-            indexed += 1
-        return indexed
+            records.append(record)
+        self.index.add_many(records)
+        return len(records)
 
     def _tokens(self, key: str) -> TokenFeatures | None:
         cached = self._cache.get(key)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gateway.matching.features import TokenFeatures
+from gateway.matching.features import COARSE_DIM, TokenFeatures
 from gateway.matching.pixel import PixelExtractor
-from tests.gateway.matching.pairs import CELL, aligned, changed_tokens, edited, features
+from tests.gateway.matching.pairs import CELL, aligned, changed_tokens, edited, features, jpeg
 
 
 def test_one_row_per_token_with_unit_vectors_and_bounded_entropy() -> None:
@@ -61,11 +61,20 @@ def test_features_round_trip_and_damage_is_refused() -> None:
         TokenFeatures.from_bytes(b"XXXX" + f.to_bytes()[4:])
 
 
-def test_regional_descriptors_are_four_unit_quadrant_means() -> None:
+def test_regional_descriptors_are_four_unit_quadrant_means_projected() -> None:
     f = features(aligned("rocket.jpg", 6, 8))
     regional = f.regional()
     grid = f.vectors.astype(np.float32).reshape(6, 8, -1)
-    top_right = grid[:3, 4:].reshape(-1, f.dim).mean(axis=0)
-    assert regional.shape == (4, f.dim) and np.allclose(np.linalg.norm(regional, axis=1), 1.0, atol=1e-5)
-    assert np.allclose(regional[1], top_right / np.linalg.norm(top_right), atol=1e-5)
-    assert features(aligned("rocket.jpg", 1, 5)).regional().shape == (4, f.dim)  # a one-row grid
+    quadrants = [grid[:3, :4], grid[:3, 4:], grid[3:, :4], grid[3:, 4:]]
+    means = np.stack([q.reshape(-1, f.dim).mean(axis=0) for q in quadrants])
+    means /= np.linalg.norm(means, axis=1, keepdims=True)
+    assert regional.shape == (4, COARSE_DIM) and np.allclose(np.linalg.norm(regional, axis=1), 1.0, atol=1e-5)
+    # A random projection to 64 dims moves a cosine c by about (1 - c^2) / 8 (one standard deviation): mid-range
+    # cosines between different quadrants by a tenth or two, near-identical ones hardly at all.
+    assert np.abs(regional @ regional.T - means @ means.T).max() < 0.3
+    reencoded = features(jpeg(aligned("rocket.jpg", 6, 8))).regional()
+    assert (np.einsum("rd,rd->r", regional, reencoded) > 0.99).all()
+    other = features(aligned("rocket.jpg", 6, 8).transpose(Image.Transpose.FLIP_LEFT_RIGHT)).regional()
+    assert (regional == features(aligned("rocket.jpg", 6, 8)).regional()).all()  # fixed, not drawn per call
+    assert not np.allclose(regional, other)
+    assert features(aligned("rocket.jpg", 1, 5)).regional().shape == (4, COARSE_DIM)  # a one-row grid

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gateway.config import MatchSettings
-from gateway.matching.index import SKETCH, CoarseTable, IndexRecord, MatchIndex
+from gateway.matching.index import SKETCH, CoarseTable, IndexRecord, MatchIndex, SketchTable
 from gateway.matching.matcher import Matcher
 from store import FeatureStore
 from tests.gateway.matching.pairs import CELL, aligned, edited, features, jpeg
@@ -136,3 +136,18 @@ def test_index_records_round_trip() -> None:
     index = MatchIndex(coarse_threshold=0.8, candidates=5, scan_limit=10)
     index.add(record)
     assert key("r") in index and index.remove(key("r")) and len(index) == 0 and not index.remove(key("r"))
+
+
+def test_the_sketch_table_counts_shared_digests_of_live_entries_only() -> None:
+    table = SketchTable()
+    rng = np.random.default_rng(1)
+    sketches = [tuple(int(d) for d in rng.integers(1, 2**63, 32)) for _ in range(600)]  # past one merge
+    ids = [table.add(key(i), sketch) for i, sketch in enumerate(sketches)]
+    query = sketches[7][:10] + sketches[500][:3]
+    votes = table.votes(query)
+    assert votes[key(7)] == 10 and votes[key(500)] == 3 and len(votes) == 2
+    for ident in ids[:400]:  # more removed than live: a compaction runs
+        table.remove(ident)
+    assert len(table) == 200 and table.votes(query) == {key(500): 3}
+    table.add(key("late"), sketches[7])
+    assert table.votes(query) == {key(500): 3, key("late"): 10}
