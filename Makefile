@@ -16,7 +16,7 @@ $(INSTALLED): pyproject.toml requirements/sglang-cpu.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# SGLang's wheel declares CUDA-only packages; install it alone, then its CPU-usable requirements.
 	$(BIN)/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
-	$(BIN)/pip install --quiet -r requirements/sglang-cpu.txt -e '.[engine,test]'
+	$(BIN)/pip install --quiet -r requirements/sglang-cpu.txt -e '.[engine,clip,test]'
 	@touch $@
 
 install: $(INSTALLED)

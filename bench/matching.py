@@ -270,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scales", nargs="+", type=int, default=[1000, 10_000, 100_000])
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--extractors", nargs="+", default=["pixel"], choices=["pixel", "encoder"])
+    parser.add_argument("--extractors", nargs="+", default=["pixel"], choices=["pixel", "encoder", "clip"],
+                        help="clip: bundled.clip's random-weight ViT (no CLIP weights ship offline), or --clip-path")
+    parser.add_argument("--clip-path", type=Path, help="an open_clip model folder for the clip extractor")
     parser.add_argument("--encoder-model", default="oracle",
                         help="bundled Qwen2.5-VL size whose vision tower the encoder extractor runs (default: the "
                              "oracle, trained here to read panels)")
@@ -282,12 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="revisit-bench-matching-") as tmp:
         scratch = Path(tmp)
         for name in args.extractors:
-            extractor_dir = None
+            extractor_path = None
             if name == "encoder":
                 from bundled import build_model
 
-                extractor_dir = build_model("qwen2_5_vl", args.encoder_model)
-            extractor = extractor_for(MatchSettings(extractor=name, extractor_dir=extractor_dir))
+                extractor_path = build_model("qwen2_5_vl", args.encoder_model)
+            elif name == "clip":
+                from bundled.clip import build_clip
+
+                extractor_path = args.clip_path or build_clip(scratch / "clip-random")
+            extractor = extractor_for(MatchSettings(extractor=name, extractor_path=extractor_path))
             part = report.setdefault(name, {})
             if "cost" in args.sections:
                 print(f"descriptor cost per image ({name}):", flush=True)

@@ -103,7 +103,7 @@ class ImageLimits:
 
 
 MATCH_ENV_PREFIX = ENV_PREFIX + "MATCH_"
-EXTRACTORS = ("pixel", "encoder")  # gateway/matching/pixel.py, gateway/matching/encoder.py
+EXTRACTORS = ("pixel", "encoder", "clip")  # gateway/matching/pixel.py, encoder.py, clip.py
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +121,9 @@ class MatchSettings:
 
     enabled: bool = True
     extractor: str = "pixel"
-    extractor_dir: Path | None = None  # the encoder extractor's model folder (default: REVISIT_MODEL_DIR)
+    # Where an extractor's weights are: the VLM's model folder for "encoder" (default: REVISIT_MODEL_DIR), an
+    # open_clip model folder for "clip" (required). Never downloaded.
+    extractor_path: Path | None = None
     coarse_threshold: float = 0.8
     candidates: int = 5
     match_threshold: float = 0.9
@@ -140,9 +142,11 @@ class MatchSettings:
     def __post_init__(self) -> None:
         if self.extractor not in EXTRACTORS:
             raise ConfigError(f"match extractor must be one of {EXTRACTORS}, got {self.extractor!r}")
-        if self.extractor == "encoder" and self.extractor_dir is None:
-            raise ConfigError("the encoder extractor needs a model folder: set REVISIT_MATCH_EXTRACTOR_DIR or "
+        if self.extractor == "encoder" and self.extractor_path is None:
+            raise ConfigError("the encoder extractor needs a model folder: set REVISIT_MATCH_EXTRACTOR_PATH or "
                               "REVISIT_MODEL_DIR")
+        if self.extractor == "clip" and self.extractor_path is None:
+            raise ConfigError("the clip extractor needs an open_clip model folder: set REVISIT_MATCH_EXTRACTOR_PATH")
         if self.strategy not in SELECTORS:
             raise ConfigError(f"match strategy must be one of {SELECTORS}, got {self.strategy!r}")
         for name in ("coarse_threshold", "match_threshold", "patch_threshold", "reuse_share", "recompute_share",
@@ -158,8 +162,8 @@ class MatchSettings:
     def from_env(cls, environ: Mapping[str, str] | None = None, *, model_dir: str | Path | None = None) -> \
             MatchSettings:
         fields = EnvReader(environ, error=ConfigError).fields(cls, MATCH_ENV_PREFIX)
-        if fields.get("extractor") == "encoder" and fields.get("extractor_dir") is None and model_dir is not None:
-            fields["extractor_dir"] = Path(model_dir)
+        if fields.get("extractor") == "encoder" and fields.get("extractor_path") is None and model_dir is not None:
+            fields["extractor_path"] = Path(model_dir)
         return cls(**fields)
 
 

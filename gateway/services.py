@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,9 +23,10 @@ from gateway.metrics import build_registry
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
 from gateway.workers import WorkerPool
-from store import FeatureStore, open_store
+from store import FeatureStore, TieredStore, open_store
 
 log = logging.getLogger(__name__)
+REBUILD_CHUNK = 2048  # records restored per turn on the cache thread
 
 
 @dataclass(slots=True)
@@ -40,6 +42,7 @@ class Services:
     metrics: CollectorRegistry
     loop_lag: LoopLag
     started_at: int = field(default_factory=lambda: int(time.time()))
+    _rebuild: asyncio.Task[None] | None = None
 
     @classmethod
     def build(cls, config: GatewayConfig) -> Services:
@@ -91,12 +94,24 @@ class Services:
         await self.pool.start()
         matcher, store = self.planner.matcher, self.cache.store
         if matcher is not None and store is not None:
-            started = time.perf_counter()
-            indexed = await self.cache.run(matcher.rebuild, store.contains)
-            log.info("match index rebuilt from the store: %d images in %.2f s", indexed,
-                     time.perf_counter() - started)
+            self._rebuild = asyncio.get_running_loop().create_task(self._rebuild_index(matcher, store))
+
+    async def _rebuild_index(self, matcher: Matcher, store: TieredStore) -> None:
+        """The match index from the features beside the store, in chunks on the cache thread, so that requests
+        are planned in between (a 100k-image index takes tens of seconds: bench/matching.py); until it is done a
+        near-duplicate of a not yet restored image is planned as a miss."""
+        started = time.perf_counter()
+        records = await self.cache.run(matcher.persisted, store.contains)
+        for at in range(0, len(records), REBUILD_CHUNK):
+            await self.cache.run(matcher.restore, records[at:at + REBUILD_CHUNK])
+        log.info("match index rebuilt from the store: %d images in %.2f s", len(records),
+                 time.perf_counter() - started)
 
     async def aclose(self) -> None:
+        if self._rebuild is not None:
+            self._rebuild.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._rebuild
         await self.loop_lag.stop()
         await self.pool.stop()
         await asyncio.to_thread(self.cache.close)

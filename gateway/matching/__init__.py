@@ -2,7 +2,8 @@
 
 - :mod:`gateway.matching.features`: ``TokenFeatures`` (per token: exact digest, descriptor vector, entropy) and
   the ``Extractor`` interface; :mod:`gateway.matching.pixel`: the default, weight-free extractor;
-  :mod:`gateway.matching.encoder`: the VLM's own vision tower (its stored encoder output serves for entries).
+  :mod:`gateway.matching.encoder`: the VLM's own vision tower; :mod:`gateway.matching.clip`: an open_clip tower
+  from a local folder.
 - :mod:`gateway.matching.index`: the coarse stage (2 x 2 regional descriptors per namespace and grid, a scan or an
   HNSW graph) and the digest sketch.
 - :mod:`gateway.matching.align`: the fine stage (whole-token shift, change map, similarity).
@@ -21,10 +22,14 @@ def extractor_for(settings: MatchSettings) -> Extractor:
     """The extractor the settings name (the encoder's weights are loaded here, once)."""
     if settings.extractor == "pixel":
         return PixelExtractor()
-    if settings.extractor == "encoder" and settings.extractor_dir is not None:
+    if settings.extractor == "encoder" and settings.extractor_path is not None:
         from gateway.matching.encoder import EncoderExtractor
 
-        return EncoderExtractor(settings.extractor_dir)
+        return EncoderExtractor(settings.extractor_path)
+    if settings.extractor == "clip" and settings.extractor_path is not None:
+        from gateway.matching.clip import ClipExtractor
+
+        return ClipExtractor(settings.extractor_path)
     raise ConfigError(f"unknown feature extractor {settings.extractor!r}")
 
 

@@ -109,9 +109,17 @@ class Matcher:
 
     def rebuild(self, stored: Callable[[str], bool]) -> int:
         """Index every persisted record of this scope whose KV entry is stored (or may still be on its way);
-        drop the records whose entry is gone. Returns the number indexed."""
+        drop the records whose entry is gone. Returns the number indexed. (The gateway does the same in chunks,
+        see Services.start, so that requests are planned while a large index is rebuilt.)"""
+        records = self.persisted(stored)
+        self.index.add_many(records)
+        return len(records)
+
+    def persisted(self, stored: Callable[[str], bool]) -> list[IndexRecord]:
+        """The persisted records of this scope worth indexing (see rebuild); damaged and orphaned ones are
+        dropped from the feature store on the way."""
         if self.features is None:
-            return 0
+            return []
         now, records = time.time(), []
         for key, data in self.features.index_records():
             try:
@@ -126,8 +134,11 @@ class Matcher:
                 self.features.remove(key)
                 continue
             records.append(record)
-        self.index.add_many(records)
-        return len(records)
+        return records
+
+    def restore(self, records: list[IndexRecord]) -> None:
+        """Index persisted records, leaving alone any key indexed since (its record is newer)."""
+        self.index.add_many([r for r in records if r.key not in self.index])
 
     def _tokens(self, key: str) -> TokenFeatures | None:
         cached = self._cache.get(key)

@@ -112,6 +112,10 @@ def test_a_restarted_gateway_still_finds_the_alias(gateway, model_path, tmp_path
     assert "Application shutdown complete" in logs[0].read_text()
     process = start()
     try:
+        deadline = time.monotonic() + 60  # the index is restored in the background after start
+        while "match index rebuilt" not in logs[1].read_text():
+            assert time.monotonic() < deadline, "the index was never rebuilt"
+            time.sleep(0.2)
         headers, _ = ask(url, tenant, page(11))
         assert headers["x-revisit-reuse"].startswith("approximate;similarity=")
         assert plans_metric(url, "approximate") == 1

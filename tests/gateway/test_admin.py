@@ -279,6 +279,20 @@ def test_metrics_match_admin_stats(http, policy, server):
     assert stats["preset"]["entries"] == 1 and stats["tiers"]["dram"]["pinned_entries"] == 1
 
 
+def test_stats_and_metrics_count_plans_and_the_match_index(http, server):
+    planner = server.app.state.services.planner
+    planner.counts.update({"approximate": 3, "near_miss": 2, "guard_fallback": 1})
+    stats = http.get("/admin/stats").json()
+    assert {"miss", "exact_same_prefix", "exact_moved", "approximate", "near_miss", "guard_fallback"} <= set(
+        stats["plans"])
+    assert stats["plans"]["approximate"] >= 3 and stats["plans"]["guard_fallback"] >= 1
+    assert stats["matching"] == {"enabled": False, "indexed": 0, "damaged_records": 0}  # this gateway has no store
+    samples = _samples(httpx.get(server.url + "/metrics").text)
+    for kind, count in stats["plans"].items():
+        assert samples[("revisit_plans_total", (("kind", kind),))] == count
+    assert samples[("revisit_match_index_entries", ())] == 0
+
+
 def test_two_apps_in_one_process_keep_their_own_metrics(server, policy):
     other = run_gateway(config(admin_token=TOKEN))
     try:

@@ -16,7 +16,7 @@ def encoder(model_cache):
     from bundled import build_model
 
     return extractor_for(MatchSettings(extractor="encoder",
-                                       extractor_dir=build_model("qwen2_5_vl", "oracle", cache_dir=model_cache)))
+                                       extractor_path=build_model("qwen2_5_vl", "oracle", cache_dir=model_cache)))
 
 
 def test_vectors_are_the_towers_merged_tokens(encoder) -> None:
@@ -46,4 +46,4 @@ def test_the_encoder_extractor_needs_a_model_folder(model_path) -> None:
     with pytest.raises(ConfigError, match="model folder"):
         GatewayConfig.from_env(env)
     config = GatewayConfig.from_env({**env, "REVISIT_MODEL_DIR": str(model_path)})
-    assert config.reuse.match.extractor_dir == model_path  # the served model's own tower by default
+    assert config.reuse.match.extractor_path == model_path  # the served model's own tower by default

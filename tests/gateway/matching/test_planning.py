@@ -20,7 +20,7 @@ from gateway.matching.matcher import Matcher
 from gateway.matching.plans import approximate_plan
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
-from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, SELECTORS
+from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, SELECTORS, VLCACHE
 from store import Entry, FeatureStore, StoreConfig
 from store.tiered import TieredStore, open_tier
 from tests.gateway.matching.pairs import CELL, EXTRACTOR, aligned, edited, encode_png, features, jpeg
@@ -169,3 +169,14 @@ def test_matching_can_be_turned_off(cache) -> None:
     manager, matcher = cache
     planner = Planner(manager, ReuseSettings(store=StoreConfig(), match=MatchSettings(enabled=False)), matcher)
     assert planner.matcher is None and plan(planner, aligned("camera.png", 4, 4), "ns").kinds == ("miss",)
+
+
+def test_a_requested_strategy_reaches_the_plan(cache) -> None:
+    manager, matcher = cache
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8), matcher)
+    a = aligned("astronaut.png", 8, 8)
+    store_like_a_worker(manager, plan(planner, a, "ns").plan.images[0].key, (8, 8))  # type: ignore[union-attr]
+    chosen = asyncio.run(planner.plan(intake(jpeg(a), "ns"), strategy=VLCACHE))
+    assert chosen.kinds == ("approximate",) and chosen.plan.images[0].selector == VLCACHE  # type: ignore[union-attr]
+    default = asyncio.run(planner.plan(intake(jpeg(a, 60), "ns")))
+    assert default.plan.images[0].selector == ENTROPY_AWARE  # type: ignore[union-attr]
