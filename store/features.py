@@ -25,7 +25,8 @@ from typing import TypeVar
 import lmdb
 
 from store.base import validate_key
-from store.errors import StoreClosedError, StoreError, StoreFullError
+from store.errors import StoreClosedError, StoreError
+from store.lmdb_tier import grown_map_size
 
 T = TypeVar("T")
 INDEX_DB, TOKENS_DB = b"index", b"tokens"
@@ -109,10 +110,8 @@ class FeatureStore:
                     with self._env.begin(write=True) as txn:
                         return change(txn)
                 except lmdb.MapFullError:
-                    current = self._env.info()["map_size"]
-                    if current >= self._max_map_size:
-                        raise StoreFullError(f"{self.path}: the feature store is at its maximum size") from None
-                    self._env.set_mapsize(min(self._max_map_size, max(2 * current, current + 2 * needed)))
+                    self._env.set_mapsize(grown_map_size(self._env.info()["map_size"], needed, factor=2.0,
+                                                         maximum=self._max_map_size, path=self.path))
                 except lmdb.MapResizedError:
                     self._env.set_mapsize(0)
                 except lmdb.Error as exc:

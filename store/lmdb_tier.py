@@ -18,6 +18,14 @@ ENTRIES_DB = b"entries"  # key (64 hex chars, ascii) -> entry bytes
 PINS_DB = b"pins"  # key -> b"" while the entry is pinned
 
 
+def grown_map_size(current: int, needed: int, *, factor: float, maximum: int, path: Path) -> int:
+    """The map size to grow an LMDB environment to when a write of `needed` bytes found it full. Raises
+    StoreFullError at the maximum."""
+    if current >= maximum:
+        raise StoreFullError(f"{path}: map is at its maximum {maximum}")
+    return min(max(int(current * factor), current + 2 * needed), maximum)
+
+
 class LmdbTier(BufferTier):
     """Entries in one LMDB environment; any number of processes may open it and read concurrently.
 
@@ -153,11 +161,8 @@ class LmdbTier(BufferTier):
                     raise StoreError(f"{self.path}: write failed: {exc}") from exc
 
     def _grown_size(self, needed: int) -> int:
-        current = self.map_size
-        wanted = max(int(current * self._growth_factor), current + 2 * needed)
-        if current >= self._max_map_size:
-            raise StoreFullError(f"{self.path}: map is at its maximum {self._max_map_size}")
-        return min(wanted, self._max_map_size)
+        return grown_map_size(self.map_size, needed, factor=self._growth_factor, maximum=self._max_map_size,
+                              path=self.path)
 
     def _read(self, key, opener):
         key_b = validate_key(key).encode()
