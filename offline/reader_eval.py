@@ -16,8 +16,9 @@ reference   offline.reference executes one plan per strategy for B's image, give
 gateway     through a running gateway and its SGLang workers, with the real ``openai`` client: per pair, A is
             asked first (so A is cached), then B about its changed field, then B about an unchanged field. Each
             answer is tallied under the reuse the gateway reported for it (x-revisit-reuse: miss,
-            exact_same_prefix, exact_moved, and whatever later plan kinds it reports), so a new reuse path is
-            measured by switching it on in the gateway, with no change here.
+            exact_same_prefix, exact_moved, approximate, and whatever later plan kinds it reports; parameters such
+            as the similarity left out), so a new reuse path is measured by switching it on in the gateway, with no
+            change here.
 
 probe       the layer-sensitivity probe (offline.layer_probe): from which layers the reader takes a field.
 
@@ -260,7 +261,8 @@ async def ask(client, model: str, question: Question) -> tuple[str, str]:
         messages=[{"role": "user", "content": [*images, {"type": "text", "text": question.text}]}],
     )
     completion = raw.parse()
-    return (completion.choices[0].message.content or "").strip(), raw.headers.get("x-revisit-reuse", "none")
+    kinds = ",".join(kind.split(";")[0] for kind in raw.headers.get("x-revisit-reuse", "none").split(","))
+    return (completion.choices[0].message.content or "").strip(), kinds
 
 
 async def evaluate_gateway(client, model: str, pairs: Sequence[Pair], *, pause_s: float = 0.0,
