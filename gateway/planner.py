@@ -64,8 +64,8 @@ class Planned:
 
     def reuse_header(self) -> str:
         """Per image, what was planned: ``miss``, ``exact_same_prefix``, ``exact_moved`` or
-        ``approximate;similarity=0.973``."""
-        return ",".join(kind if similarity is None else f"{kind};similarity={similarity:.3f}"
+        ``approximate;similarity=0.9731`` (rounded down: a near-duplicate never reads as 1)."""
+        return ",".join(kind if similarity is None else f"{kind};similarity={similarity:.4f}"
                         for kind, similarity in zip(self.kinds, self.similarities or (None,) * len(self.kinds),
                                                     strict=True))
 

@@ -15,6 +15,8 @@ instead: recomputing that much costs about what a miss does.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from gateway.config import MatchSettings
@@ -51,6 +53,6 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
         warmup = min(warmup, max(0, layers - 1))
     return ImagePlan(key=key, strategy=APPROXIMATE, tokens=n, grid=grid, prefix_digest=prefix_digest,
                      alias=match.alias, alias_grid=match.alias_features.grid, shift=alignment.shift,
-                     change_map=alignment.change_map, similarity=round(alignment.similarity, 4),
+                     change_map=alignment.change_map, similarity=math.floor(alignment.similarity * 1e4) / 1e4,
                      reuse=tuple(int(i) for i in reuse), warmup_layers=warmup, recompute_share=round(share, 4),
                      selector=strategy)

@@ -4,6 +4,7 @@ real store (shared-memory files + LMDB) and a real feature store, never across n
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 import uuid
 from pathlib import Path
@@ -54,7 +55,8 @@ def test_entropy_aware_reuses_the_lowest_entropy_unchanged_tokens() -> None:
     entropy = np.maximum(features(b).entropy.astype(np.float32), features(a).entropy.astype(np.float32))
     unchanged = sorted(set(range(160)) - changed, key=lambda i: entropy[i])
     assert max(entropy[list(plan.reuse)]) <= entropy[unchanged[len(plan.reuse)]]  # the lowest-entropy ones
-    assert plan.change_map.count("x") == len(changed) and plan.similarity == round(match.alignment.similarity, 4)
+    assert plan.change_map.count("x") == len(changed)
+    assert plan.similarity == math.floor(match.alignment.similarity * 1e4) / 1e4 < 1.0  # rounded down
 
 
 def test_each_strategy_names_its_reuse_set() -> None:
