@@ -264,6 +264,41 @@ def scale(extractor: Extractor, settings: MatchSettings, scales: list[int], scra
     return rows
 
 
+def coarse_search(scales: list[int], queries: int) -> list[dict[str, Any]]:
+    """The coarse stage alone, a plain scan against the HNSW graph over the same descriptors: what decides the
+    scan limit. Random unit regional descriptors (4 x 64, the projected width), queries near stored ones."""
+    from gateway.matching.features import COARSE_DIM
+    from gateway.matching.index import CoarseTable
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for count in scales:
+        regional = rng.standard_normal((count, 4, COARSE_DIM)).astype(np.float32)
+        regional /= np.linalg.norm(regional, axis=2, keepdims=True)
+        keys = [key(("coarse", i)) for i in range(count)]
+        tables = {"scan": CoarseTable(COARSE_DIM, scan_limit=count + 1), "graph": CoarseTable(COARSE_DIM, scan_limit=0)}
+        row: dict[str, Any] = {"entries": count}
+        for name, table in tables.items():
+            table.add_many(keys, regional)
+            times, found = [], 0
+            for _ in range(queries):
+                target = int(rng.integers(count))
+                query = regional[target] + 0.05 * rng.standard_normal((4, COARSE_DIM)).astype(np.float32)
+                query /= np.linalg.norm(query, axis=1, keepdims=True)
+                started = time.perf_counter()
+                best = table.search(query, threshold=0.8, count=5)
+                times.append(time.perf_counter() - started)
+                found += bool(best) and best[0][0] == keys[target]
+            row[f"{name}_p50_ms"] = 1e3 * float(np.percentile(times, 50))
+            row[f"{name}_p99_ms"] = 1e3 * float(np.percentile(times, 99))
+            row[f"{name}_found"] = found / queries
+        rows.append(row)
+        print(f"  {count:7d} entries: scan p50 {row['scan_p50_ms']:.2f} ms (p99 {row['scan_p99_ms']:.2f}), HNSW p50 "
+              f"{row['graph_p50_ms']:.2f} ms (p99 {row['graph_p99_ms']:.2f}); nearest found: scan "
+              f"{100 * row['scan_found']:.0f}%, HNSW {100 * row['graph_found']:.0f}%", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--render-dir", type=Path, help="render documentation pages with Chromium, cached here")
@@ -310,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                 part["quality"] = quality(extractor, settings, pairs, scratch)
                 print_quality(name, part["quality"])
             if "scale" in args.sections:
+                if name == args.extractors[0]:
+                    print("\nthe coarse stage alone, scan against HNSW graph:", flush=True)
+                    report["coarse"] = coarse_search(args.scales, args.queries)
                 print(f"\nlookup + plan latency and memory as the index grows ({name}):", flush=True)
                 part["scale"] = scale(extractor, settings, args.scales, scratch, args.queries)
     if args.json:

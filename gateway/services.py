@@ -68,7 +68,9 @@ class Services:
             # Approximate matching: every new image gets per-token features; they persist beside the store.
             extractor = extractor_for(reuse.match)
             matcher = Matcher(reuse.match, scope=scope(config.model, config.processor, extractor),
-                              features=FeatureStore(reuse.store.features_path))
+                              # Not synced at each commit: a crash may lose the last records, which only means those
+                              # images cannot be aliases; a synced write per miss would hold up the cache thread.
+                              features=FeatureStore(reuse.store.features_path, sync=False))
         cache = CacheManager(policy, store=store, on_gone=matcher.remove if matcher is not None else None)
         planner = Planner(cache, reuse, matcher)
         registry = build_registry(policy, planner)

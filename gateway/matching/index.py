@@ -4,8 +4,8 @@ Per cache namespace (so a lookup never sees another tenant's images), two ways i
 
     coarse   per token grid, every entry's 2 x 2 regional descriptors (gateway.matching.features). An entry passes
              when every region's cosine with the query's is above ``coarse_threshold``; the best ``candidates`` by
-             mean regional cosine are kept. Below ``scan_limit`` entries of one grid this is a matrix product over
-             all of them; above, an HNSW graph (usearch) finds the best few hundred first
+             mean regional cosine are kept. Up to ``scan_limit`` entries of one grid this is a matrix product over
+             all of them; past it, an HNSW graph (usearch) finds the best 64 first
     sketch   every entry's ``SKETCH`` smallest token digests among its non-blank tokens. A query that shares several
              of them with an entry is a candidate whatever its grid: a page scrolled by whole tokens, a crop along
              token boundaries, keep most token digests where the coarse descriptors may not say so
@@ -185,8 +185,9 @@ class CoarseTable:
     def _switch_to_graph(self) -> None:
         from usearch.index import Index
 
+        # expansion_search 256: the nearest of 100k random descriptors found 99% of the time (96% at 128)
         self._graph = Index(ndim=4 * self.dim, metric="ip", dtype="f16", connectivity=16, expansion_add=64,
-                            expansion_search=128)
+                            expansion_search=256)
         keys, rows = list(self._keys), self._matrix[: len(self._keys)]
         self._keys, self._rows, self._matrix = [], {}, np.zeros((0, 4 * self.dim), np.float32)
         self._add_to_graph(keys, rows)
