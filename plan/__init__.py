@@ -18,6 +18,7 @@ from plan.request import (
     APPROXIMATE,
     ATTENTION_ONLY,
     CACHEBLEND,
+    CHANGE_BLIND,
     CHANGED,
     ENTROPY_AWARE,
     EXACT,
@@ -35,7 +36,8 @@ from plan.request import (
 )
 
 __all__ = [
-    "APPROXIMATE", "ATTENTION_ONLY", "CACHEBLEND", "CHANGED", "DEFAULT_RECOMPUTE_RATIO", "ENTROPY_AWARE", "EXACT",
-    "FULL_REUSE", "MISS", "PLAN_VERSION", "PROFILE_FILE", "RID_PREFIX", "SAME", "SELECTORS", "SIMILAR", "STRATEGIES",
-    "VLCACHE", "ImagePlan", "PlanError", "RecomputeProfile", "RequestPlan", "check_ratios", "recompute_count",
+    "APPROXIMATE", "ATTENTION_ONLY", "CACHEBLEND", "CHANGE_BLIND", "CHANGED", "DEFAULT_RECOMPUTE_RATIO",
+    "ENTROPY_AWARE", "EXACT", "FULL_REUSE", "MISS", "PLAN_VERSION", "PROFILE_FILE", "RID_PREFIX", "SAME", "SELECTORS",
+    "SIMILAR", "STRATEGIES", "VLCACHE", "ImagePlan", "PlanError", "RecomputeProfile", "RequestPlan", "check_ratios",
+    "recompute_count",
 ]

@@ -18,11 +18,13 @@ A ``RequestPlan`` holds one ``ImagePlan`` per image of the request, in the order
                         by the attention the question pays each token in the warmup, normalised against attention
                         sinks, and never takes a token of B (the design's default)
         attention_only  B = every same/similar token; R by warmup attention, taken out of B
-        cacheblend      B = every same/similar token; R = the tokens whose K/V deviate most from the alias' after
-                        the first layer (W = 1), taken out of B
-        vlcache         B = every same/similar token; R = the first tokens of the image, taken out of B
-        full_reuse      B = every aligned token, changed ones too; nothing recomputed but tokens with no alias
-                        token (the naive baseline)
+        cacheblend      change-blind: B = every aligned token; R = the tokens whose K/V deviate most from the
+                        alias' after the first layer (W = 1), taken out of B
+        vlcache         change-blind: B = every aligned token; R = the first tokens of the image, taken out of B
+        full_reuse      change-blind: B = every aligned token; nothing recomputed but tokens with no alias token
+                        (the naive baseline)
+
+The rule that turns these into R, B and D is engine_ext.selection, shared by the workers and the reference.
 
 The wire form is compact JSON with a version; a worker refuses a version it does not know (PlanError) rather than
 guess, and runs the request without a plan (a full prefill).
@@ -55,6 +57,7 @@ STRATEGIES = (MISS, EXACT, APPROXIMATE)
 ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE, FULL_REUSE = (
     "entropy_aware", "attention_only", "cacheblend", "vlcache", "full_reuse")
 SELECTORS = (ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE, FULL_REUSE)
+CHANGE_BLIND = (CACHEBLEND, VLCACHE, FULL_REUSE)  # the baselines that reuse changed tokens too
 SAME, SIMILAR, CHANGED = "=", "~", "x"  # the change map's characters
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _CHANGE_MAP_RE = re.compile(r"^[=~x]*$")
@@ -123,8 +126,8 @@ class ImagePlan:
         for i in self.reuse:
             if self.alias_token(i) is None:
                 raise PlanError(f"reuse token {i} has no aligned alias token")
-            if self.change_map[i] == CHANGED and self.selector != FULL_REUSE:
-                raise PlanError(f"reuse token {i} is changed; only {FULL_REUSE} reuses changed tokens")
+            if self.change_map[i] == CHANGED and self.selector in (ENTROPY_AWARE, ATTENTION_ONLY):
+                raise PlanError(f"reuse token {i} is changed; {self.selector} never reuses changed tokens")
 
     def alias_token(self, token: int) -> int | None:
         """The alias token aligned with this image's token (row-major index), or None where there is none."""

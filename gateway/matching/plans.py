@@ -4,13 +4,14 @@ Per strategy (plan.request's table), B is
 
     entropy_aware            the lowest-entropy ``reuse_share`` of the tokens among those that are the same or
                              similar, ranked by the larger of the two images' entropies (low in both)
-    attention_only, cacheblend, vlcache
-                             every same or similar token (the worker takes R out of them)
-    full_reuse               every token with an aligned alias token
+    attention_only           every same or similar token (the worker takes R out of them)
+    cacheblend, vlcache,     every token with an aligned alias token, changed ones too: these baselines are blind
+    full_reuse               to the change map, as the methods they stand for (the worker takes R out of them)
 
-Changed tokens are never in B (full_reuse aside) and always in R; when they outnumber ``recompute_share`` of the
-tokens, the share is widened to hold them, and when they outnumber ``max_changed_share`` the guard plans a miss
-instead: recomputing that much costs about what a miss does.
+For entropy_aware and attention_only, changed tokens are never in B and always in R. For every strategy but
+full_reuse, when the changed tokens outnumber ``recompute_share`` of the tokens the share is widened to hold them
+(the same recompute budget for all), and when they outnumber ``max_changed_share`` the guard plans a miss instead:
+recomputing that much costs about what a miss does.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from gateway.config import MatchSettings
 from gateway.matching.align import CHANGED
 from gateway.matching.matcher import Match
-from plan import APPROXIMATE, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, ImagePlan
+from plan import APPROXIMATE, CACHEBLEND, CHANGE_BLIND, ENTROPY_AWARE, FULL_REUSE, ImagePlan
 
 
 def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: tuple[int, int], prefix_digest: str,
@@ -35,7 +36,7 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
     if changed_share > settings.max_changed_share:
         return None
     aligned = alignment.alias_index >= 0
-    if strategy == FULL_REUSE:
+    if strategy in CHANGE_BLIND:
         reuse = np.flatnonzero(aligned)
     elif strategy == ENTROPY_AWARE:
         candidates = np.flatnonzero(aligned & ~changed)

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from engine_ext.rope import frequency_axes
+
 QWEN2_5_VL = "qwen2_5_vl"
 QWEN3_VL = "qwen3_vl"
 
@@ -96,6 +98,8 @@ class ReferenceModel:
         self.kv_heads = self.config.num_key_value_heads
         self.head_dim = getattr(self.config, "head_dim", None) or self.hidden // self.num_heads
         self.inv_freq = text.rotary_emb.inv_freq.double()  # (head_dim / 2,)
+        self.frequency_axes = frequency_axes(  # (head_dim / 2,) the M-RoPE axis of each rotary frequency
+            lambda positions: self.rope(positions, torch.zeros(1, dtype=torch.float32))[1], len(self.inv_freq))
         self.image_token_id = hf_model.config.image_token_id
         self.dtype = hf_model.dtype
 

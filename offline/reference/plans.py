@@ -9,8 +9,11 @@ Per image of a prompt, one of:
                                         Same text before the image and ratios all 0: identical to a miss.
     Approximate(encoder, alias, ...)    a similar image: layers < warmup run every row on the new image's encoder
                                         output; at layers >= warmup the rows in `recompute` are computed, the rows
-                                        in `reuse` take the alias entry's KV (same grid position), all other rows
-                                        are dropped (invisible from then on, in prefill and decode)
+                                        in `reuse` take the alias entry's KV at their aligned alias token (the same
+                                        grid position unless `alias_tokens` says otherwise; keys turned per M-RoPE
+                                        axis to the row's own position), all other rows are dropped (invisible from
+                                        then on, in prefill and decode). offline.reference.approximate makes one
+                                        from a gateway plan, choosing the sets as the workers do.
 
 Text rows are always computed.
 """
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_ext.rope import reposition
+from engine_ext.rope import reposition, reposition_axes
 from offline.reference.driver import COMPUTE, DROP, REUSE, KVState, RowPlan
 from offline.reference.model import EncoderOutput, ImageSpan, Prompt, ReferenceModel
 from plan import check_ratios, recompute_count
@@ -70,6 +73,7 @@ class Approximate:
     warmup: int  # W
     reuse: Sequence[int]  # B: rows (image-local) whose late-layer KV come from the alias
     recompute: Sequence[int]  # R: rows computed at every layer
+    alias_tokens: Sequence[int] | None = None  # per row: the alias token it lines up with (-1: none); None: itself
 
 
 ImagePlan = Fresh | Reuse | Approximate
@@ -101,14 +105,23 @@ def build(model: ReferenceModel, prompt: Prompt, images: Sequence[ImagePlan]) ->
         if isinstance(plan, Fresh):
             continue
         cached = plan.cached if isinstance(plan, Reuse) else plan.alias
-        if cached.grid != span.grid:
-            raise ValueError(f"cached grid {cached.grid} differs from the image's {span.grid}")
         if reuse_k is None or reuse_v is None:  # first reused image: both are set together
             reuse_k = torch.zeros(layers, rows, model.kv_heads, model.head_dim, dtype=cached.k.dtype)
             reuse_v = torch.zeros_like(reuse_k)
-        delta = _shift(cached.positions, prompt.positions[:, span.start : span.stop])
-        reuse_k[:, span.start : span.stop] = reposition(cached.k, delta, model.inv_freq)
-        reuse_v[:, span.start : span.stop] = cached.v
+        now = prompt.positions[:, span.start : span.stop]
+        if isinstance(plan, Approximate):
+            aligned, sources = _aligned(plan, len(span))
+            rows_aligned = span.start + aligned
+            deltas = now[:, aligned] - cached.positions[:, sources]  # (3, aligned rows)
+            reuse_k[:, rows_aligned] = reposition_axes(cached.k[:, sources], deltas, model.inv_freq,
+                                                       model.frequency_axes)
+            reuse_v[:, rows_aligned] = cached.v[:, sources]
+        else:
+            if cached.grid != span.grid:
+                raise ValueError(f"cached grid {cached.grid} differs from the image's {span.grid}")
+            delta = _shift(cached.positions, now)
+            reuse_k[:, span.start : span.stop] = reposition(cached.k, delta, model.inv_freq)
+            reuse_v[:, span.start : span.stop] = cached.v
         image_modes = modes[:, span.start : span.stop]
         if isinstance(plan, Reuse):
             ratios = check_ratios(plan.ratios, layers) or (0.0,) * layers  # none given: nothing recomputed
@@ -118,6 +131,22 @@ def build(model: ReferenceModel, prompt: Prompt, images: Sequence[ImagePlan]) ->
             _approximate_modes(image_modes, plan, len(span))
 
     return RowPlan(modes=modes, embeds=embeds, reuse_k=reuse_k, reuse_v=reuse_v, deepstack=tuple(deepstack))
+
+
+def _aligned(plan: Approximate, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows with an alias token, those alias tokens), image-local."""
+    if plan.alias_tokens is None:
+        if len(plan.alias) != n:
+            raise ValueError(f"alias has {len(plan.alias)} tokens, the image {n}: alias_tokens must align them")
+        rows = torch.arange(n)
+        return rows, rows
+    sources = torch.tensor(list(plan.alias_tokens), dtype=torch.long)
+    if sources.shape != (n,) or bool((sources >= len(plan.alias)).any()):
+        raise ValueError(f"alias_tokens must name an alias token (or -1) for each of the {n} rows")
+    if any(sources[i] < 0 for i in plan.reuse):
+        raise ValueError("a reused row has no alias token")
+    rows = (sources >= 0).nonzero().flatten()
+    return rows, sources[rows]
 
 
 def _encoder(plan: ImagePlan) -> EncoderOutput:

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from bundled import ARCHS
+from engine_ext.rope import reposition_axes
 from offline import profiler
 from offline.reference import (
     COMPUTE,
@@ -27,6 +28,8 @@ from offline.reference import (
     run,
     uniform,
 )
+from offline.reference.approximate import execute
+from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, VLCACHE, ImagePlan
 
 RATIOS = (0.0, 0.02, 0.05, 0.1, 0.3, 1.0)
 
@@ -188,3 +191,62 @@ def test_bad_plans_are_refused(model: ReferenceModel, picture: Image.Image, othe
     wide = model.prompt(["Look:", other.resize((448, 224))])
     with pytest.raises(ValueError, match="tokens|grid"):
         build(model, wide, [Reuse(entry, uniform(0.0, layers))])
+
+
+def test_keys_move_per_m_rope_axis(model: ReferenceModel) -> None:
+    # Keys rotated at positions p, moved by a different step on each axis, equal the same keys rotated at p + step.
+    from offline.reference.driver import apply_rope
+
+    generator = torch.Generator().manual_seed(0)
+    raw = torch.randn(6, model.kv_heads, model.head_dim, generator=generator)
+    before = torch.randint(0, 50, (3, 6), generator=generator)
+    step = torch.randint(-20, 20, (3, 6), generator=generator)
+    rotated = apply_rope(raw, *model.rope(before, raw))
+    expected = apply_rope(raw, *model.rope(before + step, raw))
+    moved = reposition_axes(rotated, step, model.inv_freq, model.frequency_axes)
+    assert (moved - expected).abs().max() < 1e-5
+    assert set(model.frequency_axes.tolist()) == {0, 1, 2}
+
+
+def test_a_gateway_plan_that_recomputes_everything_is_a_full_prefill(model: ReferenceModel, picture: Image.Image,
+                                                                      other: Image.Image) -> None:
+    alias_prompt = model.prompt(["Look:", other, "?"])
+    alias = capture(full_run(model, alias_prompt).state, alias_prompt.images[0], model.encode(alias_prompt)[0])
+    prompt = model.prompt(["Now look:", picture, "What changed?"])
+    encoder = model.encode(prompt)[0]
+    _, h, w = prompt.images[0].grid
+    full = full_run(model, prompt)
+    for selector in (ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE):
+        wire = ImagePlan(key="a" * 64, strategy=APPROXIMATE, tokens=h * w, grid=(h, w), alias="b" * 64,
+                         change_map="=" * (h * w), reuse=tuple(range(h * w)) if selector != ENTROPY_AWARE else (),
+                         recompute_share=1.0, warmup_layers=1 if selector == CACHEBLEND else 2, selector=selector)
+        approximate, chosen = execute(model, prompt, wire, encoder, alias)
+        assert len(chosen.recompute) == h * w and not len(chosen.reuse) and not len(chosen.drop)
+        assert torch.allclose(prefill(model, prompt, [approximate]).logits, full.logits, atol=1e-5), selector
+
+
+def test_a_shifted_alias_lends_its_aligned_tokens_keys_moved_per_axis(model: ReferenceModel,
+                                                                      picture: Image.Image) -> None:
+    # The alias is the picture with one more token row on top: the new image's token (r, c) is its (r + 1, c).
+    cell = 28 if model.arch == "qwen2_5_vl" else 32
+    taller = Image.new("RGB", (picture.width, picture.height + cell), "white")
+    taller.paste(picture, (0, cell))
+    alias_prompt = model.prompt(["Look:", taller, "?"])
+    alias = capture(full_run(model, alias_prompt).state, alias_prompt.images[0], model.encode(alias_prompt)[0])
+    prompt = model.prompt(["A longer preamble. Look:", picture, "?"])
+    _, h, w = prompt.images[0].grid
+    assert alias.grid[1:] == (h + 1, w)
+    wire = ImagePlan(key="a" * 64, strategy=APPROXIMATE, tokens=h * w, grid=(h, w), alias="b" * 64,
+                     alias_grid=(h + 1, w), shift=(-1, 0), change_map="=" * (h * w), reuse=tuple(range(h * w)),
+                     selector=FULL_REUSE)
+    approximate, chosen = execute(model, prompt, wire, model.encode(prompt)[0], alias)
+    assert len(chosen.reuse) == h * w and approximate.alias_tokens[0] == w
+    rows = build(model, prompt, [approximate])
+    span = prompt.images[0]
+    assert rows.reuse_v is not None and rows.reuse_k is not None
+    assert torch.equal(rows.reuse_v[:, span.start : span.stop], alias.v[:, w:])
+    deltas = prompt.positions[:, span.start : span.stop] - alias.positions[:, w:]
+    assert len(set(deltas[1].tolist())) == 1 and int(deltas[1, 0]) != int(deltas[2, 0])  # one step, not the same
+    assert torch.allclose(rows.reuse_k[:, span.start : span.stop],
+                          reposition_axes(alias.k[:, w:], deltas, model.inv_freq, model.frequency_axes))
+    assert (rows.modes[:, span.start : span.stop] == REUSE).all()  # W = 0: every token read from the alias

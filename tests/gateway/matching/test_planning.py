@@ -65,9 +65,11 @@ def test_each_strategy_names_its_reuse_set() -> None:
     plans = {strategy: plan_for(a, b, strategy)[0] for strategy in SELECTORS}
     assert all(p is not None and p.selector == s for s, p in plans.items())
     unchanged = {i for i, c in enumerate(plans[ENTROPY_AWARE].change_map) if c != "x"}
-    assert set(plans[ATTENTION_ONLY].reuse) == unchanged == set(plans[CACHEBLEND].reuse)
+    assert set(plans[ATTENTION_ONLY].reuse) == unchanged != set(range(160))
+    for blind in (CACHEBLEND, VLCACHE, FULL_REUSE):  # blind to the change map: every aligned token is a candidate
+        assert set(plans[blind].reuse) == set(range(160))
     assert plans[CACHEBLEND].warmup_layers == 1
-    assert set(plans[FULL_REUSE].reuse) == set(range(160)) and plans[FULL_REUSE].recompute_share == 0.0
+    assert plans[FULL_REUSE].recompute_share == 0.0 and plans[VLCACHE].recompute_share > 0.0
 
 
 def test_the_guard_plans_a_miss_when_too_much_changed_and_widens_r_below_that() -> None:

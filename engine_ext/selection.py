@@ -1,0 +1,126 @@
+"""Which image tokens an approximate plan recomputes (R), reuses (B) and drops (D): one rule for the workers and
+the reference, so that the two can differ only in what they measure, never in what they decide.
+
+The gateway's plan (plan.request.ImagePlan, strategy approximate) fixes the candidates B0 (``plan.reuse``), the
+warmup depth W and the recompute share rho; this module turns them and the scores measured in the warmup into the
+three sets. Per selector (the plan's strategy):
+
+    entropy_aware   R = the changed tokens, then the tokens outside B0 that score highest by warmup attention,
+                    up to the budget; B = B0 (the gateway chose it by entropy); D = the rest
+    attention_only  R = the changed tokens, then the tokens of B0 (every unchanged token) that score highest by
+                    warmup attention; B = B0 without them; nothing dropped (entropy_aware without the entropy)
+    cacheblend      change-blind, as CacheBlend: B0 is every aligned token, changed ones too; R = the tokens with
+                    no alias token, then those whose layer-0 K/V moved furthest from the alias' (W = 1); B = B0
+                    without them
+    vlcache         change-blind, as VLCache: R = the tokens with no alias token, then the image's first tokens
+    full_reuse      change-blind, nothing ranked: R = the tokens with no alias token; B = every other token
+
+The budget is ceil(rho * n) tokens, widened to hold every token R must take (the gateway widens rho to the changed
+share the same way, and its guard plans a miss when that would be too many). Ties rank the earlier token first.
+
+Scores (both implementations compute them the same way, each over its own tensors):
+
+- :func:`attention_score`: the attention a token receives from the question (the prompt's rows after the image),
+  weighted by the norm of the token's value vector. Attention sinks (blank margins and other tokens that draw
+  attention from every query) carry small values: weighted by what they pass on rather than by how much they are
+  looked at, they do not win. Summed over the warmup layers and the heads, averaged over the question's rows.
+- :func:`deviation_score`: CacheBlend's KV deviation, |k - k_alias|^2 + |v - v_alias|^2 at layer 0, keys of both
+  at this request's positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from plan import ATTENTION_ONLY, CACHEBLEND, CHANGE_BLIND, CHANGED, ENTROPY_AWARE, ImagePlan
+
+ATTENTION, DEVIATION = "attention", "deviation"
+_SCORES = {ENTROPY_AWARE: ATTENTION, ATTENTION_ONLY: ATTENTION, CACHEBLEND: DEVIATION}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Image-local token indices, each sorted; together they cover the image once."""
+
+    warmup: int  # W: layers [0, W) compute every token
+    recompute: torch.Tensor  # R: computed at every layer
+    reuse: torch.Tensor  # B: layers >= W take the alias' K/V at their aligned tokens
+    drop: torch.Tensor  # D: invisible at layers >= W (in prefill and in every decode step)
+
+    def summary(self) -> str:
+        return f"W={self.warmup} R={len(self.recompute)} B={len(self.reuse)} D={len(self.drop)}"
+
+
+def score_kind(plan: ImagePlan) -> str | None:
+    """What the plan's selector ranks by, when it needs something measured: ATTENTION (in the warmup layers),
+    DEVIATION (layer 0's K/V against the alias'), or None (position, or nothing to rank)."""
+    kind = _SCORES.get(plan.selector)
+    if kind == ATTENTION and plan.warmup_layers == 0:
+        return None  # no warmup to measure in: ranked by position
+    return kind
+
+
+def changed_tokens(plan: ImagePlan) -> list[int]:
+    return [i for i, mark in enumerate(plan.change_map) if mark == CHANGED]
+
+
+def forced(plan: ImagePlan) -> list[int]:
+    """The tokens R takes whatever the scores: the changed ones, or for the change-blind selectors the ones with no
+    alias token (nothing to reuse)."""
+    if plan.selector in CHANGE_BLIND:
+        return [i for i in range(plan.tokens) if plan.alias_token(i) is None]
+    return changed_tokens(plan)
+
+
+def budget(plan: ImagePlan) -> int:
+    """How many tokens R holds: ceil(rho * n), never fewer than the forced ones."""
+    return max(len(forced(plan)), min(plan.tokens, math.ceil(plan.recompute_share * plan.tokens - 1e-6)))
+
+
+def select(plan: ImagePlan, score: torch.Tensor | None = None) -> Selection:
+    """R, B and D for an approximate plan; ``score`` (tokens,) as score_kind says (higher is recomputed first),
+    None when score_kind is None. Raises ValueError when a needed score is missing or has the wrong length."""
+    n = plan.tokens
+    reuse = set(plan.reuse)
+    must = forced(plan)
+    if plan.selector == ENTROPY_AWARE:
+        pool = [i for i in range(n) if i not in reuse and plan.change_map[i] != CHANGED]
+    else:
+        pool = sorted(reuse - set(must))
+    if score_kind(plan) is not None:
+        if score is None or score.shape != (n,):
+            raise ValueError(f"selector {plan.selector} needs a score per token ({n})")
+        values = score.detach().double().cpu()
+        pool.sort(key=lambda i: (-float(values[i]), i))
+    recompute = set(must) | set(pool[: max(0, budget(plan) - len(must))])
+    reuse -= recompute
+    drop = set(range(n)) - reuse - recompute
+    return Selection(warmup=plan.warmup_layers, recompute=_indices(recompute), reuse=_indices(reuse),
+                     drop=_indices(drop))
+
+
+def _indices(tokens: set[int]) -> torch.Tensor:
+    return torch.tensor(sorted(tokens), dtype=torch.long)
+
+
+def attention_score(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One layer's contribution to the attention score of each image token.
+
+    probs: (heads, question rows, image tokens) the question rows' attention probabilities on the image's tokens
+    (softmax over every key each row sees); values: (image tokens, kv_heads, head_dim) the tokens' value vectors
+    at that layer. Returns (image tokens,) float64: sum over heads of the mean attention times the value norm.
+    """
+    heads, kv_heads = probs.shape[0], values.shape[1]
+    norms = values.double().norm(dim=-1).T.repeat_interleave(heads // kv_heads, dim=0)  # (heads, tokens)
+    return (probs.double().mean(1) * norms).sum(0)
+
+
+def deviation_score(k: torch.Tensor, v: torch.Tensor, alias_k: torch.Tensor, alias_v: torch.Tensor) -> torch.Tensor:
+    """(tokens,) float64: squared distance of each token's layer-0 K and V (any trailing shape) from the alias'."""
+    def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return ((a.double() - b.double()) ** 2).reshape(a.shape[0], -1).sum(1)
+
+    return distance(k, alias_k) + distance(v, alias_v)

@@ -1,0 +1,83 @@
+"""The approximate plan as the workers execute it, in the reference's terms: from a gateway plan to an Approximate.
+
+    approximate, selection = execute(model, prompt, plan, encoder, alias)
+    result = prefill(model, prompt, [approximate])
+
+``execute`` measures what the plan's selector ranks by (engine_ext.selection), over a full prefill of the prompt:
+its first W layers compute exactly what the approximate run's warmup computes (every row, on the new image's
+encoder output), so the attention and the layer-0 K/V read there are the warmup's. Then engine_ext.selection
+decides R, B and D, the same rule the workers apply to their own measurements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine_ext import selection as select_
+from engine_ext.rope import reposition_axes
+from engine_ext.selection import Selection
+from offline.reference.compare import prefill
+from offline.reference.model import EncoderOutput, Prompt, ReferenceModel
+from offline.reference.plans import Approximate, Fresh, ImageKV
+from offline.reference.plans import ImagePlan as RowsPlan
+from plan import ImagePlan
+
+
+def alias_tokens(plan: ImagePlan) -> list[int]:
+    """Per token of the new image: the alias token it lines up with, -1 where none."""
+    return [-1 if (j := plan.alias_token(i)) is None else j for i in range(plan.tokens)]
+
+
+@torch.no_grad()
+def execute(model: ReferenceModel, prompt: Prompt, plan: ImagePlan, encoder: EncoderOutput, alias: ImageKV,
+            *, image: int = 0, others: Sequence[RowsPlan] = ()) -> tuple[Approximate, Selection]:
+    """The Approximate for image ``image`` of prompt under the gateway's ``plan``, and the sets it chose.
+
+    others: the plans of the prompt's other images, in order without this one (default: none, a one-image prompt).
+    """
+    span = prompt.images[image]
+    if plan.tokens != len(span):
+        raise ValueError(f"plan is for {plan.tokens} tokens, the image has {len(span)}")
+    if len(alias) != (plan.alias_grid or plan.grid)[0] * (plan.alias_grid or plan.grid)[1]:
+        raise ValueError("the alias entry does not have the plan's alias grid")
+    sources = alias_tokens(plan)
+    kind = select_.score_kind(plan)
+    score = None
+    if kind is not None:
+        layers = range(max(plan.warmup_layers, 1))
+        plans = [*others[:image], Fresh(encoder), *others[image:]]
+        warm = prefill(model, prompt, plans) if kind == select_.DEVIATION else _prefill_attention(
+            model, prompt, plans, frozenset(layers))
+        if kind == select_.ATTENTION:
+            score = torch.zeros(plan.tokens, dtype=torch.float64)
+            question = slice(span.stop, len(prompt))
+            for layer in layers:
+                probs = warm.attention[layer][:, question, span.start : span.stop]  # (heads, question, tokens)
+                score += select_.attention_score(probs, warm.state.v[layer][span.start : span.stop])
+        else:
+            score = _deviation(model, prompt, plan, warm.state, alias, span.start, sources)
+    chosen = select_.select(plan, score)
+    return Approximate(encoder=encoder, alias=alias, warmup=chosen.warmup, reuse=chosen.reuse.tolist(),
+                       recompute=chosen.recompute.tolist(), alias_tokens=sources), chosen
+
+
+def _prefill_attention(model: ReferenceModel, prompt: Prompt, plans: list[RowsPlan], layers: frozenset[int]):
+    from offline.reference.driver import run
+    from offline.reference.plans import build
+
+    return run(model, build(model, prompt, plans), prompt.positions, capture_attention=layers)
+
+
+def _deviation(model: ReferenceModel, prompt: Prompt, plan: ImagePlan, state, alias: ImageKV, start: int,
+               sources: list[int]) -> torch.Tensor:
+    """Layer 0's K/V deviation from the alias' per token (0 where there is no alias token; those are changed)."""
+    score = torch.zeros(plan.tokens, dtype=torch.float64)
+    rows = torch.tensor([i for i, j in enumerate(sources) if j >= 0], dtype=torch.long)
+    source = torch.tensor([sources[i] for i in rows.tolist()], dtype=torch.long)
+    deltas = prompt.positions[:, start + rows] - alias.positions[:, source]
+    alias_k = reposition_axes(alias.k[0, source], deltas, model.inv_freq, model.frequency_axes)
+    score[rows] = select_.deviation_score(state.k[0][start + rows], state.v[0][start + rows], alias_k,
+                                          alias.v[0, source])
+    return score

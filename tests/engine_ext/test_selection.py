@@ -1,0 +1,94 @@
+"""engine_ext.selection: the one rule that turns an approximate plan and the warmup's scores into R, B and D."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_ext.selection import (
+    ATTENTION,
+    DEVIATION,
+    attention_score,
+    budget,
+    deviation_score,
+    score_kind,
+    select,
+)
+from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, VLCACHE, ImagePlan
+
+KEY, ALIAS = "a" * 64, "b" * 64
+
+
+def plan(selector: str, change_map: str, reuse: list[int], *, share: float = 0.25, warmup: int = 2,
+         grid: tuple[int, int] = (2, 4), shift: tuple[int, int] = (0, 0)) -> ImagePlan:
+    return ImagePlan(key=KEY, strategy=APPROXIMATE, tokens=grid[0] * grid[1], grid=grid, alias=ALIAS,
+                     change_map=change_map, reuse=tuple(reuse), recompute_share=share, warmup_layers=warmup,
+                     selector=selector, shift=shift)
+
+
+def sets(selection) -> tuple[list[int], list[int], list[int]]:
+    return selection.recompute.tolist(), selection.reuse.tolist(), selection.drop.tolist()
+
+
+def test_entropy_aware_recomputes_changed_then_the_best_scored_outside_b_and_drops_the_rest() -> None:
+    p = plan(ENTROPY_AWARE, "==x=====", [0, 7], share=0.375)  # budget 3: the changed token and two more
+    score = torch.tensor([9.0, 0.0, 0.0, 5.0, 1.0, 5.0, 0.5, 9.0])  # 0 and 7 are in B: never recomputed
+    assert score_kind(p) == ATTENTION and budget(p) == 3
+    assert sets(select(p, score)) == ([2, 3, 5], [0, 7], [1, 4, 6])
+
+
+def test_attention_only_takes_r_out_of_every_unchanged_token() -> None:
+    p = plan(ATTENTION_ONLY, "=x======", [0, 2, 3, 4, 5, 6, 7])
+    score = torch.arange(8, dtype=torch.float64)
+    assert sets(select(p, score)) == ([1, 7], [0, 2, 3, 4, 5, 6], [])
+
+
+def test_change_blind_baselines_rank_every_aligned_token_and_force_only_the_unaligned() -> None:
+    # shifted down one row: the first row has no alias token
+    shifted = {"grid": (2, 4), "shift": (1, 0)}
+    cmap, aligned = "xxxx=x==", [4, 5, 6, 7]
+    deviation = torch.tensor([0, 0, 0, 0, 1.0, 9.0, 2.0, 3.0])
+    blend = plan(CACHEBLEND, cmap, aligned, share=0.625, warmup=1, **shifted)
+    assert score_kind(blend) == DEVIATION
+    assert sets(select(blend, deviation)) == ([0, 1, 2, 3, 5], [4, 6, 7], [])
+    vl = plan(VLCACHE, cmap, aligned, share=0.625, **shifted)
+    assert score_kind(vl) is None and sets(select(vl)) == ([0, 1, 2, 3, 4], [5, 6, 7], [])
+    full = plan(FULL_REUSE, cmap, aligned, share=0.0, warmup=0, **shifted)
+    assert sets(select(full)) == ([0, 1, 2, 3], [4, 5, 6, 7], [])
+
+
+def test_the_budget_widens_to_hold_every_changed_token() -> None:
+    p = plan(ENTROPY_AWARE, "xxx=x===", [5], share=0.1)
+    assert budget(p) == 4
+    assert sets(select(p, torch.zeros(8))) == ([0, 1, 2, 4], [5], [3, 6, 7])
+
+
+def test_ties_rank_the_earlier_token_first_and_no_warmup_ranks_by_position() -> None:
+    p = plan(ATTENTION_ONLY, "========", list(range(8)))
+    assert sets(select(p, torch.ones(8)))[0] == [0, 1]
+    cold = plan(ATTENTION_ONLY, "========", list(range(8)), warmup=0)
+    assert score_kind(cold) is None and sets(select(cold))[0] == [0, 1]
+
+
+def test_a_missing_or_misshapen_score_is_refused() -> None:
+    p = plan(ENTROPY_AWARE, "========", [0])
+    with pytest.raises(ValueError, match="score per token"):
+        select(p)
+    with pytest.raises(ValueError, match="score per token"):
+        select(p, torch.zeros(3))
+
+
+def test_attention_score_weighs_attention_by_value_norm_so_sinks_do_not_win() -> None:
+    # token 0 draws most of the attention but passes on almost nothing (a sink); token 2 is the one read
+    probs = torch.tensor([[[0.7, 0.1, 0.2]], [[0.8, 0.1, 0.1]]])  # (heads 2, question rows 1, tokens 3)
+    values = torch.tensor([[[0.01, 0.0]], [[1.0, 0.0]], [[0.0, 3.0]]])  # (tokens, kv_heads 1, head_dim 2)
+    score = attention_score(probs, values)
+    assert int(score.argmax()) == 2 and int(probs.sum((0, 1)).argmax()) == 0
+    assert torch.allclose(score, torch.tensor([0.015, 0.2, 0.9], dtype=torch.float64))
+
+
+def test_deviation_is_the_squared_distance_of_k_and_v() -> None:
+    k, v = torch.zeros(2, 2, 3), torch.zeros(2, 2, 3)
+    alias_k, alias_v = k.clone(), v.clone()
+    alias_k[1, 0, 0], alias_v[1, 1, 2] = 2.0, 1.0
+    assert deviation_score(k, v, alias_k, alias_v).tolist() == [0.0, 5.0]
