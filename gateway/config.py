@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from plan import (
+    ATTENTION_ONLY,
     DEFAULT_RECOMPUTE_RATIO,
-    ENTROPY_AWARE,
+    PARTIAL_PASS,
     PROFILE_FILE,
     SELECTORS,
+    VISION_PASSES,
     PlanError,
     RecomputeProfile,
     check_ratios,
@@ -116,7 +118,9 @@ class MatchSettings:
     Plans: B = the lowest-entropy ``reuse_share`` of the tokens, R = ``recompute_share`` of them, ``warmup_layers``
     layers on every token first; the guard plans a miss when more than ``max_changed_share`` of the tokens changed.
     ``strategy`` is the default selector (plan.SELECTORS); a request may name another in the ``x-revisit-strategy``
-    header only when ``allow_strategy_header``.
+    header only when ``allow_strategy_header``. ``vision_pass`` is where approximate plans take the new image's
+    encoder output from (plan.VISION_PASSES): ``partial`` runs the vision tower over the changed tokens and their
+    margin only, the alias' stored output elsewhere; ``full`` over the whole image.
     """
 
     enabled: bool = True
@@ -133,8 +137,12 @@ class MatchSettings:
     recompute_share: float = 0.3
     warmup_layers: int = 3
     max_changed_share: float = 0.35  # measured: near-duplicates changed <= 0.29, a form with every value redrawn 0.41
-    strategy: str = ENTROPY_AWARE
+    # The default selector, measured (bench/approximate_quality.py, the oracle reader): entropy_aware drops the
+    # tokens outside R and B, and answered 75% of unchanged-field questions right where attention_only (nothing
+    # dropped) and a full prefill answered 100%; both answered every changed-field question right.
+    strategy: str = ATTENTION_ONLY
     allow_strategy_header: bool = False
+    vision_pass: str = PARTIAL_PASS
     # Entries of one grid searched by a plain scan; an HNSW graph past it. Measured (bench/matching.py, coarse stage
     # alone): the scan is faster up to about 10k entries (0.8 ms against 1.3), the graph at 100k (1.3 ms against 7.7).
     scan_limit: int = 16384
@@ -151,6 +159,8 @@ class MatchSettings:
             raise ConfigError("the clip extractor needs an open_clip model folder: set REVISIT_MATCH_EXTRACTOR_PATH")
         if self.strategy not in SELECTORS:
             raise ConfigError(f"match strategy must be one of {SELECTORS}, got {self.strategy!r}")
+        if self.vision_pass not in VISION_PASSES:
+            raise ConfigError(f"match vision_pass must be one of {VISION_PASSES}, got {self.vision_pass!r}")
         for name in ("coarse_threshold", "match_threshold", "patch_threshold", "reuse_share", "recompute_share",
                      "max_changed_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:

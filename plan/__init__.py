@@ -22,14 +22,17 @@ from plan.request import (
     CHANGED,
     ENTROPY_AWARE,
     EXACT,
+    FULL_PASS,
     FULL_REUSE,
     MISS,
+    PARTIAL_PASS,
     PLAN_VERSION,
     RID_PREFIX,
     SAME,
     SELECTORS,
     SIMILAR,
     STRATEGIES,
+    VISION_PASSES,
     VLCACHE,
     ImagePlan,
     RequestPlan,
@@ -37,7 +40,7 @@ from plan.request import (
 
 __all__ = [
     "APPROXIMATE", "ATTENTION_ONLY", "CACHEBLEND", "CHANGE_BLIND", "CHANGED", "DEFAULT_RECOMPUTE_RATIO",
-    "ENTROPY_AWARE", "EXACT", "FULL_REUSE", "MISS", "PLAN_VERSION", "PROFILE_FILE", "RID_PREFIX", "SAME", "SELECTORS",
-    "SIMILAR", "STRATEGIES", "VLCACHE", "ImagePlan", "PlanError", "RecomputeProfile", "RequestPlan", "check_ratios",
-    "recompute_count",
+    "ENTROPY_AWARE", "EXACT", "FULL_PASS", "FULL_REUSE", "MISS", "PARTIAL_PASS", "PLAN_VERSION", "PROFILE_FILE",
+    "RID_PREFIX", "SAME", "SELECTORS", "SIMILAR", "STRATEGIES", "VISION_PASSES", "VLCACHE", "ImagePlan", "PlanError",
+    "RecomputeProfile", "RequestPlan", "check_ratios", "recompute_count",
 ]

@@ -25,6 +25,10 @@ A ``RequestPlan`` holds one ``ImagePlan`` per image of the request, in the order
                         (the naive baseline)
 
 The rule that turns these into R, B and D is engine_ext.selection, shared by the workers and the reference.
+``vision`` says where an approximate plan's encoder output comes from: ``full``, the vision tower over the whole
+new image; ``partial``, the alias' stored encoder output at every aligned token, and the vision tower over only the
+tokens whose pixels differ (changed or similar) and their margin (engine_ext.vision), at their true positions in
+the image.
 
 The wire form is compact JSON with a version; a worker refuses a version it does not know (PlanError) rather than
 guess, and runs the request without a plan (a full prefill).
@@ -58,6 +62,8 @@ ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE, FULL_REUSE = (
     "entropy_aware", "attention_only", "cacheblend", "vlcache", "full_reuse")
 SELECTORS = (ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE, FULL_REUSE)
 CHANGE_BLIND = (CACHEBLEND, VLCACHE, FULL_REUSE)  # the baselines that reuse changed tokens too
+FULL_PASS, PARTIAL_PASS = "full", "partial"
+VISION_PASSES = (FULL_PASS, PARTIAL_PASS)
 SAME, SIMILAR, CHANGED = "=", "~", "x"  # the change map's characters
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _CHANGE_MAP_RE = re.compile(r"^[=~x]*$")
@@ -79,6 +85,7 @@ class ImagePlan:
     reuse: tuple[int, ...] = ()  # approximate: B, token indices of this image
     recompute_share: float = 0.0  # approximate: rho
     selector: str = ENTROPY_AWARE  # approximate: the strategy (baselines are chosen per request for evaluation)
+    vision: str = FULL_PASS  # approximate: the vision pass, full or partial (see the module docstring)
     store: bool = True  # miss: whether the worker writes the entry
     prefix_digest: str = ""  # the gateway's digest of the prompt before the image; the worker records it in the entry
 
@@ -107,9 +114,12 @@ class ImagePlan:
                 raise PlanError("recompute_share must be in [0, 1] and warmup_layers >= 0")
             self._check_alignment()
         elif (self.alias is not None or self.alias_grid is not None or self.reuse or self.recompute_share
-              or self.warmup_layers or self.change_map or self.shift != (0, 0) or self.similarity):
-            raise PlanError("alias, alias_grid, shift, change_map, similarity, reuse, recompute_share and "
-                            "warmup_layers belong to approximate plans")
+              or self.warmup_layers or self.change_map or self.shift != (0, 0) or self.similarity
+              or self.vision != FULL_PASS):
+            raise PlanError("alias, alias_grid, shift, change_map, similarity, reuse, recompute_share, "
+                            "warmup_layers and a partial vision pass belong to approximate plans")
+        if self.vision not in VISION_PASSES:
+            raise PlanError(f"vision must be one of {VISION_PASSES}, got {self.vision!r}")
 
     def _check_alignment(self) -> None:
         if self.selector not in SELECTORS:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine_ext.rope import reposition
+from engine_ext.rope import reposition, reposition_axes
 from store import Entry, KVStore
 from store.entry import DTYPES
 
@@ -62,23 +62,23 @@ class EntryHead:
     """What an exact plan needs before the forward."""
 
     positions: torch.Tensor  # (3, n) int64: the M-RoPE positions the stored keys were computed at
-    encoder: torch.Tensor  # as the vision tower gave it, on the host
+    encoder: torch.Tensor | None  # as the vision tower gave it, on the host (None when not asked for)
     kv_dtype: str
 
 
 def read_head(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads: int, head_dim: int,
-              tokens: int) -> EntryHead | None:
-    """The entry's header and encoder output, verified, if it is present and made by this model for an image of
-    this size; else None. Reads no K/V."""
-    read = store.get_sparse(key, [], (0, 1), with_encoder=True)
+              tokens: int, with_encoder: bool = True) -> EntryHead | None:
+    """The entry's header and (unless with_encoder is False) encoder output, verified, if it is present and made
+    by this model for an image of this size; else None. Reads no K/V."""
+    read = store.get_sparse(key, [], (0, 1), with_encoder=with_encoder)
     if read is None:
         return None
     with read:
         h = read.header
         if not _fits(h, model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens):
             return None
-        return EntryHead(positions=_positions(h), encoder=_tensor(read.encoder_array(), h.encoder_dtype),
-                         kv_dtype=h.kv_dtype)
+        encoder = _tensor(read.encoder_array(), h.encoder_dtype) if with_encoder else None
+        return EntryHead(positions=_positions(h), encoder=encoder, kv_dtype=h.kv_dtype)
 
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -104,17 +104,21 @@ class KVFetch:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-kv-reader")
 
     def fetch(self, store: KVStore, key: str, *, tokens: list[int], depth: int, layers: int, kv_dtype: str,
-              delta: int, frequencies: torch.Tensor, device: torch.device) -> Future[KVGroup | None]:
-        """Rows ``tokens`` of the entry under ``key``, layers [depth, layers), keys moved by ``delta`` positions."""
+              delta: int | torch.Tensor, frequencies: torch.Tensor, device: torch.device,
+              axes: torch.Tensor | None = None) -> Future[KVGroup | None]:
+        """Rows ``tokens`` of the entry under ``key``, layers [depth, layers), keys moved by ``delta`` positions: one
+        step for the whole image (an int), or (3, tokens) steps per M-RoPE axis and token with ``axes``, the axis of
+        each rotary frequency (tokens that moved inside the image: engine_ext.rope.reposition_axes)."""
         return self._thread.submit(_read_group, store, key, tuple(tokens), depth, layers, kv_dtype, delta,
-                                   frequencies, device)
+                                   frequencies, device, axes)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
 
 
 def _read_group(store: KVStore, key: str, tokens: tuple[int, ...], depth: int, layers: int, kv_dtype: str,
-                delta: int, frequencies: torch.Tensor, device: torch.device) -> KVGroup | None:
+                delta: int | torch.Tensor, frequencies: torch.Tensor, device: torch.device,
+                axes: torch.Tensor | None) -> KVGroup | None:
     read = store.get_sparse(key, tokens, (depth, layers))
     if read is None:
         return None
@@ -126,7 +130,11 @@ def _read_group(store: KVStore, key: str, tokens: tuple[int, ...], depth: int, l
         read.gather_into(host.numpy().view(DTYPES[kv_dtype]))
     kv = host.view(torch.bfloat16) if kv_dtype == "bfloat16" else host
     kv = kv.to(device, non_blocking=True).transpose(0, 1)  # (layers - depth, tokens, 2, kv_heads, head_dim)
-    k = reposition(kv[:, :, 0], delta, frequencies.to(device))  # on the device: a GPU turns them in no time
+    if isinstance(delta, torch.Tensor):
+        assert axes is not None, "per-axis steps need the axis of each frequency"
+        k = reposition_axes(kv[:, :, 0], delta.to(device), frequencies.to(device), axes)
+    else:
+        k = reposition(kv[:, :, 0], delta, frequencies.to(device))  # on the device: a GPU turns them in no time
     return KVGroup(depth=depth, tokens=tokens, k=k.flatten(2), v=kv[:, :, 1].flatten(2))
 
 

@@ -12,6 +12,7 @@ Pure bookkeeping over the batch's fields (duck-typed), so it is tested without a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class ImageRows:
     slots: torch.Tensor  # KV pool slots of prompt rows [start, stop)
     done: int  # prompt rows [0, done) have K/V in the pool once this extend is computed
     positions: torch.Tensor | None = None  # (3, tokens) M-RoPE positions of the image rows, when known
+    item: Any = None  # SGLang's multimodal item (pixel values, grid): what a partial vision pass encodes
 
     @property
     def tokens(self) -> int:
@@ -101,6 +103,7 @@ def locate(forward_batch, req_to_token: torch.Tensor) -> list[ImageRows]:
                     slots=req_to_token[pool_row, start : last + 1].to(torch.long), done=prefix + extend,
                     positions=(prompt_positions[:, start : last + 1].clone()
                                if prompt_positions is not None and prompt_positions.shape[-1] > last else None),
+                    item=item,
                 ))
         batch_start += extend
     return found

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -82,7 +82,7 @@ async def chat_completions(request: Request) -> Any:
     public_id = f"chatcmpl-{request_id}"
     body = upstream_body(intake.upstream_body, namespace=namespace,
                          rid=planned.plan.to_rid(request_id) if planned.plan else public_id,
-                         approximate=bool({"exact_moved", "approximate"} & set(planned.kinds)))
+                         kinds=planned.kinds)
     upstream = await UpstreamRequest.encode(body, size_hint=len(raw))
     def on_served(worker: Worker) -> None:
         services.planner.served(intake, worker.url)
@@ -111,16 +111,20 @@ def _requested_strategy(request: Request, settings: MatchSettings) -> str | None
     return name
 
 
-def upstream_body(body: dict[str, Any], *, namespace: str, rid: str, approximate: bool) -> dict[str, Any]:
+def upstream_body(body: dict[str, Any], *, namespace: str, rid: str, kinds: Sequence[str] = ()) -> dict[str, Any]:
     """The body SGLang gets: the gateway's request id (which may carry the reuse plan) instead of any the client
     sent, and SGLang's prefix cache scoped to the tenant's namespace, so that no tenant's request is served KV that
-    another tenant's request computed. KV computed under a position-independent or an approximate plan is not
-    exactly what a full prefill computes: it is kept apart from exactly computed KV under a salt of its own."""
+    another tenant's request computed. KV computed under a position-independent plan (``exact_moved``) is not
+    exactly what a full prefill computes: it is kept apart from exactly computed KV under a salt of its own. KV
+    computed under an approximate plan is kept apart from everything, under a salt of the request's own: its
+    dropped tokens hold no usable K/V at the late layers, so no later request may take its prefix."""
     upstream = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
     upstream["rid"] = rid
     upstream["extra_key"] = "revisit-ns-" + hashlib.blake2b(namespace.encode(), digest_size=12).hexdigest()
-    if approximate:
-        upstream["cache_salt"] = "revisit-moved" + (f"-{body['cache_salt']}" if body.get("cache_salt") else "")
+    salt = ("revisit-approximate-" + hashlib.blake2b(rid.encode(), digest_size=12).hexdigest()
+            if "approximate" in kinds else "revisit-moved" if "exact_moved" in kinds else None)
+    if salt is not None:
+        upstream["cache_salt"] = salt + (f"-{body['cache_salt']}" if body.get("cache_salt") else "")
     return upstream
 
 

@@ -3,6 +3,8 @@
     approximate, selection = execute(model, prompt, plan, encoder, alias)
     result = prefill(model, prompt, [approximate])
 
+``encoder`` is the new image's own (a full vision pass) or, for plan.vision "partial", ``partial_encoder``'s.
+
 ``execute`` measures what the plan's selector ranks by (engine_ext.selection), over a full prefill of the prompt:
 its first W layers compute exactly what the approximate run's warmup computes (every row, on the new image's
 encoder output), so the attention and the layer-0 K/V read there are the warmup's. Then engine_ext.selection
@@ -22,7 +24,29 @@ from offline.reference.compare import prefill
 from offline.reference.model import EncoderOutput, Prompt, ReferenceModel
 from offline.reference.plans import Approximate, Fresh, ImageKV
 from offline.reference.plans import ImagePlan as RowsPlan
-from plan import ImagePlan
+from plan import SAME, ImagePlan
+
+
+def partial_encoder(model: ReferenceModel, prompt: Prompt, plan: ImagePlan, alias: ImageKV,
+                    *, image: int = 0) -> tuple[EncoderOutput, int]:
+    """The new image's encoder output as a partial vision pass makes it (plan.vision "partial"), and how many
+    tokens the vision tower encoded: the alias' encoder output at every aligned token, the tower over the tokens
+    whose pixels differ (changed or similar) and their margin (engine_ext.vision), as the workers compose it."""
+    from engine_ext.vision import margin_tokens, window_tokens_of
+    from offline.reference.vision import encode_partial
+
+    h, w = plan.grid
+    differ = torch.tensor([mark != SAME for mark in plan.change_map]).view(h, w)
+    encode = margin_tokens(differ, arch=model.arch, window_tokens=window_tokens_of(model.hf.model.visual)).flatten()
+    tokens = encode.nonzero().flatten()
+    stored = alias.encoder.flat()
+    composed = stored.new_zeros(plan.tokens, stored.shape[-1])
+    sources = torch.tensor(alias_tokens(plan))
+    aligned = (sources >= 0).nonzero().flatten()
+    composed[aligned] = stored[sources[aligned]]
+    if len(tokens):
+        composed[tokens] = encode_partial(model, prompt, tokens, image=image).flat().to(composed.dtype)
+    return EncoderOutput.from_flat(composed, model.hidden), len(tokens)
 
 
 def alias_tokens(plan: ImagePlan) -> list[int]:

@@ -66,11 +66,10 @@ def test_the_served_oracle_reads_and_reuse_keeps_its_answers(reader_gateway) -> 
         before = worker_events(workers)
 
         async def stored_every_miss() -> None:
-            """Until the worker has stored the entry of every full prefill it ran: the misses, and the approximate
-            plans it runs as full prefills for now (bounded)."""
+            """Until the worker has stored the entry of every miss it ran (bounded)."""
             for _ in range(300):
                 events = await asyncio.to_thread(worker_events, workers) - before
-                if events["miss"] + events["approximate_not_executed"] <= events["stored"]:
+                if events["miss"] <= events["stored"]:
                     return
                 await asyncio.sleep(0.1)
             raise AssertionError("the worker did not store its misses' entries")
@@ -84,22 +83,24 @@ def test_the_served_oracle_reads_and_reuse_keeps_its_answers(reader_gateway) -> 
     assert accuracy[FIELD] >= 0.9
     tallies = report.tallies
     # What the worker executed is what the gateway reported: every miss ran the vision tower and the full prefill
-    # and was stored, every approximate plan ran as a full prefill (workers do not execute those yet) and was
-    # stored, every exact plan reused stored KV (or found all its rows in SGLang's radix cache already).
+    # and was stored, every approximate plan was executed as one (and stored nothing), every exact plan reused
+    # stored KV (or found all its rows in SGLang's radix cache already).
     reported = Counter()
     for name, kinds in tallies.items():
         reported[name.split(": ")[1]] += sum(tally.asked for tally in kinds.values())
-    assert events["miss"] == reported["miss"] == 12 and events["approximate_not_executed"] == reported["approximate"]
-    assert events["stored"] == events["miss"] + events["approximate_not_executed"]
-    assert events["exact_executed"] + events["exact_served_by_prefix_cache"] == reported["exact_same_prefix"] == 12
+    assert events["miss"] == reported["miss"] == 12 and events["stored"] == 12
+    assert events["approximate_executed"] == reported["approximate"] == 24 and events["approximate_fallback"] == 0
     assert events["exact_fallback"] == 0 and events["plan_refused"] == 0 and events["plan_mismatch"] == 0
-    # B is A with one field changed: a near-duplicate, planned as approximate with A as its alias, and answered
-    # from its own pixels ...
+    # B is A with one field changed: a near-duplicate, planned as approximate with A as its alias; asked about the
+    # changed field it reads its own pixels (the changed tokens are always recomputed), not A's stale value ...
     assert tallies["A: miss"][CHANGED].asked == 12 and tallies["A: miss"][CHANGED].right >= 10
-    assert tallies["B: approximate"][CHANGED].asked == 12 and tallies["B: approximate"][CHANGED].right >= 10
-    # ... and asked again after the same text, B is an exact hit from the store, still right.
-    exact = tallies["B: exact_same_prefix"][UNCHANGED]
-    assert exact.asked == 12 and exact.right >= 10
+    changed = tallies["B: approximate"][CHANGED]
+    assert changed.asked == 12 and changed.right >= 10 and changed.stale <= 1
+    # ... and about an unchanged field, whose token the entropy-aware default may drop (D) when the warmup's
+    # attention does not pick it: measured through the reference on this reader, about 60% right (the issue note
+    # has the table), so here only a floor well above chance (1 in 10 values).
+    unchanged = tallies["B: approximate"][UNCHANGED]
+    assert unchanged.asked == 12 and unchanged.right >= 4
 
 
 def test_the_served_oracle_answers_every_kind_of_question(reader_gateway) -> None:

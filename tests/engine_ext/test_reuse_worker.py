@@ -8,6 +8,7 @@ tower provably does not run (SGLang's own encoder cache cannot have the image).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +24,19 @@ from bundled import ARCHS
 from engine_ext.executor import read
 from launcher import WorkerProcess, WorkerSpec, start_worker
 from offline.reference import EncoderOutput, Fresh, ImageKV, ReferenceModel, Reuse, prefill, uniform
-from plan import EXACT, MISS, RID_PREFIX, ImagePlan, RequestPlan
+from plan import (
+    CACHEBLEND,
+    ENTROPY_AWARE,
+    EXACT,
+    FULL_PASS,
+    FULL_REUSE,
+    MISS,
+    PARTIAL_PASS,
+    RID_PREFIX,
+    SELECTORS,
+    ImagePlan,
+    RequestPlan,
+)
 from store import StoreConfig, open_store
 from store.entry import parse_header
 from tests.conftest import free_port
@@ -252,3 +265,122 @@ def test_a_plan_that_does_not_fit_is_ignored(pair: Pair, seen: dict, picture: Im
     assert pair.b.log_file.read_text().count("does not match its image") == mismatches + 1
     bad = chat(pair.b, content("Look:", picture, QUESTION), plan_rid=f"{RID_PREFIX}x.not-a-plan.", tokens=2)
     assert bad["choices"][0]["message"]["content"]
+
+
+# --- approximate plans ---
+
+APPROXIMATE_PREAMBLE = "Here is a new version. Look:"
+
+
+def edited(picture: Image.Image, shade: int = 20) -> Image.Image:
+    """The picture with a dark box over a few tokens in its top-left corner (inside one of Qwen2.5-VL's attention
+    windows, so that a partial vision pass encodes a quarter of the image)."""
+    from PIL import ImageDraw
+
+    out = picture.copy()
+    ImageDraw.Draw(out).rectangle((8, 8, 70, 60), fill=(shade, shade, shade))
+    return out
+
+
+def gateway_plan(pair: Pair, alias_key: str, alias_image: Image.Image, image: Image.Image, grid: tuple[int, int],
+                 selector: str) -> ImagePlan:
+    """The plan the gateway makes for image against alias_image (its default pixel features and settings)."""
+    from gateway.config import MatchSettings
+    from gateway.matching.align import align, find_shift
+    from gateway.matching.matcher import Match
+    from gateway.matching.pixel import PixelExtractor
+    from gateway.matching.plans import approximate_plan
+
+    cell = 28 if pair.arch == "qwen2_5_vl" else 32
+    settings, extractor = MatchSettings(), PixelExtractor()
+    new, old = extractor.extract(image, grid, cell), extractor.extract(alias_image, grid, cell)
+    alignment = align(new, old, shift=find_shift(new, old), patch_threshold=settings.patch_threshold,
+                      blank_entropy=settings.blank_entropy)
+    plan = approximate_plan(Match(alias_key, alignment, old), new.entropy, key=key_for(f"{pair.arch}-edited"),
+                            grid=grid, prefix_digest="", settings=settings, strategy=selector,
+                            layers=pair.model.num_layers)
+    assert plan is not None and 0 < plan.change_map.count("x") < plan.tokens // 4
+    return plan
+
+
+@pytest.mark.parametrize(("selector", "vision"), [(s, FULL_PASS) for s in SELECTORS] + [
+    (ENTROPY_AWARE, PARTIAL_PASS), (CACHEBLEND, PARTIAL_PASS)])
+def test_an_approximate_hit_executes_as_the_reference_does(pair: Pair, seen: dict, picture: Image.Image,
+                                                           selector: str, vision: str) -> None:
+    from engine_ext.executor.executor import _digest
+    from offline.reference import greedy
+    from offline.reference.approximate import execute, partial_encoder
+
+    # a partial pass runs only where SGLang's encoder cache does not hold the image: a box no other test drew
+    shade = 20 if vision == FULL_PASS else 30 + SELECTORS.index(selector)
+    model, image = pair.model, edited(picture, shade)
+    prompt = model.prompt([APPROXIMATE_PREAMBLE, image, QUESTION])
+    plan = dataclasses.replace(gateway_plan(pair, seen["key"], picture, image, seen["grid"], selector),
+                               vision=vision, key=key_for(f"{pair.arch}-edited-{shade}"))
+    alias = stored_as_reference(pair, seen["key"], seen["prompt"])
+    if vision == PARTIAL_PASS:
+        encoder, encoded = partial_encoder(model, prompt, plan, alias)
+        assert 0 < encoded < plan.tokens
+    else:
+        encoder = model.encode(prompt)[0]
+    approximate, chosen = execute(model, prompt, plan, encoder, alias)
+    reference = prefill(model, prompt, [approximate])
+    flush(pair.b)
+    log_before = pair.b.log_file.read_text().count("revisit: approximate hit")
+    runs_before = vision_runs(pair.b)
+    served = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), plan_rid=rid(plan), tokens=8)
+    log = pair.b.log_file.read_text()
+    assert log.count("revisit: approximate hit") == log_before + 1
+    if vision == PARTIAL_PASS:  # the full tower never ran on the new image; the partial pass did, as planned
+        assert vision_runs(pair.b) == runs_before
+        assert f"partial vision pass for {plan.key[:16]}: {encoded} of {plan.tokens} tokens encoded" in log
+    line = [x for x in log.splitlines() if "revisit: approximate hit" in x][-1]
+    assert f"{chosen.summary()}, recomputed {_digest(chosen.recompute)}" in line  # the same R, B and D
+    expected = sorted(reference.logits.log_softmax(-1).topk(5).values.tolist(), reverse=True)
+    assert top5(served) == pytest.approx(expected, abs=2e-4)
+    # decoding goes on with the dropped tokens hidden, as in the reference
+    tokens = greedy(model, reference, 8)
+    assert text_of(served) == model.processor.tokenizer.decode(tokens, skip_special_tokens=True)
+    if selector == ENTROPY_AWARE:
+        assert len(chosen.drop) and "Traceback" not in log
+
+
+def test_an_approximate_plan_whose_alias_is_gone_runs_as_a_full_prefill_and_stores(
+    pair: Pair, picture: Image.Image
+) -> None:
+    image = edited(picture)
+    prompt = pair.model.prompt([APPROXIMATE_PREAMBLE, image, QUESTION])
+    grid = grid_of(prompt)
+    plan = gateway_plan(pair, key_for(f"{pair.arch}-never-stored"), picture, image, grid, ENTROPY_AWARE)
+    plan = dataclasses.replace(plan, key=key_for(f"{pair.arch}-edited-fallback"))
+    flush(pair.b)
+    before = pair.b.log_file.read_text().count("found no usable alias entry")
+    served = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), plan_rid=rid(plan), tokens=8)
+    assert pair.b.log_file.read_text().count("found no usable alias entry") == before + 1
+    flush(pair.b)
+    full = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), tokens=8)
+    assert text_of(served) == text_of(full) and top5(served) == pytest.approx(top5(full), abs=1e-5)
+    wait_stored(pair, plan.key)  # computed exactly, so stored as a miss would be
+
+
+def test_an_approximate_plan_with_a_damaged_alias_computes_the_image_in_full(pair: Pair, picture: Image.Image) -> None:
+    alias_key = key_for(f"{pair.arch}-astronaut-alias-damaged")
+    alias_prompt = pair.model.prompt(["Look:", picture, QUESTION])
+    grid = grid_of(alias_prompt)
+    chat(pair.a, content("Look:", picture, QUESTION), tokens=1,
+         plan_rid=rid(ImagePlan(key=alias_key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)))
+    wait_stored(pair, alias_key)
+    entry_file = Path(pair.store_env["REVISIT_STORE_DRAM_DIR"]) / f"{alias_key}.kv"
+    data = bytearray(entry_file.read_bytes())
+    data[-10] ^= 0xFF  # the last layers of the last token: inside every plan's read unless that token is dropped
+    entry_file.write_bytes(bytes(data))
+    image = edited(picture)
+    plan = gateway_plan(pair, alias_key, picture, image, grid, FULL_REUSE)  # B = every aligned token
+    flush(pair.b)
+    before = pair.b.log_file.read_text().count("could not be read (damaged or gone); computing the image in full")
+    served = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), plan_rid=rid(plan), tokens=8)
+    assert pair.b.log_file.read_text().count(
+        "could not be read (damaged or gone); computing the image in full") == before + 1
+    flush(pair.b)
+    full = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), tokens=8)
+    assert text_of(served) == text_of(full) and top5(served) == pytest.approx(top5(full), abs=1e-4)

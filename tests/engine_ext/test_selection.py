@@ -57,6 +57,14 @@ def test_change_blind_baselines_rank_every_aligned_token_and_force_only_the_unal
     assert sets(select(full)) == ([0, 1, 2, 3], [4, 5, 6, 7], [])
 
 
+def test_similar_tokens_are_recomputed_before_the_best_scored() -> None:
+    p = plan(ENTROPY_AWARE, "=~=x==~=", [0], share=0.375)
+    score = torch.tensor([0.0, 0.0, 9.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    assert sets(select(p, score)) == ([1, 3, 6], [0], [2, 4, 5, 7])
+    blind = plan(CACHEBLEND, "=~=x==~=", list(range(8)), share=0.25, warmup=1)  # change-blind: by score only
+    assert sets(select(blind, score))[0] == [2, 4]
+
+
 def test_the_budget_widens_to_hold_every_changed_token() -> None:
     p = plan(ENTROPY_AWARE, "xxx=x===", [5], share=0.1)
     assert budget(p) == 4

@@ -183,4 +183,4 @@ def test_a_requested_strategy_reaches_the_plan(cache) -> None:
     chosen = asyncio.run(planner.plan(intake(jpeg(a), "ns"), strategy=VLCACHE))
     assert chosen.kinds == ("approximate",) and chosen.plan.images[0].selector == VLCACHE  # type: ignore[union-attr]
     default = asyncio.run(planner.plan(intake(jpeg(a, 60), "ns")))
-    assert default.plan.images[0].selector == ENTROPY_AWARE  # type: ignore[union-attr]
+    assert default.plan.images[0].selector == MatchSettings().strategy == ATTENTION_ONLY  # type: ignore[union-attr]

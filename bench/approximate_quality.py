@@ -1,0 +1,174 @@
+"""Answer quality of approximate hits, per strategy and over the plan's knobs, on the reading model that depends on
+late-layer image KV (the oracle), through the reference (offline.reference.approximate: the same selection rule
+the workers run, tests/engine_ext/test_reuse_worker.py checks that they agree).
+
+    .venv/bin/python bench/approximate_quality.py [--pairs 40] [--sweep] [--vision full partial] [--json FILE]
+
+Pairs (A cached, B = A with one field given another value) come from offline.reader_eval. For each pair the
+gateway's own matching (default pixel features, settings) plans B against A exactly as the planner would, with
+the strategy and knobs of each configuration; the reference executes the plan on B's prompt with A's entry as a
+full prefill of A leaves it, and the reader's answer is tallied:
+
+    changed    asked about the changed field: right = B's value, stale = A's value (the alias read as is)
+    unchanged  asked about a field A and B share
+
+``full`` is B from scratch (a miss): the accuracy every strategy is held to. With ``--sweep`` the entropy-aware
+plan runs over rho x beta x W (every combination) and each baseline over rho. ``--vision partial`` also runs each
+configuration with B's encoder output from the partial vision pass (the alias' encoder output where nothing
+changed, the vision tower over the tokens whose pixels differ and their margin only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bundled import QWEN2_5_VL, build_model  # noqa: E402
+from bundled.reader.panels import CELL  # noqa: E402
+from bundled.reader.questions import field  # noqa: E402
+from gateway.config import MatchSettings  # noqa: E402
+from gateway.matching.align import align, find_shift  # noqa: E402
+from gateway.matching.matcher import Match  # noqa: E402
+from gateway.matching.pixel import PixelExtractor  # noqa: E402
+from gateway.matching.plans import approximate_plan  # noqa: E402
+from offline.reader_eval import CHANGED, UNCHANGED, Tally, answer_ids, cached_entry, make_pairs  # noqa: E402
+from offline.reference import Fresh, ReferenceModel, prefill  # noqa: E402
+from offline.reference.approximate import execute, partial_encoder  # noqa: E402
+from plan import ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, SELECTORS, VLCACHE  # noqa: E402
+
+RHOS, BETAS, WARMUPS = (0.1, 0.2, 0.3, 0.5), (0.0, 0.1, 0.2, 0.3), (1, 2, 3)
+ALIAS = "0" * 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    selector: str
+    settings: MatchSettings
+    vision: str = "full"
+
+    @property
+    def name(self) -> str:
+        s = self.settings
+        knobs = {ENTROPY_AWARE: f"rho={s.recompute_share} beta={s.reuse_share} W={s.warmup_layers}",
+                 ATTENTION_ONLY: f"rho={s.recompute_share} W={s.warmup_layers}",
+                 CACHEBLEND: f"rho={s.recompute_share} W=1", VLCACHE: f"rho={s.recompute_share} W={s.warmup_layers}",
+                 FULL_REUSE: "W=0"}[self.selector]
+        return f"{self.selector} {knobs} vision={self.vision}"
+
+
+def configs(sweep: bool, visions: list[str]) -> list[Config]:
+    base = MatchSettings()
+    out = [Config(selector, base) for selector in SELECTORS]
+    if sweep:
+        for rho, beta, warmup in itertools.product(RHOS, BETAS, WARMUPS):
+            settings = dataclasses.replace(base, recompute_share=rho, reuse_share=beta, warmup_layers=warmup)
+            if settings != base:
+                out.append(Config(ENTROPY_AWARE, settings))
+        for selector in (ATTENTION_ONLY, CACHEBLEND, VLCACHE):
+            out += [Config(selector, dataclasses.replace(base, recompute_share=rho)) for rho in RHOS
+                    if rho != base.recompute_share]
+    return [dataclasses.replace(c, vision=v) for v in visions for c in out]
+
+
+def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
+    names = answer_ids(model.processor.tokenizer)
+    extractor = PixelExtractor()
+    tallies: dict[str, dict[str, Tally]] = defaultdict(lambda: defaultdict(Tally))
+    shares: dict[str, list[float]] = defaultdict(list)
+    guard: dict[str, int] = defaultdict(int)
+    started = time.perf_counter()
+    for done, pair in enumerate(pairs, 1):
+        entry = cached_entry(model, pair)
+        a_image, b_image = pair.cached.render(), pair.asked.render()
+        for kind, key in pair.questions():
+            prompt = model.prompt([b_image, field(pair.asked, key).text])
+            _, h, w = prompt.images[0].grid
+            new, old = extractor.extract(b_image, (h, w), CELL), extractor.extract(a_image, (h, w), CELL)
+            encoder = model.encode(prompt)[0]
+            stale = pair.cached.value(key) if kind == CHANGED else None
+            right = pair.asked.value(key)
+            full = prefill(model, prompt, [Fresh(encoder)])
+            tallies["full (miss)"][kind].add(names.get(int(full.logits.argmax()), "?"), right, stale)
+            for config in chosen:
+                s = config.settings
+                alignment = align(new, old, shift=find_shift(new, old), patch_threshold=s.patch_threshold,
+                                  blank_entropy=s.blank_entropy)
+                plan = approximate_plan(Match(ALIAS, alignment, old), new.entropy, key="1" * 64, grid=(h, w),
+                                        prefix_digest="", settings=s, strategy=config.selector,
+                                        layers=model.num_layers)
+                if plan is None:
+                    guard[config.name] += 1
+                    continue
+                image_encoder = encoder
+                if config.vision == "partial":
+                    image_encoder, encoded = partial_encoder(model, prompt, plan, entry)
+                    shares[config.name].append(encoded / plan.tokens)
+                approximate, _ = execute(model, prompt, plan, image_encoder, entry)
+                result = prefill(model, prompt, [approximate])
+                tallies[config.name][kind].add(names.get(int(result.logits.argmax()), "?"), right, stale)
+        if progress and (done % max(1, len(pairs) // 10) == 0 or done == len(pairs)):
+            print(f"  {done}/{len(pairs)} pairs, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return {"tallies": tallies, "guard": guard, "encoded_share": shares, "seconds": time.perf_counter() - started}
+
+
+def table(result: dict) -> str:
+    lines = [f"{'configuration':52} {'changed right':>13} {'stale':>6} {'unchanged right':>15} {'asked':>6}"]
+    for name, kinds in result["tallies"].items():
+        c, u = kinds.get(CHANGED, Tally()), kinds.get(UNCHANGED, Tally())
+
+        def pct(n: int, of: int) -> str:
+            return f"{100 * n / of:.1f}%" if of else "-"
+
+        extra = f"  guard->miss {result['guard'][name]}" if result["guard"].get(name) else ""
+        shares = result["encoded_share"].get(name)
+        if shares:
+            extra += f"  encoded {100 * sum(shares) / len(shares):.0f}% of tokens"
+        lines.append(f"{name:52} {pct(c.right, c.asked):>13} {pct(c.stale, c.asked):>6} {pct(u.right, u.asked):>15} "
+                     f"{c.asked + u.asked:>6}{extra}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--sweep", action="store_true", help="rho x beta x W for entropy-aware, rho for baselines")
+    parser.add_argument("--vision", nargs="+", default=["full"], choices=["full", "partial"])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    model = ReferenceModel.load(build_model(QWEN2_5_VL, "oracle"))
+    result = evaluate(model, make_pairs(args.pairs, seed=args.seed), configs(args.sweep, args.vision))
+    print(table(result))
+    full = result["tallies"]["full (miss)"]
+    for vision in args.vision:
+        def rate(name: str, kind: str) -> float:
+            t = result["tallies"][name][kind]
+            return 100 * t.right / t.asked if t.asked else float("nan")
+
+        ours = Config(ENTROPY_AWARE, MatchSettings(), vision).name
+        print(f"\ntargets (vision={vision}): entropy-aware vs full prefill: changed "
+              f"{rate(ours, CHANGED) - 100 * full[CHANGED].right / full[CHANGED].asked:+.1f} points, unchanged "
+              f"{rate(ours, UNCHANGED) - 100 * full[UNCHANGED].right / full[UNCHANGED].asked:+.1f} (target within 2)")
+        for baseline in (FULL_REUSE, CACHEBLEND):
+            other = Config(baseline, MatchSettings(), vision).name
+            print(f"  entropy-aware vs {baseline} on changed fields: "
+                  f"{rate(ours, CHANGED) - rate(other, CHANGED):+.1f} points (target >= +15)")
+    print(f"({result['seconds']:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "tallies": {n: {k: t.as_dict() for k, t in kinds.items()} for n, kinds in result["tallies"].items()},
+            "guard": result["guard"], "seconds": result["seconds"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
