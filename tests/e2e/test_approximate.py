@@ -67,9 +67,11 @@ def test_a_near_duplicate_is_approximate_for_its_tenant_only(gateway) -> None:
     assert kind == "approximate" and 0.9 <= float(similarity) < 1.0
     assert reply.choices[0].message.content is not None and reply.id.startswith("chatcmpl-")
     done = executed(gateway, before, approximate_executed=1)
-    # The worker ran the warmup on the new image's own encoder output, reused the alias' K/V for B, and stored
-    # nothing: what it computed is not what a full prefill computes.
-    assert (done["approximate_executed"], done["approximate_fallback"], done["vision_images"]) == (1, 0, 1)
+    # The worker encoded only the changed tokens and their margin (the default partial vision pass; the alias'
+    # encoder output elsewhere), ran the warmup, reused the alias' K/V for B, and stored nothing: what it computed
+    # is not what a full prefill computes.
+    assert (done["approximate_executed"], done["approximate_fallback"], done["vision_images"]) == (1, 0, 0)
+    assert done["vision_partial_images"] == 1 and 0 < done["vision_partial_tokens"] < 96
     assert done["approximate_rows_reused"] > 0 and done["approximate_rows_recomputed"] > 0
     time.sleep(1.0)
     assert worker_events(gateway.config.workers)["stored"] == before["stored"]
