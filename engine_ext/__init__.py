@@ -7,7 +7,11 @@ carries (:mod:`plan`) and reads and writes image entries in the shared store (:m
 - :mod:`engine_ext.models`: Qwen2.5-VL and Qwen3-VL classes registered under SGLang's own class names.
 - :mod:`engine_ext.executor`: plan execution (rows of each image in a batch, store reads and writes, the
   layer-by-layer decoder for reused rows and its attention over the KV pool).
-- :mod:`engine_ext.rope`: moving cached keys to new positions (shared with ``offline.reference``).
+- :mod:`engine_ext.selection`: which tokens an approximate plan recomputes, reuses and drops (shared with
+  ``offline.reference``, so the two decide alike).
+- :mod:`engine_ext.vision`: the partial vision pass (the tower over some tokens' patches at their true positions).
+- :mod:`engine_ext.rope`: moving cached keys to new positions, as a whole or per M-RoPE axis (shared with
+  ``offline.reference``).
 
 It never imports the gateway; the gateway never imports it. Starting workers is :mod:`launcher`'s job.
 """

@@ -14,9 +14,10 @@ settings and the tenant's namespace (so no plan ever names another tenant's entr
                                       is a miss when the guard finds too much changed
     anything else                     miss
 
-Every image planned as a miss is indexed for approximate matching (its features persist beside the store), since
-the worker stores its entry. Approximate plans are counted as such; workers that cannot execute them yet run them
-as a full prefill (and store the image, which is then exact) and count ``approximate_not_executed``.
+Every new image is indexed for approximate matching (its features persist beside the store): a miss's entry is
+stored by its worker. An image planned as approximate is stored only when its worker had to run it as a full
+prefill (its alias gone or damaged: the KV is then exact); otherwise nothing is stored, and its index record,
+never backed by an entry, is dropped once the pending grace has passed and a lookup finds it.
 
 The planner learns about entries from the store itself: a worker writes an entry after the miss that planned it,
 recording the plan's prefix digest in it, and the next plan that finds it in the store admits it to the policy.

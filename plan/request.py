@@ -86,7 +86,8 @@ class ImagePlan:
     recompute_share: float = 0.0  # approximate: rho
     selector: str = ENTROPY_AWARE  # approximate: the strategy (baselines are chosen per request for evaluation)
     vision: str = FULL_PASS  # approximate: the vision pass, full or partial (see the module docstring)
-    store: bool = True  # miss: whether the worker writes the entry
+    store: bool = True  # whether the worker writes the entry when it computes the image exactly (a miss, or an
+    # approximate plan it had to run as a full prefill); approximately computed KV is never stored
     prefix_digest: str = ""  # the gateway's digest of the prompt before the image; the worker records it in the entry
 
     def __post_init__(self) -> None:

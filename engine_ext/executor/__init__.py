@@ -1,10 +1,11 @@
 """Plan execution inside SGLang workers.
 
 - :mod:`engine_ext.executor.executor`: ``PlanExecutor``, per forward: which plan each image carries, and the
-  layer-by-layer decoder for reused rows.
+  layer-by-layer decoder for reused, recomputed and hidden rows (and decode steps that keep dropped rows hidden).
 - :mod:`engine_ext.executor.rows`: where each image of a batch sits (prompt rows, batch rows, pool slots), and how
   deep each row is computed (``reuse_depths``).
-- :mod:`engine_ext.executor.attention`: attention for the computed rows only, over the KV pool.
+- :mod:`engine_ext.executor.attention`: attention for the computed rows only, over the KV pool, with keys hidden
+  per sequence; the question's attention probabilities on an image (the warmup's score).
 - :mod:`engine_ext.executor.entries`: store entries as the worker writes them and reads them (header and encoder
   output before the forward, K/V row groups on a reader thread during it).
 - :mod:`engine_ext.executor.events`: what was executed, counted (the worker's /metrics).

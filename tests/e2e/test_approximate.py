@@ -86,7 +86,8 @@ def test_a_restarted_gateway_still_finds_the_alias(gateway, model_path, tmp_path
     tenant = f"sk-{uuid.uuid4().hex}"
     port = free_port()
     env = {**os.environ, **STORE_ENV, "REVISIT_MODEL": MODEL_ID, "REVISIT_MODEL_DIR": str(model_path),
-           "REVISIT_WORKERS": ",".join(gateway.config.workers), "REVISIT_HEALTH_INTERVAL_S": "0.5"}
+           "REVISIT_WORKERS": ",".join(gateway.config.workers), "REVISIT_HEALTH_INTERVAL_S": "0.5",
+           "REVISIT_ADMIN_TOKEN": "admin-token-for-tests"}
     url = f"http://127.0.0.1:{port}"
 
     logs = []
@@ -125,6 +126,9 @@ def test_a_restarted_gateway_still_finds_the_alias(gateway, model_path, tmp_path
         headers, _ = ask(url, tenant, page(11))
         assert headers["x-revisit-reuse"].startswith("approximate;similarity=")
         assert plans_metric(url, "approximate") == 1
+        stats = httpx.get(url + "/admin/stats", headers={"Authorization": "Bearer admin-token-for-tests"},
+                          timeout=30).json()
+        assert stats["plans"]["approximate"] == 1 and stats["plans"]["miss"] == 0
     finally:
         stop(process)
     rebuilt = [line for line in logs[1].read_text().splitlines() if "match index rebuilt" in line]

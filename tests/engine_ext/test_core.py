@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_ext.executor.attention import Sequences, attend_rows
+from engine_ext.executor.attention import Sequences, attend_rows, attention_probs
 from engine_ext.executor.entries import KVFetch, StoredImage, read_head, to_entry
 from engine_ext.executor.rows import reuse_depths
 from engine_ext.rope import inv_freq, reposition
@@ -55,6 +55,38 @@ def test_attention_for_some_rows_equals_full_causal_attention(device: torch.devi
             expected.append((weights.unsqueeze(-1) * v[: position + 1]).sum(0).reshape(-1))
             row += 1
     torch.testing.assert_close(out, torch.stack(expected)[active], rtol=1e-4, atol=1e-5)
+
+
+def test_hidden_keys_are_seen_by_no_query_and_probabilities_are_the_layers_own(device: torch.device) -> None:
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim = 4, 2, 8
+    pool = torch.randn(32, 2, kv_heads, head_dim, device=device)
+    slots = [torch.arange(10, device=device), torch.arange(10, 16, device=device)]
+    sequences = Sequences.of(prefix_lens=[4, 0], extend_lens=[6, 6], slots=slots, device=device)
+    q = torch.randn(12, heads * head_dim, device=device)
+    active = torch.arange(12, device=device)
+    hidden = torch.zeros(10, dtype=torch.bool, device=device)
+    hidden[[1, 2, 5]] = True  # positions of the first sequence no query may see (an approximate plan's D)
+    out = attend_rows(q, pool[:, 0], pool[:, 1], sequences, active, scaling=0.3, heads=heads, kv_heads=kv_heads,
+                      hidden=[hidden, None])
+    # the same as attention over a pool where the hidden keys are absent
+    kept = torch.tensor([0, 3, 4, 6, 7, 8, 9], device=device)
+    for row, position in enumerate(range(4, 10)):
+        seen = kept[kept <= position]
+        k = pool[seen, 0].repeat_interleave(heads // kv_heads, dim=1)
+        v = pool[seen, 1].repeat_interleave(heads // kv_heads, dim=1)
+        weights = torch.softmax((k * q[row].view(heads, head_dim)).sum(-1) * 0.3, dim=0)
+        torch.testing.assert_close(out[row], (weights.unsqueeze(-1) * v).sum(0).reshape(-1), rtol=1e-4, atol=1e-5)
+    # the second sequence hid nothing: it equals plain causal attention
+    plain = attend_rows(q, pool[:, 0], pool[:, 1], sequences, active, scaling=0.3, heads=heads, kv_heads=kv_heads)
+    torch.testing.assert_close(out[6:], plain[6:])
+    # probabilities of the last two rows of the first sequence on its keys 2..6, over every key they see
+    probs = attention_probs(q[4:6], pool[:, 0], slots[0], sequences.where[4:6], slice(2, 7), scaling=0.3,
+                            heads=heads)
+    k = pool[slots[0], 0].repeat_interleave(heads // kv_heads, dim=1)  # (10, heads, hd)
+    for index, position in enumerate((8, 9)):
+        scores = (k[: position + 1] * q[4 + index].view(heads, head_dim)).sum(-1) * 0.3  # (seen, heads)
+        torch.testing.assert_close(probs[:, index], torch.softmax(scores, dim=0)[2:7].T, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("ratios", [(), (0.5, 0.25, 0.25, 0.0), (1.0, 1.0, 0.3, 0.1)])

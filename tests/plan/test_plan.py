@@ -10,6 +10,7 @@ from plan import (
     APPROXIMATE,
     EXACT,
     MISS,
+    PARTIAL_PASS,
     PLAN_VERSION,
     RID_PREFIX,
     VLCACHE,
@@ -30,13 +31,14 @@ def test_request_plan_round_trips_through_json() -> None:
         ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, warmup_layers=3, reuse=(4, 1),
                   recompute_share=0.3, change_map="=~x=~=", similarity=0.93),
         ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, alias_grid=(3, 3), shift=(-1, 0),
-                  change_map="==x===", reuse=(0, 5), selector=VLCACHE),
+                  change_map="==x===", reuse=(0, 2, 5), selector=VLCACHE, vision=PARTIAL_PASS),
     ))
     wire = plan.to_json()
     assert " " not in wire and json.loads(wire)["version"] == PLAN_VERSION
     back = RequestPlan.from_json(wire)
     assert back == plan and back.images[2].reuse == (1, 4) and back.images[2].alias_grid == (2, 3)
     assert back.images[3].shift == (-1, 0) and back.images[3].alias_grid == (3, 3)
+    assert back.images[3].vision == PARTIAL_PASS and back.images[2].vision == "full"  # change-blind: 2 reused
 
 
 def test_a_shift_lines_tokens_up_with_the_alias_grid() -> None:
@@ -67,6 +69,10 @@ def test_a_shift_lines_tokens_up_with_the_alias_grid() -> None:
     ({"strategy": APPROXIMATE, "alias": B, "change_map": "xxx===", "shift": [1, 0], "reuse": [0]}, "aligned"),
     ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "selector": "magic"}, "selector"),
     ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "alias_grid": [0, 3]}, "alias_grid"),
+    ({"vision": "partial"}, "approximate"),
+    ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "vision": "half"}, "vision"),
+    ({"strategy": APPROXIMATE, "alias": B, "change_map": "=x====", "reuse": [1], "selector": "attention_only"},
+     "changed"),
     ({"colour": "blue"}, "unknown"),
 ])
 def test_bad_image_plans_are_refused(change: dict, message: str) -> None:

@@ -4,6 +4,7 @@ real store (shared-memory files + LMDB) and a real feature store, never across n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import shutil
 import uuid
@@ -21,7 +22,17 @@ from gateway.matching.matcher import Matcher
 from gateway.matching.plans import approximate_plan
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
-from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, SELECTORS, VLCACHE
+from plan import (
+    APPROXIMATE,
+    ATTENTION_ONLY,
+    CACHEBLEND,
+    ENTROPY_AWARE,
+    FULL_PASS,
+    FULL_REUSE,
+    PARTIAL_PASS,
+    SELECTORS,
+    VLCACHE,
+)
 from store import Entry, FeatureStore, StoreConfig
 from store.tiered import TieredStore, open_tier
 from tests.gateway.matching.pairs import CELL, EXTRACTOR, aligned, edited, encode_png, features, jpeg
@@ -184,3 +195,16 @@ def test_a_requested_strategy_reaches_the_plan(cache) -> None:
     assert chosen.kinds == ("approximate",) and chosen.plan.images[0].selector == VLCACHE  # type: ignore[union-attr]
     default = asyncio.run(planner.plan(intake(jpeg(a, 60), "ns")))
     assert default.plan.images[0].selector == MatchSettings().strategy == ATTENTION_ONLY  # type: ignore[union-attr]
+
+
+def test_the_vision_pass_setting_reaches_approximate_plans() -> None:
+    from gateway.config import ConfigError
+
+    assert MatchSettings.from_env({}).vision_pass == PARTIAL_PASS
+    full = MatchSettings.from_env({"REVISIT_MATCH_VISION_PASS": "full"})
+    a = aligned("page.png", 10, 16)
+    b = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24))
+    assert plan_for(a, b, settings=dataclasses.replace(SETTINGS, vision_pass=full.vision_pass))[0].vision == FULL_PASS
+    assert plan_for(a, b)[0].vision == PARTIAL_PASS
+    with pytest.raises(ConfigError, match="vision_pass"):
+        MatchSettings.from_env({"REVISIT_MATCH_VISION_PASS": "half"})
