@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -138,7 +139,8 @@ def measure(n: int, model, args, device: str) -> dict:
             cache = DynamicCache(config=tc)
             lm(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
             for index in range(warmup):  # the question's attention on the image's keys: the score
-                keys = cache.layers[index].keys[0]  # (kv_heads, rows, head_dim)
+                layer_cache: Any = cache.layers[index]  # a full-attention layer's: it holds keys
+                keys: torch.Tensor = layer_cache.keys[0]  # (kv_heads, rows, head_dim)
                 queries = keys[:, -QUESTION:].repeat_interleave(tc.num_attention_heads // kv_heads, 0)
                 scores = queries @ keys[:, :n].repeat_interleave(tc.num_attention_heads // kv_heads, 0).mT
                 scores.softmax(-1).sum((0, 1))
