@@ -36,10 +36,8 @@ from bundled import QWEN2_5_VL, build_model  # noqa: E402
 from bundled.reader.panels import CELL  # noqa: E402
 from bundled.reader.questions import field  # noqa: E402
 from gateway.config import MatchSettings  # noqa: E402
-from gateway.matching.align import align, find_shift  # noqa: E402
-from gateway.matching.matcher import Match  # noqa: E402
 from gateway.matching.pixel import PixelExtractor  # noqa: E402
-from gateway.matching.plans import approximate_plan  # noqa: E402
+from gateway.matching.plans import plan_against  # noqa: E402
 from offline.reader_eval import CHANGED, UNCHANGED, Tally, answer_ids, cached_entry, make_pairs  # noqa: E402
 from offline.reference import Fresh, ReferenceModel, prefill  # noqa: E402
 from offline.reference.approximate import execute, partial_encoder  # noqa: E402
@@ -99,12 +97,8 @@ def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
             full = prefill(model, prompt, [Fresh(encoder)])
             tallies["full (miss)"][kind].add(names.get(int(full.logits.argmax()), "?"), right, stale)
             for config in chosen:
-                s = config.settings
-                alignment = align(new, old, shift=find_shift(new, old), patch_threshold=s.patch_threshold,
-                                  blank_entropy=s.blank_entropy)
-                plan = approximate_plan(Match(ALIAS, alignment, old), new.entropy, key="1" * 64, grid=(h, w),
-                                        prefix_digest="", settings=s, strategy=config.selector,
-                                        layers=model.num_layers)
+                plan = plan_against(new, old, alias=ALIAS, key="1" * 64, settings=config.settings,
+                                    strategy=config.selector, layers=model.num_layers)
                 if plan is None:
                     guard[config.name] += 1
                     continue

@@ -42,10 +42,8 @@ from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from engine_ext.selection import DEVIATION, score_kind  # noqa: E402
 from gateway.config import MatchSettings, ProcessorSettings  # noqa: E402
 from gateway.images import token_grid  # noqa: E402
-from gateway.matching.align import align, find_shift  # noqa: E402
-from gateway.matching.matcher import Match  # noqa: E402
 from gateway.matching.pixel import PixelExtractor  # noqa: E402
-from gateway.matching.plans import approximate_plan  # noqa: E402
+from gateway.matching.plans import plan_against  # noqa: E402
 from launcher import WorkerSpec, start_worker  # noqa: E402
 from plan import FULL_PASS, MISS, PARTIAL_PASS, ImagePlan, RequestPlan  # noqa: E402
 from plan.checkpoint import text_layers  # noqa: E402
@@ -71,12 +69,10 @@ def rid(*plans: ImagePlan) -> str:
 
 def plan_for(alias_key: str, base: Image.Image, image: Image.Image, grid: tuple[int, int], selector: str,
              layers: int) -> ImagePlan:
-    settings, extractor = MatchSettings(), PixelExtractor()
+    extractor = PixelExtractor()
     new, old = extractor.extract(image, grid, CELL), extractor.extract(base, grid, CELL)
-    alignment = align(new, old, shift=find_shift(new, old), patch_threshold=settings.patch_threshold,
-                      blank_entropy=settings.blank_entropy)
-    plan = approximate_plan(Match(alias_key, alignment, old), new.entropy, key=uuid.uuid4().hex * 2, grid=grid,
-                            prefix_digest="", settings=settings, strategy=selector, layers=layers)
+    plan = plan_against(new, old, alias=alias_key, key=uuid.uuid4().hex * 2, settings=MatchSettings(),
+                        strategy=selector, layers=layers)
     if plan is None:
         raise RuntimeError("the guard planned a miss: the redrawn box is too large for this image")
     return plan

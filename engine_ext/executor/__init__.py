@@ -2,6 +2,9 @@
 
 - :mod:`engine_ext.executor.executor`: ``PlanExecutor``, per forward: which plan each image carries, and the
   layer-by-layer decoder for reused, recomputed and hidden rows (and decode steps that keep dropped rows hidden).
+- :mod:`engine_ext.executor.exact`: an exact hit's reads before the forward, and its stored K/V during it.
+- :mod:`engine_ext.executor.approximate`: an approximate hit's alias reads, partial vision pass, warmup scores and
+  selection at layer W, and the dropped tokens it keeps hidden in decode.
 - :mod:`engine_ext.executor.rows`: where each image of a batch sits (prompt rows, batch rows, pool slots), and how
   deep each row is computed (``reuse_depths``).
 - :mod:`engine_ext.executor.attention`: attention for the computed rows only, over the KV pool, with keys hidden
@@ -11,7 +14,7 @@
 - :mod:`engine_ext.executor.events`: what was executed, counted (the worker's /metrics).
 - :mod:`engine_ext.executor.model`: the mixin SGLang's model classes take to route forwards through the executor.
 
-Everything but ``executor`` and ``model`` runs without SGLang.
+``rows``, ``attention`` (but PoolAttention), ``entries`` and ``events`` run without SGLang; the rest runs in a worker.
 """
 
 from engine_ext.executor.entries import StoredImage, read, to_entry

@@ -107,6 +107,15 @@ class PoolAttention:
                                       device=self.out_cache_loc.device)
         self.hidden: list[torch.Tensor | None] = [None] * len(slots)  # per sequence: keys hidden at this layer
 
+    def hide(self, sequence: int, positions: torch.Tensor) -> None:
+        """From now on (this layer and the later ones), no query sees these positions of the sequence's keys."""
+        hidden = self.hidden[sequence]
+        if hidden is None:
+            hidden = torch.zeros(len(self.sequences.slots[sequence]), dtype=torch.bool,
+                                 device=self.out_cache_loc.device)
+            self.hidden[sequence] = hidden
+        hidden[positions.to(hidden.device)] = True
+
     def __call__(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """Write every batch row's k, v (batch rows, kv_size) to its pool slot; attend for the active rows' q."""
         from sglang.srt.mem_cache.memory_pool import KVWriteLoc

@@ -92,10 +92,7 @@ class Matcher:
             if alias_features is None:
                 continue
             compared += 1
-            shift = find_shift(features, alias_features)
-            alignment = align(features, alias_features, shift=shift,
-                              patch_threshold=self.settings.patch_threshold,
-                              blank_entropy=self.settings.blank_entropy)
+            alignment = compare(features, alias_features, self.settings)
             best = alignment.similarity if best is None else max(best, alignment.similarity)
             if alignment.similarity >= self.settings.match_threshold:
                 matches.append(Match(alias=alias, alignment=alignment, alias_features=alias_features))
@@ -171,3 +168,9 @@ class Matcher:
         while self._cache_bytes > self.settings.feature_cache_bytes:
             _, evicted = self._cache.popitem(last=False)
             self._cache_bytes -= evicted.nbytes
+
+
+def compare(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings) -> Alignment:
+    """The fine stage for one candidate: the whole-token shift that best lines the alias up, then the alignment."""
+    return align(features, alias_features, shift=find_shift(features, alias_features),
+                 patch_threshold=settings.patch_threshold, blank_entropy=settings.blank_entropy)

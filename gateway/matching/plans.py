@@ -22,7 +22,8 @@ import numpy as np
 
 from gateway.config import MatchSettings
 from gateway.matching.align import CHANGED
-from gateway.matching.matcher import Match
+from gateway.matching.features import TokenFeatures
+from gateway.matching.matcher import Match, compare
 from plan import APPROXIMATE, CACHEBLEND, CHANGE_BLIND, ENTROPY_AWARE, FULL_REUSE, ImagePlan
 
 
@@ -57,3 +58,13 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
                      change_map=alignment.change_map, similarity=math.floor(alignment.similarity * 1e4) / 1e4,
                      reuse=tuple(int(i) for i in reuse), warmup_layers=warmup, recompute_share=round(share, 4),
                      selector=strategy, vision=settings.vision_pass)
+
+
+def plan_against(features: TokenFeatures, alias_features: TokenFeatures, *, alias: str, key: str,
+                 settings: MatchSettings, strategy: str, layers: int | None,
+                 prefix_digest: str = "") -> ImagePlan | None:
+    """The plan the gateway makes for an image known to match ``alias`` (the fine stage and approximate_plan, with
+    no index lookup: for benches and tests that pick the alias themselves)."""
+    match = Match(alias=alias, alignment=compare(features, alias_features, settings), alias_features=alias_features)
+    return approximate_plan(match, features.entropy, key=key, grid=features.grid, prefix_digest=prefix_digest,
+                            settings=settings, strategy=strategy, layers=layers)

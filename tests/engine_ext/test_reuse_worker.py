@@ -286,19 +286,14 @@ def gateway_plan(pair: Pair, alias_key: str, alias_image: Image.Image, image: Im
                  selector: str, alias_grid: tuple[int, int] | None = None) -> ImagePlan:
     """The plan the gateway makes for image against alias_image (its default pixel features and settings)."""
     from gateway.config import MatchSettings
-    from gateway.matching.align import align, find_shift
-    from gateway.matching.matcher import Match
     from gateway.matching.pixel import PixelExtractor
-    from gateway.matching.plans import approximate_plan
+    from gateway.matching.plans import plan_against
 
     cell = 28 if pair.arch == "qwen2_5_vl" else 32
-    settings, extractor = MatchSettings(), PixelExtractor()
+    extractor = PixelExtractor()
     new, old = extractor.extract(image, grid, cell), extractor.extract(alias_image, alias_grid or grid, cell)
-    alignment = align(new, old, shift=find_shift(new, old), patch_threshold=settings.patch_threshold,
-                      blank_entropy=settings.blank_entropy)
-    plan = approximate_plan(Match(alias_key, alignment, old), new.entropy, key=key_for(f"{pair.arch}-edited"),
-                            grid=grid, prefix_digest="", settings=settings, strategy=selector,
-                            layers=pair.model.num_layers)
+    plan = plan_against(new, old, alias=alias_key, key=key_for(f"{pair.arch}-edited"), settings=MatchSettings(),
+                        strategy=selector, layers=pair.model.num_layers)
     assert plan is not None and plan.change_map.count("x") < plan.tokens // 4
     return plan
 
@@ -307,7 +302,7 @@ def gateway_plan(pair: Pair, alias_key: str, alias_image: Image.Image, image: Im
     (ENTROPY_AWARE, PARTIAL_PASS), (CACHEBLEND, PARTIAL_PASS)])
 def test_an_approximate_hit_executes_as_the_reference_does(pair: Pair, seen: dict, picture: Image.Image,
                                                            selector: str, vision: str) -> None:
-    from engine_ext.executor.executor import _digest
+    from engine_ext.executor.approximate import tokens_digest
     from offline.reference import greedy
     from offline.reference.approximate import execute, partial_encoder
 
@@ -335,7 +330,7 @@ def test_an_approximate_hit_executes_as_the_reference_does(pair: Pair, seen: dic
         assert vision_runs(pair.b) == runs_before
         assert f"partial vision pass for {plan.key[:16]}: {encoded} of {plan.tokens} tokens encoded" in log
     line = [x for x in log.splitlines() if "revisit: approximate hit" in x][-1]
-    assert f"{chosen.summary()}, recomputed {_digest(chosen.recompute)}" in line  # the same R, B and D
+    assert f"{chosen.summary()}, recomputed {tokens_digest(chosen.recompute)}" in line  # the same R, B and D
     expected = sorted(reference.logits.log_softmax(-1).topk(5).values.tolist(), reverse=True)
     assert top5(served) == pytest.approx(expected, abs=2e-4)
     # decoding goes on with the dropped tokens hidden, as in the reference

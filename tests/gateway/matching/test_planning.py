@@ -19,7 +19,7 @@ from gateway.images import canonicalize
 from gateway.intake import IntakeResult
 from gateway.matching.align import CHANGED
 from gateway.matching.matcher import Matcher
-from gateway.matching.plans import approximate_plan
+from gateway.matching.plans import approximate_plan, plan_against
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
 from plan import (
@@ -81,6 +81,16 @@ def test_each_strategy_names_its_reuse_set() -> None:
         assert set(plans[blind].reuse) == set(range(160))
     assert plans[CACHEBLEND].warmup_layers == 1
     assert plans[FULL_REUSE].recompute_share == 0.0 and plans[VLCACHE].recompute_share > 0.0
+
+
+def test_planning_against_a_chosen_alias_gives_the_plan_a_lookup_gives() -> None:
+    a = aligned("page.png", 10, 16)
+    b = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24))
+    for strategy in (ENTROPY_AWARE, CACHEBLEND):
+        looked_up, _ = plan_for(a, b, strategy)
+        chosen = plan_against(features(b), features(a), alias="a" * 64, key="b" * 64, settings=SETTINGS,
+                              strategy=strategy, layers=8, prefix_digest="p")
+        assert chosen == looked_up and chosen is not None and chosen.alias == "a" * 64
 
 
 def test_the_guard_plans_a_miss_when_too_much_changed_and_widens_r_below_that() -> None:

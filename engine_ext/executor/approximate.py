@@ -1,0 +1,273 @@
+"""Approximate hits in the worker: a new image computed from a similar stored one (its alias), as the plan says.
+
+Before the forward (``ApproximateHits.prepare``): the alias entry's header is read, and the K/V of the plan's
+candidate tokens (its reuse set) start to be read on the reader thread, late layers only, sparse, keys turned per
+M-RoPE axis to this request's positions, never promoting the alias. With a partial vision pass the new image's
+encoder output is composed from the alias' stored one and the vision tower's over only the tokens whose pixels
+differ and their margin (engine_ext.vision); otherwise SGLang's vision tower runs over the whole image.
+
+During it: the warmup layers [0, W) compute every row, and there the question's rows (those after the image)
+score each image token (``score``, engine_ext.selection); at layer W (``select``) the selection decides R (computed
+on), B (the alias' K/V, handed to the layers through exact.ReusedKV) and D (hidden from every query at layers >= W,
+here and in each later decode step of the request: ``hidden_in``). Nothing computed this way is stored: it is not
+what a full prefill computes. Whatever cannot run as planned runs as a full prefill of the image, and is counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine_ext import selection as select_
+from engine_ext import vision
+from engine_ext.executor.attention import PoolAttention
+from engine_ext.executor.entries import EntryHead, KVGroup, read_head
+from engine_ext.executor.exact import ReusedKV
+from engine_ext.executor.rows import ImageRows
+from engine_ext.rope import frequency_axes
+from engine_ext.selection import ATTENTION, DEVIATION, score_kind
+from plan import PARTIAL_PASS, SAME, ImagePlan
+
+if TYPE_CHECKING:
+    from engine_ext.executor.executor import PlanExecutor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ApproximateSpan:
+    """One approximate plan's image in this extend, the question rows that score its tokens, the alias' K/V."""
+
+    rows: ImageRows
+    plan: ImagePlan
+    sequence: int  # the request's sequence in the batch
+    question: torch.Tensor  # batch rows after the image, up to the request's last row in this extend
+    candidates: torch.Tensor  # image-local tokens whose alias K/V are read (the plan's reuse set), increasing
+    first: int  # the first layer read: W, or 0 when layer 0's K/V score the tokens (cacheblend)
+    future: Future[KVGroup | None] | None  # the read, until waited for
+    kind: str | None  # what the selector ranks by (engine_ext.selection.score_kind)
+    score: torch.Tensor  # (tokens,) float64, measured in the warmup
+    group: KVGroup | None = None  # the read, once it arrived
+    failed: bool = False
+
+
+class ApproximateHits:
+    """One per PlanExecutor: the approximate spans' preparation and selection, and what outlives a forward (the
+    tokens each request's prefill dropped, the encoder outputs a partial pass put in SGLang's cache)."""
+
+    def __init__(self, worker: PlanExecutor) -> None:
+        self.worker = worker
+        self._axes: torch.Tensor | None = None  # the M-RoPE axis of each rotary frequency, probed on first use
+        # per request id: (W, prompt positions) of tokens an approximate prefill dropped; insertion-ordered, bounded
+        self._hidden: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self._composed: list[int] = []  # encoder-cache keys of this forward's composed encoder outputs
+
+    def hiding(self, rids) -> bool:
+        """Whether a batch of these requests holds one whose prefill dropped tokens."""
+        return bool(self._hidden) and any(rid in self._hidden for rid in rids or ())
+
+    def hidden_in(self, rids) -> list[tuple[int, int, torch.Tensor]]:
+        """(sequence, from layer, prompt positions) of each request's dropped tokens, for a decode step."""
+        return [(sequence, warmup, positions) for sequence, rid in enumerate(rids)
+                for warmup, positions in self._hidden.get(rid, ())]
+
+    def prepare(self, rows: ImageRows, plan: ImagePlan, forward_batch) -> ApproximateSpan | None:
+        """Check that the plan can run here; start reading the alias' K/V of its candidates. None: full prefill."""
+        layers = len(self.worker.layers)
+        end = rows.batch_lo + rows.done - rows.lo  # the batch row after the request's last row in this extend
+        question = torch.arange(rows.batch_lo + rows.tokens, end, device=rows.slots.device)
+        if not rows.whole_in_extend or not len(question):
+            log.info("revisit: approximate plan for %s needs its image and question in one extend; full prefill",
+                     plan.key[:16])
+            return None
+        assert plan.alias is not None  # an approximate ImagePlan always names one
+        alias_grid = plan.alias_grid or plan.grid
+        partial = plan.vision == PARTIAL_PASS
+        worker = self.worker
+        try:
+            head = read_head(worker.store, plan.alias, model_id=worker.model_id, layers=layers,
+                             kv_heads=worker.kv_heads, head_dim=worker.head_dim, tokens=alias_grid[0] * alias_grid[1],
+                             with_encoder=partial)
+            axes = self._frequency_axes()
+        except Exception:  # a store that cannot be read means a full prefill, never a failed request
+            log.exception("revisit: preparing the approximate plan for %s failed", plan.key[:16])
+            head = None
+        if head is None:
+            log.info("revisit: approximate plan for %s found no usable alias entry %s; full prefill", plan.key[:16],
+                     plan.alias[:16])
+            return None
+        if partial:
+            self._partial_vision_pass(rows, plan, head)
+        kind = score_kind(plan)
+        candidates = torch.tensor(plan.reuse, dtype=torch.long, device=question.device)
+        first = 0 if kind == DEVIATION else plan.warmup_layers
+        future = None
+        if len(candidates) and first < layers:
+            sources = torch.tensor([plan.alias_token(i) for i in plan.reuse], dtype=torch.long)
+            now = forward_batch.mrope_positions[:, rows.batch_rows[candidates]]  # (3, candidates)
+            deltas = now.cpu() - head.positions[:, sources]
+            future = worker.reader.fetch(worker.store, plan.alias, tokens=sources.tolist(), depth=first,
+                                         layers=layers, kv_dtype=head.kv_dtype, delta=deltas,
+                                         frequencies=worker.frequencies, device=question.device, axes=axes)
+        return ApproximateSpan(rows=rows, plan=plan, sequence=rows.request, question=question,
+                               candidates=candidates, first=first, future=future, kind=kind,
+                               score=torch.zeros(rows.tokens, dtype=torch.float64))
+
+    def _partial_vision_pass(self, rows: ImageRows, plan: ImagePlan, head: EntryHead) -> None:
+        """The new image's encoder output: the alias' stored one at aligned tokens, and the vision tower's over the
+        tokens whose pixels differ (changed or similar) and their margin only (engine_ext.vision). Put where SGLang
+        looks before running the tower, and taken out again after the forward (self._composed), so no later
+        request mistakes it for the image's own. Anything that goes wrong leaves SGLang's full vision pass to run,
+        and is counted."""
+        from sglang.srt.managers import mm_schedule
+        from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult
+
+        cache = mm_schedule.embedding_cache
+        if cache is None or cache.has(rows.item_hash):
+            return  # SGLang holds the image's own encoder output: nothing to save
+        try:
+            item = rows.item
+            h, w = plan.grid
+            changed = torch.tensor([mark != SAME for mark in plan.change_map]).view(h, w)  # pixels differ
+            visual = self.worker.model.visual
+            encode = vision.margin_tokens(changed, arch=self._arch(), window_tokens=vision.window_tokens_of(visual))
+            tokens = encode.flatten().nonzero().flatten()
+            assert head.encoder is not None  # read with the header for a partial pass
+            alias_encoder = head.encoder
+            sources = torch.tensor([-1 if (j := plan.alias_token(i)) is None else j for i in range(plan.tokens)])
+            composed = alias_encoder.new_zeros(plan.tokens, alias_encoder.shape[-1])
+            aligned = (sources >= 0).nonzero().flatten()
+            composed[aligned] = alias_encoder[sources[aligned]]
+            if len(tokens):
+                embeds, deepstack = vision.encode_partial_sglang(visual, item.feature, item.image_grid_thw, tokens)
+                composed[tokens] = torch.cat([embeds, *deepstack], dim=-1).to(composed.device, composed.dtype)
+            if bool((~encode.flatten())[sources < 0].any()):
+                raise ValueError("a token with no alias token lies outside the margin")
+        except Exception:
+            log.exception("revisit: the partial vision pass for %s failed; the full pass runs", plan.key[:16])
+            self.worker.events.add("vision_partial_failed")
+            return
+        if cache.set(rows.item_hash, EmbeddingResult(embedding=composed)):
+            self._composed.append(rows.item_hash)
+            self.worker.events.add("vision_partial_images")
+            self.worker.events.add("vision_partial_tokens", len(tokens))
+            log.info("revisit: partial vision pass for %s: %d of %d tokens encoded", plan.key[:16], len(tokens),
+                     plan.tokens)
+
+    def _arch(self) -> str:
+        return getattr(self.worker.model.config, "model_type", "")
+
+    def _frequency_axes(self) -> torch.Tensor:
+        """The M-RoPE axis of each rotary frequency, read off the model's own rotary embedding (probed once)."""
+        if self._axes is None:
+            worker = self.worker
+            rotary = worker.layers[0].self_attn.rotary_emb
+            half = worker.head_dim // 2
+
+            def sines(positions: torch.Tensor) -> torch.Tensor:
+                rows = positions.shape[1]
+                device = worker.frequencies.device if worker.frequencies.is_cuda else next(
+                    worker.model.parameters()).device
+                q = torch.zeros(rows, worker.head_dim, device=device)
+                k = torch.cat([torch.ones(rows, half, device=device), torch.zeros(rows, half, device=device)], -1)
+                _, turned = rotary(positions.to(device), q, k.clone())
+                return turned.view(rows, -1)[:, half:].float().cpu()  # k's second half after RoPE: the sines
+
+            self._axes = frequency_axes(sines, half)
+        return self._axes
+
+    def score(self, span: ApproximateSpan, layer: int, attention: PoolAttention, attn, q: torch.Tensor,
+              active: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
+        """One warmup layer's measurement for the span's selector (engine_ext.selection)."""
+        rows = span.rows
+        image_rows = rows.batch_rows
+        if span.kind == ATTENTION and layer < span.plan.warmup_layers:
+            asking = torch.searchsorted(active, span.question)
+            probs = attention.probs(attn, q[asking], span.sequence, span.question, slice(rows.start, rows.stop))
+            values = v_all[image_rows].view(rows.tokens, self.worker.kv_heads, -1)
+            span.score += select_.attention_score(probs, values).to(span.score.device)
+        elif span.kind == DEVIATION and layer == 0:
+            span.group = self._wait(span)
+            if span.group is None:
+                return
+            tokens = image_rows[span.candidates]
+            span.score[span.candidates.cpu()] = select_.deviation_score(
+                k_all[tokens], v_all[tokens], span.group.k[0], span.group.v[0]).cpu()
+
+    def _wait(self, span: ApproximateSpan) -> KVGroup | None:
+        if span.group is not None or span.future is None:
+            return span.group
+        try:
+            span.group = span.future.result()
+        except Exception:
+            log.exception("revisit: reading the alias' K/V failed")
+            span.group = None
+        span.future = None
+        if span.group is None:
+            span.failed = True
+        return span.group
+
+    def select(self, span: ApproximateSpan, depth: torch.Tensor, reused: ReusedKV, attention: PoolAttention) -> None:
+        """At layer W: R, B and D from what the warmup measured; B's K/V handed to the layers, D hidden."""
+        plan, rows = span.plan, span.rows
+        warmup = plan.warmup_layers
+        if span.kind == DEVIATION and self._wait(span) is None:
+            log.warning("revisit: the alias K/V of %s could not be read; computing the image", plan.key[:16])
+            self.worker.events.add("approximate_fallback")
+            return  # every row stays computed at every layer: a full prefill of the image
+        chosen = select_.select(plan, span.score if span.kind is not None else None)
+        image_rows = rows.batch_rows
+        reuse = chosen.reuse.to(image_rows.device)
+        if len(reuse):
+            group = self._wait(span)
+            if group is None:
+                log.warning("revisit: the alias K/V of %s could not be read (damaged or gone); computing the image "
+                            "in full", plan.key[:16])
+                self.worker.events.add("kv_read_failed", len(reuse))
+                self.worker.events.add("approximate_fallback")
+                return  # nothing reused, nothing dropped: from here on a full prefill of the image
+            picked = torch.searchsorted(span.candidates, reuse)
+            reused.ready.append((image_rows[reuse], KVGroup(
+                depth=span.first, tokens=tuple(group.tokens[i] for i in picked.tolist()),
+                k=group.k[:, picked], v=group.v[:, picked])))
+            depth[image_rows[reuse]] = warmup
+        drop = chosen.drop.to(image_rows.device)
+        if len(drop):
+            depth[image_rows[drop]] = warmup
+            attention.hide(span.sequence, rows.start + drop)
+            self._remember_hidden(rows.rid, warmup, rows.start + drop)
+        self.worker.events.add("approximate_executed")
+        self.worker.events.add("approximate_rows_reused", len(reuse))
+        self.worker.events.add("approximate_rows_recomputed", len(chosen.recompute))
+        self.worker.events.add("approximate_rows_dropped", len(drop))
+        log.info("revisit: approximate hit %s from %s (%s, %s): %s, recomputed %s", plan.key[:16],
+                 plan.alias[:16] if plan.alias else "-", rows.rid[:40], plan.selector, chosen.summary(),
+                 tokens_digest(chosen.recompute))
+
+    def forget_composed(self) -> None:
+        """Take the partial passes' composed encoder outputs out of SGLang's encoder cache (see above)."""
+        if not self._composed:
+            return
+        from sglang.srt.managers import mm_schedule
+
+        cache = mm_schedule.embedding_cache
+        for item_hash in self._composed:
+            if cache is not None:
+                cache.free(item_hash, None)
+        self._composed.clear()
+
+    def _remember_hidden(self, rid: str, warmup: int, positions: torch.Tensor) -> None:
+        """A request's dropped tokens stay hidden at layers >= W in every decode step after its prefill."""
+        self._hidden.setdefault(rid, []).append((warmup, positions))
+        while len(self._hidden) > 1024:
+            self._hidden.pop(next(iter(self._hidden)))
+
+
+def tokens_digest(tokens: torch.Tensor) -> str:
+    """A short digest of a token set, for logs that a test compares with the reference's choice."""
+    return hashlib.blake2b(",".join(map(str, tokens.tolist())).encode(), digest_size=6).hexdigest()
