@@ -14,9 +14,10 @@ $(INSTALLED): pyproject.toml requirements/sglang-cpu.txt
 	@echo "[setup] creating $(VENV) and installing SGLang $(SGLANG_VERSION) (CPU) and the project; a few minutes on first run"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# SGLang's wheel declares CUDA-only packages; install it alone, then its CPU-usable requirements.
-	$(BIN)/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	# SGLang's wheel declares CUDA-only packages: install its CPU-usable requirements and the project first, then
+	# SGLang alone without its declared ones (in this order pip has no unmet declaration to report).
 	$(BIN)/pip install --quiet -r requirements/sglang-cpu.txt -e '.[engine,clip,test]'
+	$(BIN)/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
 	@touch $@
 
 install: $(INSTALLED)

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
+from gateway.metrics import RequestTimer
 from gateway.routes import admin, health, openai_api
 from gateway.services import Services
 
@@ -28,6 +29,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="revisit gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(RequestTimer)  # revisit_requests_total and the latency histograms (gateway/metrics.py)
     app.include_router(openai_api.router)
     app.include_router(health.router)
     app.include_router(admin.router)

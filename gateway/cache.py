@@ -25,12 +25,22 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gateway.policy import CachePolicy
-from gateway.policy.decisions import Admit, Decision, Demote, Evict, Promote
+from gateway.policy.decisions import Admit, Decision, Demote, Evict, Promote, Reject
+from gateway.policy.entry import Tier, is_entry_key
 from store.errors import StoreError
 from store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Reconciled:
+    """What one pass over the store changed in the books."""
+
+    restored: int = 0  # entries the store held and the books did not (written by a worker, or before a restart)
+    lost: int = 0  # entries the books held and the store did not (removed outside the gateway, or damaged)
+    stray: int = 0  # entries the store held that the policy could not take (no room): removed from the store
 
 
 @dataclass(slots=True)
@@ -118,7 +128,57 @@ class CacheManager:
         return self.apply(self.policy.remove(key, force=force))
 
     def flush(self, *, force: bool = False) -> list[Decision]:
+        """Every entry out of the books and the store (pinned ones only with ``force``), those the books had not
+        yet taken in included."""
+        self.reconcile()
         return self.apply(self.policy.flush(force=force))
+
+    def reconcile(self) -> Reconciled:
+        """Make the books hold what the store holds, in one pass (the gateway does it in chunks: Services)."""
+        if self.store is None:
+            return Reconciled()
+        keys = list(self.store.keys())
+        done = self.take_in(keys)
+        done.lost = self.drop_lost(set(keys))
+        return done
+
+    def take_in(self, keys: list[str]) -> Reconciled:
+        """Book the entries the store holds under these keys and the books do not, where they are
+        (policy.restore, which may evict others to fit them)."""
+        done = Reconciled()
+        store = self.store
+        if store is None:
+            return done
+        for key in keys:
+            if key in self.policy or not is_entry_key(key):
+                continue
+            holding = store.tiers_holding(key)
+            size = store.size_of(key)
+            if not holding or size is None:
+                continue  # removed since it was listed
+            decisions = self.apply(self.policy.restore(key, size, Tier(holding[0]), pinned=store.is_pinned(key)))
+            if any(isinstance(d, Reject) and d.key == key for d in decisions):
+                store.remove(key, force=True)  # no room for it anywhere: do not keep bytes the books do not track
+                done.stray += 1
+            else:
+                done.restored += 1
+        if done.restored or done.stray:
+            log.info("books took in %d entries from the store (%d removed for want of room)", done.restored,
+                     done.stray)
+        return done
+
+    def drop_lost(self, listed: set[str]) -> int:
+        """Take out of the books the entries the store no longer holds (``listed``: the store's keys as listed
+        before; an entry booked since then is checked on its own). Returns how many."""
+        store = self.store
+        if store is None:
+            return 0
+        lost = [e.key for e in self.policy.entries() if e.key not in listed and not store.contains(e.key)]
+        for key in lost:
+            self.apply(self.policy.remove(key, force=True))
+        if lost:
+            log.warning("%d entries left the store outside the gateway; taken out of the books", len(lost))
+        return len(lost)
 
     def set_pinned(self, key: str, pinned: bool):
         """Pin or unpin in the books and, where the store holds the entry, in the store too."""

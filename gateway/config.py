@@ -283,6 +283,9 @@ class GatewayConfig:
     max_connections: int = 256
     # How often the event loop's lag is sampled (gateway/loop_lag.py).
     loop_lag_interval_s: float = 0.01
+    # How often the cache books are reconciled with the store (entries workers wrote, entries lost; and at start
+    # every entry a previous run left, see Services.start).
+    books_interval_s: float = 10.0
     # API key -> cache namespace. Keys not listed get a namespace of their own derived
     # from the key; requests without a key share the default namespace.
     namespaces: Mapping[str, str] = field(default_factory=dict)
@@ -309,7 +312,8 @@ class GatewayConfig:
         if self.image_memo_bytes < 0:
             raise ConfigError(f"image_memo_bytes must not be negative, got {self.image_memo_bytes}")
         for name in ("max_request_bytes", "health_interval_s", "health_timeout_s",
-                     "connect_timeout_s", "upstream_timeout_s", "max_connections", "loop_lag_interval_s"):
+                     "connect_timeout_s", "upstream_timeout_s", "max_connections", "loop_lag_interval_s",
+                     "books_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.admin_token is not None and len(self.admin_token) < 8:
@@ -325,7 +329,7 @@ class GatewayConfig:
         processor settings), REVISIT_NAMESPACES (JSON object key -> namespace),
         REVISIT_ALLOW_PRIVATE_IMAGE_URLS (0/1), REVISIT_MAX_IMAGES_PER_REQUEST,
         REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES, REVISIT_IMAGE_MEMO_BYTES,
-        REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_ADMIN_TOKEN,
+        REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_BOOKS_INTERVAL_S, REVISIT_ADMIN_TOKEN,
         REVISIT_METRICS_REQUIRE_TOKEN (0/1), and the cache policy's REVISIT_DRAM_CAPACITY_BYTES,
         REVISIT_LMDB_CAPACITY_BYTES, REVISIT_PRESET_FRACTION, REVISIT_MAX_PROTECTION_BUDGET,
         REVISIT_PRESET_REUSE_WEIGHT, REVISIT_PRESET_MIN_SCORE.
@@ -382,6 +386,7 @@ class GatewayConfig:
             ("image_memo_bytes", "IMAGE_MEMO_BYTES", int),
             ("upstream_timeout_s", "UPSTREAM_TIMEOUT_S", float),
             ("health_interval_s", "HEALTH_INTERVAL_S", float),
+            ("books_interval_s", "BOOKS_INTERVAL_S", float),
         ):
             if (value := get(name, cast)) is not None:
                 kwargs[key] = value

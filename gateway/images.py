@@ -22,6 +22,10 @@ from gateway.config import ImageLimits, ProcessorSettings
 from gateway.errors import InvalidRequest, PayloadTooLarge, UnprocessableImage
 from gateway.matching.features import Extractor, TokenFeatures
 
+# The gateway's own pixel cap (ImageLimits.max_image_pixels, checked from the header before any pixel is decoded)
+# is the one clients hear about; Pillow's built-in one would otherwise refuse first, with its own figure.
+Image.MAX_IMAGE_PIXELS = None
+
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"})
 MAX_ASPECT_RATIO = 200  # the Qwen-VL processors refuse more elongated images
 KEY_VERSION = b"revisit-image-key-v1"

@@ -1,4 +1,5 @@
-"""Prometheus figures for one gateway app, read from the cache policy at scrape time.
+"""Prometheus figures for one gateway app: the cache policy's and the planner's, read at scrape time, and the
+requests served (counts, durations, time to first token), recorded as they end.
 
 Each app owns its :class:`~prometheus_client.CollectorRegistry` (never the global
 default one), so several apps can live in one process.
@@ -6,9 +7,12 @@ default one), so several apps can live in one process.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -91,6 +95,99 @@ def planner_stats(planner: Planner) -> dict:
     return {"plans": plans, "matching": {"enabled": matcher is not None,
                                          "indexed": len(matcher.index) if matcher is not None else 0,
                                          "damaged_records": matcher.damaged_records if matcher is not None else 0}}
+
+
+# Seconds: a cached image on a GPU answers in tens of milliseconds, a miss on a CPU worker in minutes.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+ENDPOINTS = ("/v1/chat/completions", "/v1/models", "/health", "/metrics", "/admin")
+NO_IMAGE = "none"  # the reuse label of a request without images
+MIXED = "mixed"  # ... of one whose images were planned as different kinds
+
+
+def reuse_label(kinds: tuple[str, ...] | list[str]) -> str:
+    """One label for a request's images: their kind when they agree (planner.KINDS), else "mixed"."""
+    distinct = set(kinds)
+    return NO_IMAGE if not distinct else distinct.pop() if len(distinct) == 1 else MIXED
+
+
+class RequestMetrics:
+    """Requests served, by endpoint and status code, and how long they took, by the reuse their images got
+    (``reuse``: planner.KINDS, "none" or "mixed"; set by the chat route in the request's state)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("revisit_requests", "HTTP requests served, by endpoint and status code (499: the "
+                                "client left before the response ended).", ["endpoint", "code"], registry=registry)
+        self.duration = Histogram("revisit_request_duration_seconds", "From the request's arrival to the end of its "
+                                  "response (a stream's last chunk), chat completions by reuse kind.",
+                                  ["endpoint", "reuse"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.fallbacks = Counter("revisit_reuse_fallbacks", "Images a worker did not run as planned, by what was "
+                                 "planned and why (plan.outcome.CAUSES): computed as after a miss, or partly "
+                                 "(degraded).", ["planned", "cause", "ran"], registry=registry)
+        self.unreported = Counter("revisit_reuse_unreported", "Planned requests whose worker reported nothing of "
+                                  "what it ran (x-revisit-reuse then says what was planned).", registry=registry)
+        self.first_token = Histogram("revisit_time_to_first_token_seconds", "Streamed chat completions: from the "
+                                     "request's arrival to its first streamed chunk, by reuse kind.", ["reuse"],
+                                     buckets=LATENCY_BUCKETS, registry=registry)
+
+    @staticmethod
+    def endpoint(path: str) -> str:
+        return next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
+
+
+class RequestTimer:
+    """ASGI middleware that records each HTTP request in the app's RequestMetrics once its response ends."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status: list[int] = []
+        first: list[float] = []
+        ended = False
+
+        async def timed_send(message: dict) -> None:
+            nonlocal ended
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            elif message["type"] == "http.response.body":
+                if not first and message.get("body"):
+                    first.append(time.perf_counter())
+                ended = not message.get("more_body", False)
+            await send(message)
+
+        failed: BaseException | None = None
+        try:
+            await self.app(scope, receive, timed_send)
+        except BaseException as exc:
+            failed = exc
+            raise
+        finally:
+            if status and ended:
+                code = str(status[0])
+            elif status or failed is None or isinstance(failed, asyncio.CancelledError):
+                code = "499"  # the client left (or the response was cut) before it ended
+            else:
+                code = "500"
+            self._record(scope, started, code, first[0] if first else None)
+
+    @staticmethod
+    def _record(scope: dict, started: float, code: str, first: float | None) -> None:
+        app = scope.get("app")
+        services = getattr(getattr(app, "state", None), "services", None)
+        metrics: RequestMetrics | None = getattr(services, "requests", None)
+        if metrics is None:
+            return
+        endpoint = RequestMetrics.endpoint(scope.get("path", ""))
+        metrics.requests.labels(endpoint, code).inc()
+        state = scope.get("state") or {}
+        reuse = state.get("reuse", NO_IMAGE) if endpoint == ENDPOINTS[0] else ""
+        metrics.duration.labels(endpoint, reuse).observe(time.perf_counter() - started)
+        if state.get("stream") and first is not None and code == "200":
+            metrics.first_token.labels(reuse).observe(first - started)
 
 
 def build_registry(policy: CachePolicy, planner: Planner | None = None) -> CollectorRegistry:

@@ -20,7 +20,8 @@ prefill (its alias gone or damaged: the KV is then exact); otherwise nothing is 
 never backed by an entry, is dropped once the pending grace has passed and a lookup finds it.
 
 The planner learns about entries from the store itself: a worker writes an entry after the miss that planned it,
-recording the plan's prefix digest in it, and the next plan that finds it in the store admits it to the policy.
+recording the plan's prefix digest in it, and the next plan that finds it in the store admits it to the policy
+(if the gateway's periodic pass over the store, Services._keep_books, has not already).
 The digest is read back from the entry's header each time, so it always describes the bytes that are stored.
 Entries the policy evicts leave the store; entries the store lost leave the books.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.cache import CacheManager
@@ -43,8 +45,8 @@ from gateway.images import CanonicalImage
 from gateway.intake import IntakeResult
 from gateway.matching.matcher import Match, Matcher
 from gateway.matching.plans import approximate_plan
-from gateway.policy.decisions import Reject
 from plan import EXACT, MISS, ImagePlan, RequestPlan
+from plan.outcome import EVERY_IMAGE, PLANNED, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +65,31 @@ class Planned:
     kinds: tuple[str, ...]  # per image, one of KINDS
     similarities: tuple[float | None, ...] = ()  # per image: an approximate plan's match score
 
-    def reuse_header(self) -> str:
-        """Per image, what was planned: ``miss``, ``exact_same_prefix``, ``exact_moved`` or
-        ``approximate;similarity=0.9731`` (rounded down: a near-duplicate never reads as 1)."""
-        return ",".join(kind if similarity is None else f"{kind};similarity={similarity:.4f}"
-                        for kind, similarity in zip(self.kinds, self.similarities or (None,) * len(self.kinds),
-                                                    strict=True))
+    def reuse_header(self, ran: Mapping[int, Outcome] | None = None) -> str:
+        """Per image, what ran: ``miss``, ``exact_same_prefix``, ``exact_moved`` or ``approximate;similarity=0.9731``
+        (rounded down: a near-duplicate never reads as 1) when the worker ran the plan, with ``;degraded=<cause>``
+        when some of it was computed instead; ``miss;planned=<kind>;fallback=<cause>`` when the worker had to
+        compute the image as after a miss (plan.outcome.CAUSES). Without ``ran`` (the worker reported nothing),
+        what was planned."""
+        parts = []
+        for index, (kind, similarity) in enumerate(zip(self.kinds, self.similarities or (None,) * len(self.kinds),
+                                                       strict=True)):
+            outcome = outcome_of(ran, index)
+            if outcome is not None and outcome.ran != PLANNED:
+                parts.append(f"miss;planned={kind};fallback={outcome.cause}")
+                continue
+            part = kind if similarity is None else f"{kind};similarity={similarity:.4f}"
+            parts.append(part if outcome is None or outcome.cause is None else f"{part};degraded={outcome.cause}")
+        return ",".join(parts)
+
+    def fallbacks(self, ran: Mapping[int, Outcome]) -> list[tuple[str, Outcome]]:
+        """(planned kind, outcome) of each image that did not run exactly as planned."""
+        return [(kind, outcome) for index, kind in enumerate(self.kinds)
+                if (outcome := outcome_of(ran, index)) is not None and (outcome.ran != PLANNED or outcome.cause)]
+
+
+def outcome_of(ran: Mapping[int, Outcome] | None, index: int) -> Outcome | None:
+    return None if ran is None else ran.get(index, ran.get(EVERY_IMAGE))
 
 
 class Planner:
@@ -181,12 +202,7 @@ class Planner:
             stored_digest = header.header.prefix_digest
         if in_books:
             return stored_digest
-        size = store.size_of(key)
-        if size is None:
-            return None
-        decisions = self.cache.insert(key, size)
-        if any(isinstance(d, Reject) and d.key == key for d in decisions):
-            store.remove(key, force=True)  # no room for it anywhere: do not keep bytes the books do not track
+        if not self.cache.take_in([key]).restored:  # no room for it anywhere (then removed), or gone since
             return None
         self.counts["admitted"] += 1
         return stored_digest

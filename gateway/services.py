@@ -19,10 +19,11 @@ from gateway.intake import Intake
 from gateway.loop_lag import LoopLag
 from gateway.matching import extractor_for, scope
 from gateway.matching.matcher import Matcher
-from gateway.metrics import build_registry
+from gateway.metrics import RequestMetrics, build_registry
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
 from gateway.workers import WorkerPool
+from plan.outcome import OutcomeBox
 from store import FeatureStore, TieredStore, open_store
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,13 @@ class Services:
     cache: CacheManager
     planner: Planner
     metrics: CollectorRegistry
+    requests: RequestMetrics
     loop_lag: LoopLag
+    outcomes: OutcomeBox | None = None  # what workers ran, per request (plan.outcome); None without a store
     started_at: int = field(default_factory=lambda: int(time.time()))
     _rebuild: asyncio.Task[None] | None = None
+    _books: asyncio.Task[None] | None = None
+    books_ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once the first pass is done
 
     @classmethod
     def build(cls, config: GatewayConfig) -> Services:
@@ -84,7 +89,9 @@ class Services:
             cache=cache,
             planner=planner,
             metrics=registry,
+            requests=RequestMetrics(registry),
             loop_lag=LoopLag(registry, config.loop_lag_interval_s),
+            outcomes=OutcomeBox(reuse.store.outcomes_path) if store is not None and reuse.store is not None else None,
         )
 
     @property
@@ -95,8 +102,41 @@ class Services:
         self.loop_lag.start()
         await self.pool.start()
         matcher, store = self.planner.matcher, self.cache.store
+        loop = asyncio.get_running_loop()
+        if store is not None:
+            self._books = loop.create_task(self._keep_books(store))
+        else:
+            self.books_ready.set()
         if matcher is not None and store is not None:
-            self._rebuild = asyncio.get_running_loop().create_task(self._rebuild_index(matcher, store))
+            self._rebuild = loop.create_task(self._rebuild_index(matcher, store))
+
+    async def _keep_books(self, store: TieredStore) -> None:
+        """The cache books follow the store, which outlives the gateway and is written by the workers: at start
+        every entry a previous run left is booked where it lies (so it is counted, protected and evictable), and
+        every ``books_interval_s`` the entries workers wrote since are taken in and the ones lost let go. In
+        chunks on the cache thread, so requests are planned in between."""
+        first = True
+        while True:
+            started = time.perf_counter()
+            try:
+                keys = await self.cache.run(lambda: list(store.keys()))
+                restored = 0
+                for at in range(0, len(keys), REBUILD_CHUNK):
+                    restored += (await self.cache.run(self.cache.take_in, keys[at:at + REBUILD_CHUNK])).restored
+                lost = await self.cache.run(self.cache.drop_lost, set(keys))
+                if self.outcomes is not None:
+                    await self.cache.run(self.outcomes.sweep)  # outcomes whose gateway died before taking them
+                if first:
+                    log.info("cache books rebuilt from the store: %d entries taken in, %d lost, in %.2f s",
+                             restored, lost, time.perf_counter() - started)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the books stay as they are until the next pass; the gateway keeps serving
+                log.exception("reconciling the cache books with the store failed")
+            if first:
+                first = False
+                self.books_ready.set()
+            await asyncio.sleep(self.config.books_interval_s)
 
     async def _rebuild_index(self, matcher: Matcher, store: TieredStore) -> None:
         """The match index from the features beside the store, in chunks on the cache thread, so that requests
@@ -110,10 +150,11 @@ class Services:
                  time.perf_counter() - started)
 
     async def aclose(self) -> None:
-        if self._rebuild is not None:
-            self._rebuild.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._rebuild
+        for task in (self._rebuild, self._books):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.loop_lag.stop()
         await self.pool.stop()
         await asyncio.to_thread(self.cache.close)

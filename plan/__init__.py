@@ -6,6 +6,7 @@ extension inside each worker; neither imports the other.
 
 - :mod:`plan.request`: ``RequestPlan`` / ``ImagePlan``, the versioned wire format, and its transport in SGLang's
   request id.
+- :mod:`plan.outcome`: what a worker actually ran per image (``Outcome``), left for the gateway in ``OutcomeBox``.
 - :mod:`plan.ratios`: per-layer recompute ratios (``check_ratios``, ``recompute_count``).
 - :mod:`plan.profile`: ``RecomputeProfile``, written by ``offline.profiler`` and read by the gateway.
 - :mod:`plan.checkpoint`: what a model folder's JSON files say (layers, dtype, image processor settings).

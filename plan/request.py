@@ -196,6 +196,14 @@ class RequestPlan:
         packed = base64.b64encode(zlib.compress(self.to_json().encode(), 6)).decode()
         return f"{RID_PREFIX}{request_id}.{packed}."
 
+    @staticmethod
+    def request_id(rid: object) -> str | None:
+        """The gateway's request id inside a plan-carrying rid (to_rid's ``request_id``); None for other ids."""
+        if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
+            return None
+        request_id = rid[len(RID_PREFIX):].split(".", 1)[0]
+        return request_id if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", request_id) else None
+
     @classmethod
     def from_rid(cls, rid: object) -> RequestPlan | None:
         """The plan a request id carries; None for ids without one. Raises PlanError for a damaged one."""

@@ -45,6 +45,7 @@ class StoreConfig:
     lmdb_grow_wait_s: float = 5.0  # how long a put waits for this process's read handles before growing the map
     lmdb_sync: bool = True  # fsync on commit; False trades crash durability of recent puts for write speed
     features_dir: Path | None = None  # None: beside the LMDB tier, <lmdb dir>-features (store/features.py)
+    outcomes_dir: Path | None = None  # None: beside the DRAM tier, <dram dir>-outcomes (plan/outcome.py)
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -77,6 +78,14 @@ class StoreConfig:
         if self.features_dir is not None:
             return self.features_dir
         return self.lmdb_path.with_name(self.lmdb_path.name + "-features")
+
+    @property
+    def outcomes_path(self) -> Path:
+        """Where workers leave what they ran for each request, for the gateway (plan.outcome): shared memory on
+        the host the gateway and its workers share."""
+        if self.outcomes_dir is not None:
+            return self.outcomes_dir
+        return self.dram_path.with_name(self.dram_path.name + "-outcomes")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreConfig:

@@ -177,8 +177,9 @@ def async_client(gateway):
 
 
 def worker_events(urls) -> Counter:
-    """What the engine extension executed, summed over these workers: revisit_worker_events_total by event, read
-    from each worker's /metrics (see engine_ext/executor/events.py)."""
+    """What the engine extension executed, summed over these workers: revisit_worker_events_total by event, and
+    revisit_worker_fallbacks_total as "fallback:<plan>:<cause>", read from each worker's /metrics (see
+    engine_ext/executor/events.py)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: Counter = Counter()
@@ -189,4 +190,8 @@ def worker_events(urls) -> Counter:
                 for sample in family.samples:
                     if sample.name.endswith("_total"):
                         totals[sample.labels["event"]] += int(sample.value)
+            elif family.name == "revisit_worker_fallbacks":  # as ExecutionEvents.counts names them
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        totals[f"fallback:{sample.labels['plan']}:{sample.labels['cause']}"] += int(sample.value)
     return totals

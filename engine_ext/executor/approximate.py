@@ -27,11 +27,13 @@ from engine_ext import selection as select_
 from engine_ext import vision
 from engine_ext.executor.attention import PoolAttention
 from engine_ext.executor.entries import EntryHead, KVGroup, read_head
+from engine_ext.executor.events import FullPrefill
 from engine_ext.executor.exact import ReusedKV
 from engine_ext.executor.rows import ImageRows
 from engine_ext.rope import frequency_axes
 from engine_ext.selection import ATTENTION, DEVIATION, score_kind
-from plan import PARTIAL_PASS, SAME, ImagePlan
+from plan import APPROXIMATE, PARTIAL_PASS, SAME, ImagePlan
+from plan.outcome import PLANNED, Outcome
 
 if TYPE_CHECKING:
     from engine_ext.executor.executor import PlanExecutor
@@ -76,15 +78,13 @@ class ApproximateHits:
         return [(sequence, warmup, positions) for sequence, rid in enumerate(rids)
                 for warmup, positions in self._hidden.get(rid, ())]
 
-    def prepare(self, rows: ImageRows, plan: ImagePlan, forward_batch) -> ApproximateSpan | None:
-        """Check that the plan can run here; start reading the alias' K/V of its candidates. None: full prefill."""
+    def prepare(self, rows: ImageRows, plan: ImagePlan, forward_batch) -> ApproximateSpan:
+        """Check that the plan can run here; start reading the alias' K/V of its candidates. Raises FullPrefill."""
         layers = len(self.worker.layers)
         end = rows.batch_lo + rows.done - rows.lo  # the batch row after the request's last row in this extend
         question = torch.arange(rows.batch_lo + rows.tokens, end, device=rows.slots.device)
         if not rows.whole_in_extend or not len(question):
-            log.info("revisit: approximate plan for %s needs its image and question in one extend; full prefill",
-                     plan.key[:16])
-            return None
+            raise FullPrefill("chunked", f"the image of {plan.key[:16]} and its question are not in one extend")
         assert plan.alias is not None  # an approximate ImagePlan always names one
         alias_grid = plan.alias_grid or plan.grid
         partial = plan.vision == PARTIAL_PASS
@@ -94,13 +94,11 @@ class ApproximateHits:
                              kv_heads=worker.kv_heads, head_dim=worker.head_dim, tokens=alias_grid[0] * alias_grid[1],
                              with_encoder=partial)
             axes = self._frequency_axes()
-        except Exception:  # a store that cannot be read means a full prefill, never a failed request
+        except FullPrefill:
+            raise
+        except Exception as exc:  # a store that cannot be read means a full prefill, never a failed request
             log.exception("revisit: preparing the approximate plan for %s failed", plan.key[:16])
-            head = None
-        if head is None:
-            log.info("revisit: approximate plan for %s found no usable alias entry %s; full prefill", plan.key[:16],
-                     plan.alias[:16])
-            return None
+            raise FullPrefill("store_error", str(exc)) from exc
         if partial:
             self._partial_vision_pass(rows, plan, head)
         kind = score_kind(plan)
@@ -151,6 +149,8 @@ class ApproximateHits:
         except Exception:
             log.exception("revisit: the partial vision pass for %s failed; the full pass runs", plan.key[:16])
             self.worker.events.add("vision_partial_failed")
+            self.worker.events.fallback(APPROXIMATE, "vision_partial_failed")
+            self.worker.ran.record(rows.rid, rows.index, Outcome(PLANNED, "vision_partial_failed"))
             return
         if cache.set(rows.item_hash, EmbeddingResult(embedding=composed)):
             self._composed.append(rows.item_hash)
@@ -217,8 +217,7 @@ class ApproximateHits:
         plan, rows = span.plan, span.rows
         warmup = plan.warmup_layers
         if span.kind == DEVIATION and self._wait(span) is None:
-            log.warning("revisit: the alias K/V of %s could not be read; computing the image", plan.key[:16])
-            self.worker.events.add("approximate_fallback")
+            self.worker.fell_back(rows, plan, FullPrefill("kv_read_failed", "the alias' layer-0 K/V"))
             return  # every row stays computed at every layer: a full prefill of the image
         chosen = select_.select(plan, span.score if span.kind is not None else None)
         image_rows = rows.batch_rows
@@ -226,10 +225,8 @@ class ApproximateHits:
         if len(reuse):
             group = self._wait(span)
             if group is None:
-                log.warning("revisit: the alias K/V of %s could not be read (damaged or gone); computing the image "
-                            "in full", plan.key[:16])
                 self.worker.events.add("kv_read_failed", len(reuse))
-                self.worker.events.add("approximate_fallback")
+                self.worker.fell_back(rows, plan, FullPrefill("kv_read_failed", "the alias' K/V, damaged or gone"))
                 return  # nothing reused, nothing dropped: from here on a full prefill of the image
             picked = torch.searchsorted(span.candidates, reuse)
             reused.ready.append((image_rows[reuse], KVGroup(

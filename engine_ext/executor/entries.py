@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine_ext.executor.events import FullPrefill
 from engine_ext.rope import reposition, reposition_axes
-from store import Entry, KVStore
+from store import Entry, KVStore, StoreError
 from store.entry import DTYPES
 
 
@@ -67,16 +68,19 @@ class EntryHead:
 
 
 def read_head(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads: int, head_dim: int,
-              tokens: int, with_encoder: bool = True) -> EntryHead | None:
+              tokens: int, with_encoder: bool = True) -> EntryHead:
     """The entry's header and (unless with_encoder is False) encoder output, verified, if it is present and made
-    by this model for an image of this size; else None. Reads no K/V."""
-    read = store.get_sparse(key, [], (0, 1), with_encoder=with_encoder)
-    if read is None:
-        return None
+    by this model for an image of this size; else FullPrefill saying which it is not. Reads no K/V."""
+    try:
+        read = store.get_sparse(key, [], (0, 1), with_encoder=with_encoder)
+        if read is None:
+            raise FullPrefill("entry_damaged" if store.contains(key) else "entry_missing", key[:16])
+    except StoreError as exc:
+        raise FullPrefill("store_error", str(exc)) from exc
     with read:
         h = read.header
         if not _fits(h, model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens):
-            return None
+            raise FullPrefill("entry_foreign", f"{key[:16]} is {h.model_id}'s, {h.num_tokens} tokens")
         encoder = _tensor(read.encoder_array(), h.encoder_dtype) if with_encoder else None
         return EntryHead(positions=_positions(h), encoder=encoder, kv_dtype=h.kv_dtype)
 

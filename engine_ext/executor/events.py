@@ -3,15 +3,36 @@
 Every image a plan names ends in events (one name per outcome, below). They are kept in-process
 (``ExecutionEvents.counts``) and, where SGLang runs with ``--enable-metrics`` (the launcher always asks for it), as
 the Prometheus counter ``revisit_worker_events_total{event=...}`` on the worker's own ``/metrics``: the model runs
-in SGLang's scheduler process, whose counters SGLang's multiprocess registry serves from the HTTP process.
+in SGLang's scheduler process, whose counters SGLang's multiprocess registry serves from the HTTP process. Each
+fallback is also counted by plan and cause (plan.outcome.CAUSES) as ``revisit_worker_fallbacks_total{plan,cause}``,
+and logged; what ran is reported back to the gateway per request (plan.outcome).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+
+from plan import RequestPlan
+from plan.outcome import CAUSES, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, OutcomeBox
+
+log = logging.getLogger(__name__)
+_RANK = {PLANNED: 0, FULL_PREFILL: 2, UNPLANNED: 3}
 
 METRIC = "revisit_worker_events"
+FALLBACK_METRIC = "revisit_worker_fallbacks"
+
+
+class FullPrefill(Exception):
+    """An image cannot run as planned and is computed as after a miss, for ``cause`` (plan.outcome.CAUSES)."""
+
+    def __init__(self, cause: str, detail: str = "") -> None:
+        if cause not in CAUSES:
+            raise ValueError(f"unknown cause {cause!r}")
+        super().__init__(f"{cause}: {detail or CAUSES[cause]}")
+        self.cause = cause
 
 EVENTS = {
     "miss": "an image planned as a miss ran the vision tower and the full prefill",
@@ -37,6 +58,7 @@ EVENTS = {
     "stored": "entries written to the store after a miss",
     "store_failed": "entries that could not be written",
     "capture_skipped": "misses whose encoder output SGLang no longer held, so nothing was stored",
+    "outcome_failed": "requests whose outcome (what ran) could not be left for the gateway",
 }
 
 
@@ -46,12 +68,14 @@ class ExecutionEvents:
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
-        self._metric = None
+        self._metric = self._fallbacks = None
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by SGLang before it starts the scheduler
             from prometheus_client import Counter as PrometheusCounter
 
             self._metric = PrometheusCounter(METRIC, "What the engine extension executed, by event.", ["event"],
                                              registry=None)
+            self._fallbacks = PrometheusCounter(FALLBACK_METRIC, "Images that did not run as planned, by plan "
+                                                "(exact, approximate) and cause.", ["plan", "cause"], registry=None)
 
     def add(self, event: str, count: int = 1) -> None:
         if event not in EVENTS:
@@ -59,3 +83,53 @@ class ExecutionEvents:
         self.counts[event] += count
         if self._metric is not None:
             self._metric.labels(event).inc(count)
+
+    def fallback(self, plan: str, cause: str) -> None:
+        """One image of a ``plan`` (exact, approximate) that did not run as planned, for ``cause``."""
+        if cause not in CAUSES:
+            raise ValueError(f"unknown cause {cause!r}")
+        self.counts[f"fallback:{plan}:{cause}"] += 1
+        if self._fallbacks is not None:
+            self._fallbacks.labels(plan, cause).inc()
+
+
+class OutcomeLog:
+    """What ran for each planned image of the requests in a forward, merged over a request's chunks (the worst
+    outcome wins: a full prefill over a degraded plan over a plan as written), and left for the gateway in the
+    OutcomeBox at the end of each forward (plan.outcome)."""
+
+    def __init__(self, box: Callable[[], OutcomeBox], events: ExecutionEvents) -> None:
+        self._box_factory = box
+        self._box: OutcomeBox | None = None
+        self._events = events
+        self._by_rid: OrderedDict[str, dict[int, Outcome]] = OrderedDict()  # bounded
+        self._touched: set[str] = set()
+
+    def record(self, rid: str, index: int, outcome: Outcome) -> None:
+        outcomes = self._by_rid.setdefault(rid, {})
+        held = outcomes.get(index)
+        if held is None or _rank(outcome) >= _rank(held):
+            outcomes[index] = outcome
+        self._touched.add(rid)
+        while len(self._by_rid) > 4096:
+            self._by_rid.popitem(last=False)
+
+    def flush(self) -> None:
+        """Write the outcomes of the requests this forward touched."""
+        for rid in self._touched:
+            request_id = RequestPlan.request_id(rid)
+            outcomes = self._by_rid.get(rid)
+            if request_id is None or not outcomes:
+                continue
+            try:
+                if self._box is None:
+                    self._box = self._box_factory()
+                self._box.put(request_id, outcomes)
+            except Exception:  # the gateway then reports the plan as planned; nothing else depends on it
+                log.exception("revisit: could not leave the outcome of %s for the gateway", request_id)
+                self._events.add("outcome_failed")
+        self._touched.clear()
+
+
+def _rank(outcome: Outcome) -> int:
+    return _RANK[outcome.ran] + (outcome.ran == PLANNED and outcome.cause is not None)

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_ext.executor.entries import EntryHead, KVGroup, read_head
-from engine_ext.executor.events import ExecutionEvents
+from engine_ext.executor.events import ExecutionEvents, FullPrefill, OutcomeLog
 from engine_ext.executor.rows import ImageRows, reuse_depths
-from plan import ImagePlan, recompute_count
+from plan import EXACT, ImagePlan, recompute_count
+from plan.outcome import PLANNED, Outcome
 
 if TYPE_CHECKING:
     from engine_ext.executor.executor import PlanExecutor
@@ -39,24 +40,22 @@ class ReuseSpan:
     groups: list[tuple[int, torch.Tensor, Future[KVGroup | None]]]  # (depth, rows of the span, its K/V)
 
 
-def prepare(worker: PlanExecutor, rows: ImageRows, plan: ImagePlan, forward_batch) -> ReuseSpan | None:
-    """Read what must be known before the forward; start reading the K/V it will need. None: full prefill."""
+def prepare(worker: PlanExecutor, rows: ImageRows, plan: ImagePlan, forward_batch) -> ReuseSpan:
+    """Read what must be known before the forward; start reading the K/V it will need. Raises FullPrefill."""
     layers = len(worker.layers)
     try:
         head = read_head(worker.store, plan.key, model_id=worker.model_id, layers=layers, kv_heads=worker.kv_heads,
                          head_dim=worker.head_dim, tokens=rows.tokens)
-    except Exception:  # a store that cannot be read means a full prefill, never a failed request
+    except FullPrefill:
+        raise
+    except Exception as exc:  # a store that cannot be read means a full prefill, never a failed request
         log.exception("revisit: reading %s failed", plan.key)
-        head = None
-    if head is None:
-        log.info("revisit: exact plan for %s found no usable entry; full prefill", plan.key[:16])
-        return None
+        raise FullPrefill("store_error", str(exc)) from exc
     local = rows.local_rows
     now = forward_batch.mrope_positions[:, rows.batch_rows]  # (3, rows)
     shift = now - head.positions.to(now.device)[:, local]
     if not (shift == shift[0, 0]).all():
-        log.warning("revisit: entry %s does not move as a whole to this prompt; full prefill", plan.key[:16])
-        return None
+        raise FullPrefill("not_movable", f"entry {plan.key[:16]} does not move as a whole to this prompt")
     delta = int(shift[0, 0])
     cache_encoder_output(rows, head, worker.events)
     counts = [recompute_count(r, rows.tokens) for r in (plan.ratios or (0.0,) * layers)]
@@ -93,17 +92,19 @@ class ReusedKV:
     that layer on: their hidden states are current, since every layer before it computed them.
     """
 
-    def __init__(self, spans: list[ReuseSpan], depth: torch.Tensor, layers: int, events: ExecutionEvents) -> None:
+    def __init__(self, spans: list[ReuseSpan], depth: torch.Tensor, layers: int, events: ExecutionEvents,
+                 ran: OutcomeLog) -> None:
         self.depth = depth  # (batch rows,), shared with the forward: raised for rows whose read failed
         self.layers = layers
         self.events = events
-        self.pending = sorted(((d, span.rows.batch_rows[members], future) for span in spans
+        self.ran = ran
+        self.pending = sorted(((d, span.rows, span.rows.batch_rows[members], future) for span in spans
                                for d, members, future in span.groups), key=lambda group: group[0])
         self.ready: list[tuple[torch.Tensor, KVGroup]] = []  # (batch rows, K/V)
 
     def arrive(self, layer: int) -> None:
         while self.pending and self.pending[0][0] == layer:
-            _, batch_rows, future = self.pending.pop(0)
+            _, rows, batch_rows, future = self.pending.pop(0)
             try:
                 group = future.result()
             except Exception:
@@ -114,6 +115,8 @@ class ReusedKV:
                             "them from layer %d on", len(batch_rows), layer)
                 self.depth[batch_rows] = self.layers
                 self.events.add("kv_read_failed", len(batch_rows))
+                self.events.fallback(EXACT, "kv_read_failed")
+                self.ran.record(rows.rid, rows.index, Outcome(PLANNED, "kv_read_failed"))
                 continue
             self.ready.append((batch_rows, group))
 

@@ -40,11 +40,12 @@ from engine_ext.executor import exact
 from engine_ext.executor.approximate import ApproximateHits, ApproximateSpan
 from engine_ext.executor.attention import PoolAttention
 from engine_ext.executor.entries import KVFetch, StoredImage, to_entry
-from engine_ext.executor.events import ExecutionEvents
+from engine_ext.executor.events import ExecutionEvents, FullPrefill, OutcomeLog
 from engine_ext.executor.exact import ReusedKV, ReuseSpan
 from engine_ext.executor.rows import ImageRows, locate
 from engine_ext.rope import inv_freq
-from plan import APPROXIMATE, EXACT, ImagePlan, PlanError, RequestPlan
+from plan import APPROXIMATE, EXACT, MISS, ImagePlan, PlanError, RequestPlan
+from plan.outcome import EVERY_IMAGE, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, OutcomeBox
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ log = logging.getLogger(__name__)
 class PlanExecutor:
     """One per model instance (one per worker process); see the module docstring."""
 
-    def __init__(self, model, *, model_id: str, store_factory: Callable[[], object] | None = None) -> None:
+    def __init__(self, model, *, model_id: str, store_factory: Callable[[], object] | None = None,
+                 outcomes_factory: Callable[[], OutcomeBox] | None = None) -> None:
         self.model = model
         self.layers = model.model.layers
         self.model_id = model_id
@@ -66,6 +68,7 @@ class PlanExecutor:
         self.reader = KVFetch()
         self.events = ExecutionEvents()
         self._captured: dict[tuple[str, int], None] = {}  # insertion-ordered, bounded
+        self.ran = OutcomeLog(outcomes_factory or _open_outcomes, self.events)
         self.approximate = ApproximateHits(self)
 
     # --- the store, opened on first use ---
@@ -84,6 +87,12 @@ class PlanExecutor:
             return self._decode_with_hidden(input_ids, forward_batch)
         if not forward_batch.forward_mode.is_extend() or not forward_batch.mm_inputs:
             return run_model()
+        try:
+            return self._extend(input_ids, forward_batch, run_model)
+        finally:
+            self.ran.flush()  # what ran, for the gateway (plan.outcome)
+
+    def _extend(self, input_ids: torch.Tensor, forward_batch, run_model: Callable[[], object]):
         plans = self._plans(forward_batch.rids)
         if not plans:
             return run_model()
@@ -94,23 +103,25 @@ class PlanExecutor:
                   if rows.rid in plans and self._fits(rows, plans[rows.rid])]
         captures, reuse, approximate = [], [], []
         for rows, plan in images:
-            if plan.strategy == EXACT and rows.in_extend:
-                span = exact.prepare(self, rows, plan, forward_batch)
-                if span is not None:
-                    reuse.append(span)
+            try:
+                if plan.strategy == EXACT and rows.in_extend:
+                    reuse.append(exact.prepare(self, rows, plan, forward_batch))
+                    self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue
-                self.events.add("exact_fallback")
-            elif plan.strategy == EXACT:
-                self.events.add("exact_served_by_prefix_cache")
-                continue
-            elif plan.strategy == APPROXIMATE and rows.in_extend:
-                approximate_span = self.approximate.prepare(rows, plan, forward_batch)
-                if approximate_span is not None:
-                    approximate.append(approximate_span)
+                if plan.strategy == EXACT:
+                    self.events.add("exact_served_by_prefix_cache")
+                    self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
+                    continue
+                if plan.strategy == APPROXIMATE and rows.in_extend:
+                    approximate.append(self.approximate.prepare(rows, plan, forward_batch))
+                    self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue  # computed approximately: never stored
-                self.events.add("approximate_fallback")
-            elif rows.in_extend and rows.lo == rows.start:  # counted once, in the chunk that starts the image
-                self.events.add("miss")
+            except FullPrefill as fallback:
+                self.fell_back(rows, plan, fallback)
+            if plan.strategy == MISS:
+                self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
+                if rows.in_extend and rows.lo == rows.start:  # counted once, in the chunk that starts the image
+                    self.events.add("miss")
             if (plan.store or plan.strategy == EXACT) and rows.complete and self._first_capture(rows, plan):
                 positions = rows.positions
                 if positions is None and rows.whole_in_extend:
@@ -127,6 +138,15 @@ class PlanExecutor:
         for rows, plan, positions in captures:
             self._capture(rows, plan, positions)
         return out
+
+    def fell_back(self, rows: ImageRows, plan: ImagePlan, fallback: FullPrefill) -> None:
+        """An image of an exact or approximate plan computed as after a miss: counted by cause, logged, and
+        reported to the gateway."""
+        self.events.add(f"{plan.strategy}_fallback")
+        self.events.fallback(plan.strategy, fallback.cause)
+        self.ran.record(rows.rid, rows.index, Outcome(FULL_PREFILL, fallback.cause))
+        log.warning("revisit: the %s plan for %s (%s) runs as a full prefill: %s", plan.strategy, plan.key[:16],
+                    rows.rid[:40], fallback)
 
     def _first_capture(self, rows: ImageRows, plan: ImagePlan) -> bool:
         """Once per request and image: a later chunk of the same request finds the image complete again."""
@@ -146,6 +166,7 @@ class PlanExecutor:
             except PlanError as exc:
                 log.warning("revisit: ignoring the plan of %s: %s", str(rid)[:48], exc)
                 self.events.add("plan_refused")
+                self.ran.record(rid, EVERY_IMAGE, Outcome(UNPLANNED, "plan_refused"))
                 continue
             if plan is not None:
                 plans[rid] = plan
@@ -156,6 +177,7 @@ class PlanExecutor:
             log.warning("revisit: plan of %s does not match its image %d (%d tokens); running it unplanned",
                         rows.rid[:48], rows.index, rows.tokens)
             self.events.add("plan_mismatch")
+            self.ran.record(rows.rid, rows.index, Outcome(UNPLANNED, "plan_mismatch"))
             return False
         return True
 
@@ -182,7 +204,7 @@ class PlanExecutor:
         depth = torch.full((embeds.shape[0],), len(self.layers), device=embeds.device)  # (batch rows,)
         for span in spans:
             depth[span.rows.batch_rows] = span.depth
-        reused = ReusedKV(spans, depth, len(self.layers), self.events)
+        reused = ReusedKV(spans, depth, len(self.layers), self.events, self.ran)
         attention = PoolAttention(forward_batch)
         pending = list(approximate)
 
@@ -301,3 +323,9 @@ def _open_store():
     from store import StoreConfig, open_store
 
     return open_store(StoreConfig.from_env())
+
+
+def _open_outcomes() -> OutcomeBox:
+    from store import StoreConfig
+
+    return OutcomeBox(StoreConfig.from_env().outcomes_path)

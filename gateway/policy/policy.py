@@ -164,6 +164,33 @@ class CachePolicy:
             self._emit(out, Reject(key=key, reason="larger than the free capacity of every tier"))
         return out
 
+    def restore(self, key: str, size_bytes: int, tier: Tier, *, pinned: bool = False) -> list[Decision]:
+        """Track an entry found in the store (at start, or written since the books last looked), where it is.
+
+        Unlike :meth:`insert` it does not move the entry up: one found in LMDB is booked in LMDB. It enters its
+        tier's main region at the MRU end (a pinned one stays pinned), and the region is then fitted as after an
+        insert; an entry that cannot fit next to the tier's pinned entries goes to LMDB, or is rejected.
+        """
+        if not is_entry_key(key):
+            raise InvalidEntry(f"{key!r} is not a 64-digit lowercase hex image key")
+        if key in self._entries:
+            return []
+        entry = CacheEntry(key=key, size_bytes=size_bytes, tier=tier, pinned=pinned,
+                           prior_weight=self._priors.weight(key, None), last_access=self._tick())
+        out: list[Decision] = []
+        slots = (MAIN, LMDB) if tier is Tier.DRAM else (LMDB,)
+        for slot in slots:
+            if self._has_room(slot, size_bytes):
+                self._entries[key] = entry
+                self._place(entry, slot)
+                if slot[0] is not tier:
+                    self._emit(out, Demote(key=key))
+                self._fit(slot, out, keep=key)
+                break
+        else:
+            self._emit(out, Reject(key=key, reason="larger than the free capacity of every tier"))
+        return out
+
     def record_exact_hit(self, key: str) -> list[Decision]:
         """An exact hit read the whole entry: refresh its budget, make it MRU, promote from LMDB."""
         entry = self._entry(key)

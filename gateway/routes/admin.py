@@ -235,6 +235,8 @@ async def flush(request: Request, force: bool = False) -> dict:
         decisions = cache.flush(force=force)
         after = policy.stats()
         freed = sum(u.bytes for u in before.tiers.values()) - sum(u.bytes for u in after.tiers.values())
-        return {"object": "cache.flush", "evicted": len(decisions), "evicted_bytes": freed, "remaining": len(policy)}
+        stored = sum(1 for _ in cache.store.keys()) if cache.store is not None else len(policy)
+        return {"object": "cache.flush", "evicted": len(decisions), "evicted_bytes": freed, "remaining": len(policy),
+                "remaining_in_store": stored}
 
     return await _on_cache_thread(request, drop_all)

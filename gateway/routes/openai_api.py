@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import uuid
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
@@ -14,16 +15,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway.config import MatchSettings
 from gateway.dispatch import Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
+from gateway.metrics import reuse_label
+from gateway.planner import Planned
 from gateway.services import Services
 from gateway.tenancy import namespace_for
 from gateway.workers import Worker
 from plan import SELECTORS
+from plan.outcome import PLANNED
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 IMAGE_KEYS_HEADER = "x-revisit-image-keys"
-REUSE_HEADER = "x-revisit-reuse"  # per image: miss, exact_same_prefix, exact_moved or approximate;similarity=...
+REUSE_HEADER = "x-revisit-reuse"  # per image, what the worker ran (Planned.reuse_header)
 STRATEGY_HEADER = "x-revisit-strategy"  # a request's choice of approximate strategy, where settings allow it
 # SGLang request fields the gateway owns: a client's value would name another request or another tenant's cache.
 _GATEWAY_FIELDS = frozenset({"rid", "extra_key"})
@@ -76,8 +81,8 @@ async def chat_completions(request: Request) -> Any:
     intake = await services.intake.process(raw, namespace=namespace)
     headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
     planned = await services.planner.plan(intake, strategy=strategy)
-    if planned.kinds:
-        headers[REUSE_HEADER] = planned.reuse_header()
+    request.state.reuse = reuse_label(planned.kinds)  # the latency histograms' label (gateway/metrics.py)
+    request.state.stream = intake.params.stream
     request_id = uuid.uuid4().hex
     public_id = f"chatcmpl-{request_id}"
     body = upstream_body(intake.upstream_body, namespace=namespace,
@@ -89,11 +94,30 @@ async def chat_completions(request: Request) -> Any:
 
     route = Route(prefer=planned.prefer, public_id=public_id, on_served=on_served)
     if intake.params.stream:
-        stream = await services.dispatcher.open_stream(upstream, route)
+        stream = await services.dispatcher.open_stream(upstream, route)  # returns once the prefill is done
+        if planned.kinds:
+            headers[REUSE_HEADER] = _what_ran(services, planned, request_id)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
     result = await _unless_disconnected(request, services.dispatcher.complete(upstream, route))
+    if planned.kinds:
+        headers[REUSE_HEADER] = _what_ran(services, planned, request_id)
     return JSONResponse(result, headers=headers)
+
+
+def _what_ran(services: Services, planned: Planned, request_id: str) -> str:
+    """The reuse header from what the worker reports it ran (plan.outcome), its fallbacks counted and logged.
+    Reads one file of a few hundred bytes from shared memory: no disk, so it stays on the loop."""
+    ran = services.outcomes.take(request_id) if services.outcomes is not None and planned.plan else None
+    if ran is None:
+        if planned.plan is not None and services.outcomes is not None:
+            services.requests.unreported.inc()
+        return planned.reuse_header()
+    for kind, outcome in planned.fallbacks(ran):
+        services.requests.fallbacks.labels(kind, outcome.cause or "", outcome.ran).inc()
+        log.warning("request %s: an image planned as %s ran as %s (%s)", request_id, kind,
+                    "a full prefill" if outcome.ran != PLANNED else "planned, degraded", outcome.cause)
+    return planned.reuse_header(ran)
 
 
 def _requested_strategy(request: Request, settings: MatchSettings) -> str | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 
 import httpx
 import pytest
@@ -241,3 +243,44 @@ def test_jpeg_and_rotated_jpeg(client, gateway):
             model=gateway.config.model, messages=[user(data_url(data, "image/jpeg"), "Compare.")],
             max_completion_tokens=2)
         assert response.usage.prompt_tokens - text_only.usage.prompt_tokens == image_tokens(gateway, size)
+
+
+def test_metrics_count_requests_and_time_them_by_reuse(client, gateway):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict[tuple, float]:
+        text = httpx.get(gateway.url + "/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    chat = ("endpoint", "/v1/chat/completions")
+    fresh = Image.new("RGB", (84, 84), (17, 201, 99))
+    fresh.putpixel((3, 5), tuple(os.urandom(3)))  # an image no test sent before
+    before = samples()
+    client.chat.completions.create(model=gateway.config.model, messages=[user("hello")], max_completion_tokens=2)
+    streamed = client.chat.completions.create(model=gateway.config.model, messages=[user(data_url(encode(fresh)), "?")],
+                                              max_completion_tokens=2, stream=True)
+    assert [c for c in streamed]
+    refused = httpx.post(gateway.url + "/v1/chat/completions", json={"model": gateway.config.model, "messages": 3})
+    assert refused.status_code == 400
+    after = samples()
+
+    def grew(name: str, *labels: tuple[str, str]) -> float:
+        key = (name, tuple(sorted(labels)))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    # A request is recorded once its response has ended on the server's side, which for a stream may come just
+    # after the client read its last chunk.
+    deadline = time.monotonic() + 30
+    while grew("revisit_requests_total", chat, ("code", "200")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = samples()
+
+    assert grew("revisit_requests_total", chat, ("code", "200")) == 2
+    assert grew("revisit_requests_total", chat, ("code", "400")) == 1
+    assert grew("revisit_request_duration_seconds_count", chat, ("reuse", "none")) == 2  # the text and the refused
+    assert grew("revisit_request_duration_seconds_count", chat, ("reuse", "miss")) == 1
+    assert grew("revisit_time_to_first_token_seconds_count", ("reuse", "miss")) == 1
+    first = grew("revisit_time_to_first_token_seconds_sum", ("reuse", "miss"))
+    assert 0 < first <= grew("revisit_request_duration_seconds_sum", chat, ("reuse", "miss"))
+    assert grew("revisit_time_to_first_token_seconds_count", ("reuse", "none")) == 0  # not streamed

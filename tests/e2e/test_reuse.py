@@ -59,7 +59,12 @@ def executed(gateway, before: Counter, **expected: int) -> Counter:
 def flush_worker_prefix_caches(gateway) -> None:
     """Empty SGLang's radix caches, so a hit is served by this project's reuse rather than SGLang's own."""
     for url in gateway.config.workers:
-        assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+        deadline = time.monotonic() + 30
+        # SGLang refuses (400) while a request is still being finished; the previous answer may just have left
+        while (status := httpx.post(url + "/flush_cache", timeout=30).status_code) == 400:
+            assert time.monotonic() < deadline, "the worker never became idle"
+            time.sleep(0.2)
+        assert status == 200
 
 
 def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway, picture) -> None:
@@ -129,3 +134,33 @@ def test_streamed_answers_carry_the_public_id(gateway, picture) -> None:
     assert lines and RID_PREFIX not in "".join(lines)
     ids = {line.split('"id":"', 1)[1].split('"', 1)[0] for line in lines}
     assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
+
+
+def test_a_damaged_entry_is_served_as_a_miss_and_the_response_says_so(gateway) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from store.entry import parse_header
+
+    def fallbacks() -> float:
+        text = httpx.get(gateway.url + "/metrics").text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "revisit_reuse_fallbacks_total" and s.labels == {
+                       "planned": "exact_same_prefix", "cause": "entry_damaged", "ran": "full_prefill"})
+
+    image = data_url(encode(small("rocket.jpg", (168, 168))))
+    first = ask(gateway, "Look:", image, key="sk-tenant-damage")
+    key = first.headers["x-revisit-image-keys"]
+    wait_stored(gateway, key)
+    entry_file = gateway.config.reuse.store.dram_path / f"{key}.kv"
+    data = bytearray(entry_file.read_bytes())
+    data[parse_header(memoryview(data)).header.encoder_range.start + 5] ^= 0xFF  # the encoder output: the header
+    entry_file.write_bytes(bytes(data))  # still reads, so the gateway plans an exact hit the worker cannot run
+    flush_worker_prefix_caches(gateway)
+    before, counted = worker_events(gateway.config.workers), fallbacks()
+    again = ask(gateway, "Look:", image, key="sk-tenant-damage")
+    assert again.headers["x-revisit-reuse"] == "miss;planned=exact_same_prefix;fallback=entry_damaged"
+    assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert fallbacks() == counted + 1
+    done = executed(gateway, before, exact_fallback=1)
+    assert done["exact_fallback"] == 1 and done["fallback:exact:entry_damaged"] == 1
+    assert done["encoder_from_store"] == 0 and done["exact_executed"] == 0  # nothing of the damaged entry used

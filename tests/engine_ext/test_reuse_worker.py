@@ -37,6 +37,7 @@ from plan import (
     ImagePlan,
     RequestPlan,
 )
+from plan.outcome import EVERY_IMAGE, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, OutcomeBox
 from store import StoreConfig, open_store
 from store.entry import parse_header
 from tests.conftest import free_port
@@ -95,6 +96,13 @@ def grid_of(prompt) -> tuple[int, int]:
 
 def rid(*images: ImagePlan) -> str:
     return RequestPlan(images=images).to_rid(uuid.uuid4().hex)
+
+
+def ran(pair: Pair, plan_rid: str) -> dict[int, Outcome] | None:
+    """What the worker reported it ran for the request (plan.outcome), as the gateway takes it."""
+    request_id = RequestPlan.request_id(plan_rid)
+    assert request_id is not None
+    return OutcomeBox(StoreConfig.from_env(pair.store_env).outcomes_path).take(request_id)
 
 
 def content(*parts: str | Image.Image) -> list[dict]:
@@ -229,7 +237,8 @@ def test_two_images_only_the_seen_one_is_reused(
 # Damage to the header or the encoder output is found before the forward: the plan becomes a full prefill. Damage
 # to K/V blocks is found when their rows' read comes in: those rows are computed from then on, as a full prefill
 # computes them.
-DAMAGE = {"kv": "stored K/V of", "encoder": "found no usable entry; full prefill"}
+DAMAGE = {"kv": ("stored K/V of", Outcome(PLANNED, "kv_read_failed")),
+          "encoder": ("runs as a full prefill: entry_damaged", Outcome(FULL_PREFILL, "entry_damaged"))}
 
 
 @pytest.mark.parametrize("where", DAMAGE)
@@ -249,22 +258,29 @@ def test_a_damaged_entry_falls_back_to_full_prefill(pair: Pair, picture: Image.I
     assert store.get(key) is None
     exact = ImagePlan(key=key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid)
     flush(pair.b)
-    seen_before = pair.b.log_file.read_text().count(DAMAGE[where])
-    answer = chat(pair.b, content("Other words. Look:", picture, QUESTION), plan_rid=rid(exact), tokens=8)
+    line, outcome = DAMAGE[where]
+    seen_before = pair.b.log_file.read_text().count(line)
+    exact_rid = rid(exact)
+    answer = chat(pair.b, content("Other words. Look:", picture, QUESTION), plan_rid=exact_rid, tokens=8)
     flush(pair.b)
     assert text_of(answer) == text_of(chat(pair.b, content("Other words. Look:", picture, QUESTION), tokens=8))
-    assert pair.b.log_file.read_text().count(DAMAGE[where]) == seen_before + 1
+    assert pair.b.log_file.read_text().count(line) == seen_before + 1
+    assert ran(pair, exact_rid) == {0: outcome}  # what the gateway is told ran
 
 
 def test_a_plan_that_does_not_fit_is_ignored(pair: Pair, seen: dict, picture: Image.Image) -> None:
     wrong = ImagePlan(key=seen["key"], strategy=EXACT, tokens=6, grid=(2, 3))
     flush(pair.b)
     mismatches = pair.b.log_file.read_text().count("does not match its image")
-    answer = chat(pair.b, content("Look:", picture, QUESTION), plan_rid=rid(wrong))
+    wrong_rid = rid(wrong)
+    answer = chat(pair.b, content("Look:", picture, QUESTION), plan_rid=wrong_rid)
     assert text_of(answer) == text_of(seen["answer"])
     assert pair.b.log_file.read_text().count("does not match its image") == mismatches + 1
-    bad = chat(pair.b, content("Look:", picture, QUESTION), plan_rid=f"{RID_PREFIX}x.not-a-plan.", tokens=2)
+    assert ran(pair, wrong_rid) == {0: Outcome(UNPLANNED, "plan_mismatch")}
+    bad_rid = f"{RID_PREFIX}{uuid.uuid4().hex}.not-a-plan."
+    bad = chat(pair.b, content("Look:", picture, QUESTION), plan_rid=bad_rid, tokens=2)
     assert bad["choices"][0]["message"]["content"]
+    assert ran(pair, bad_rid) == {EVERY_IMAGE: Outcome(UNPLANNED, "plan_refused")}
 
 
 # --- approximate plans ---
@@ -349,9 +365,11 @@ def test_an_approximate_plan_whose_alias_is_gone_runs_as_a_full_prefill_and_stor
     plan = gateway_plan(pair, key_for(f"{pair.arch}-never-stored"), picture, image, grid, ENTROPY_AWARE)
     plan = dataclasses.replace(plan, key=key_for(f"{pair.arch}-edited-fallback"))
     flush(pair.b)
-    before = pair.b.log_file.read_text().count("found no usable alias entry")
-    served = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), plan_rid=rid(plan), tokens=8)
-    assert pair.b.log_file.read_text().count("found no usable alias entry") == before + 1
+    before = pair.b.log_file.read_text().count("runs as a full prefill: entry_missing")
+    plan_rid = rid(plan)
+    served = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), plan_rid=plan_rid, tokens=8)
+    assert pair.b.log_file.read_text().count("runs as a full prefill: entry_missing") == before + 1
+    assert ran(pair, plan_rid) == {0: Outcome(FULL_PREFILL, "entry_missing")}
     flush(pair.b)
     full = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), tokens=8)
     assert text_of(served) == text_of(full) and top5(served) == pytest.approx(top5(full), abs=1e-5)
@@ -372,10 +390,11 @@ def test_an_approximate_plan_with_a_damaged_alias_computes_the_image_in_full(pai
     image = edited(picture)
     plan = gateway_plan(pair, alias_key, picture, image, grid, FULL_REUSE)  # B = every aligned token
     flush(pair.b)
-    before = pair.b.log_file.read_text().count("could not be read (damaged or gone); computing the image in full")
-    served = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), plan_rid=rid(plan), tokens=8)
-    assert pair.b.log_file.read_text().count(
-        "could not be read (damaged or gone); computing the image in full") == before + 1
+    before = pair.b.log_file.read_text().count("runs as a full prefill: kv_read_failed")
+    plan_rid = rid(plan)
+    served = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), plan_rid=plan_rid, tokens=8)
+    assert pair.b.log_file.read_text().count("runs as a full prefill: kv_read_failed") == before + 1
+    assert ran(pair, plan_rid) == {0: Outcome(FULL_PREFILL, "kv_read_failed")}
     flush(pair.b)
     full = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), tokens=8)
     assert text_of(served) == text_of(full) and top5(served) == pytest.approx(top5(full), abs=1e-4)

@@ -95,3 +95,50 @@ def test_a_decision_about_bytes_the_store_lacks_is_counted_not_fatal(store):
     store.remove(ghost)
     cache.insert(ghost, size)  # demotes `key`, which the store no longer has
     assert cache.report.missing["demote"] == 1
+
+
+def test_the_books_of_a_new_gateway_hold_what_an_earlier_one_left_where_it_lies(store):
+    pairs = [written(store, seed) for seed in range(4)]
+    size = pairs[0][1]
+    earlier = manager(store, size, dram_entries=2, lmdb_entries=4)
+    for key, _ in pairs:
+        earlier.insert(key, size)
+    earlier.set_pinned(pairs[3][0], True)
+    where = {key: store.tiers_holding(key) for key, _ in pairs}
+    assert sorted(map(tuple, where.values())) == [("dram",), ("dram",), ("lmdb",), ("lmdb",)]
+
+    restarted = manager(store, size, dram_entries=2, lmdb_entries=4)  # a new process: empty books
+    assert len(restarted.policy) == 0
+    done = restarted.reconcile()
+    assert (done.restored, done.lost, done.stray) == (4, 0, 0)
+    assert {e.key: [e.tier.value] for e in restarted.policy.entries()} == where  # nothing moved
+    assert restarted.policy.get(pairs[3][0]).pinned
+    tiers = restarted.policy.stats().as_dict()["tiers"]
+    assert tiers["dram"]["entries"] + tiers["lmdb"]["entries"] == sum(1 for _ in store.keys()) == 4
+    assert restarted.report.missing == {}
+    assert restarted.reconcile() == type(done)()  # a second pass finds nothing to do
+
+
+def test_reconciling_evicts_to_fit_and_drops_what_the_store_lost(store):
+    pairs = [written(store, seed) for seed in range(3)]  # all in DRAM, as workers write them
+    size = pairs[0][1]
+    cache = manager(store, size, dram_entries=1, lmdb_entries=1)  # room for two in all
+    done = cache.reconcile()
+    assert done.restored == 3  # each taken in as an insert would be: the least recent one evicted to fit
+    assert sum(1 for _ in store.keys()) == len(cache.policy) == 2
+    assert cache.policy.stats().as_dict()["evictions"]["lmdb"]["capacity"] == 1
+    assert cache.policy.stats().as_dict()["tiers"]["dram"]["entries"] == 1  # the others went down to fit
+    gone = next(e.key for e in cache.policy.entries())
+    store.remove(gone, force=True)  # outside the gateway
+    assert cache.reconcile().lost == 1 and gone not in cache.policy
+
+
+def test_a_flush_drops_entries_the_books_had_not_yet_taken_in(store):
+    pairs = [written(store, seed) for seed in range(3)]
+    cache = manager(store, pairs[0][1], dram_entries=3, lmdb_entries=3)
+    cache.insert(*pairs[0])  # the books know one; workers wrote two more since
+    cache.set_pinned(pairs[0][0], True)
+    cache.flush()
+    assert list(store.keys()) == [pairs[0][0]] and len(cache.policy) == 1  # the pinned one stays
+    cache.flush(force=True)
+    assert list(store.keys()) == [] and len(cache.policy) == 0

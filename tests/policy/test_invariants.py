@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config import PolicySettings
-from gateway.policy import CachePolicy, EntryPinned, PresetPriors, Region, Tier
+from gateway.policy import CachePolicy, EntryPinned, PresetPriors, Region, Reject, Tier
 from tests.policy.helpers import ReplayStore, key, tier_bytes
 
 KEYS = 16
@@ -17,6 +17,9 @@ OPS = st.one_of(
     st.tuples(st.just("pin"), st.integers(0, KEYS - 1)),
     st.tuples(st.just("unpin"), st.integers(0, KEYS - 1)),
     st.tuples(st.just("remove"), st.integers(0, KEYS - 1), st.booleans()),
+    # an entry found in the store where a worker or an earlier gateway left it (CacheManager.take_in)
+    st.tuples(st.just("restore"), st.integers(0, KEYS - 1), st.integers(0, 70), st.sampled_from(list(Tier)),
+              st.booleans()),
 )
 SETTINGS = st.builds(
     PolicySettings,
@@ -28,10 +31,19 @@ SETTINGS = st.builds(
 )
 
 
-def step(policy: CachePolicy, op: tuple) -> list:
+def step(policy: CachePolicy, op: tuple, store: ReplayStore) -> list:
     name, k = op[0], key(op[1])
     if name == "insert":
         return policy.insert(k, op[2], family=op[3])
+    if name == "restore":
+        if k in policy:
+            return []
+        store.tiers[k] = op[3]  # the store holds it already
+        decisions = policy.restore(k, op[2], op[3], pinned=op[4])
+        if any(isinstance(d, Reject) for d in decisions):
+            del store.tiers[k]  # CacheManager removes what the books cannot take
+            assert k not in policy
+        return [d for d in decisions if not isinstance(d, Reject)]
     if k not in policy:
         return []
     if name == "exact":
@@ -74,7 +86,7 @@ def test_invariants_hold_after_every_step(config, ops, weights):
     store = ReplayStore()
     for op in ops:
         pinned = {e.key: e.tier for e in policy.entries() if e.pinned}
-        store.apply(step(policy, op))
+        store.apply(step(policy, op, store))
         check(policy, store, config.max_protection_budget)
         for k, tier in pinned.items():
             # A pinned entry leaves only when removed by force; it may only move up.

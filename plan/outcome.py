@@ -1,0 +1,106 @@
+"""What a worker actually ran for each planned image, reported back to the gateway.
+
+A plan is what the gateway intends; a worker may have to do otherwise (the entry gone or damaged since it was
+planned, an alias that cannot be read mid-forward, a prompt split over chunks). For each request it executed a
+plan for, the worker writes an ``Outcome`` per image into a folder both share on the host (the store's host:
+gateway and workers already share its shared-memory tier), named by the gateway's request id. The worker writes it
+during the prefill, before the first token leaves, so the gateway finds it once the worker's first event (a stream)
+or whole answer has come back, reads it and removes it (``OutcomeBox.take``). What the gateway then reports
+(``x-revisit-reuse``, its metrics and log) is what ran, not what was planned.
+
+Per image, ``ran`` is one of
+
+    planned       the plan ran as written (``cause`` None), or with some rows computed instead of reused
+                  (``cause`` "kv_read_failed": their stored K/V could not be read mid-forward; a partial vision
+                  pass that could not run gives "vision_partial_failed", the full pass having run instead)
+    full_prefill  the image was computed as after a miss; ``cause`` says why (CAUSES)
+    unplanned     the worker ran the request without a plan (a damaged or foreign one, or images that did not fit)
+
+Files are a few hundred bytes, written atomically (a temporary name, then a rename); a gateway that died before
+taking its outcomes leaves them to ``sweep``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PLANNED, FULL_PREFILL, UNPLANNED = "planned", "full_prefill", "unplanned"
+RAN = (PLANNED, FULL_PREFILL, UNPLANNED)
+EVERY_IMAGE = -1  # the index of an outcome that holds for every image of the request (a refused plan)
+CAUSES = {
+    "entry_missing": "the entry (or an approximate plan's alias) is not in the store",
+    "entry_damaged": "the entry is in the store but fails verification",
+    "entry_foreign": "the entry was made by another model or for an image of another size",
+    "not_movable": "the entry does not move as a whole to this prompt's positions",
+    "store_error": "the store could not be read",
+    "chunked": "an approximate plan's image and question were not in one extend (chunked prefill)",
+    "kv_read_failed": "stored K/V could not be read mid-forward",
+    "vision_partial_failed": "the partial vision pass could not run; the full pass ran",
+    "plan_refused": "the request id carried a damaged plan or one of an unknown version",
+    "plan_mismatch": "the plan did not fit the request's images",
+}
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ran: str
+    cause: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ran not in RAN:
+            raise ValueError(f"unknown outcome {self.ran!r}")
+        if self.cause is not None and self.cause not in CAUSES:
+            raise ValueError(f"unknown cause {self.cause!r}")
+
+
+class OutcomeBox:
+    """The shared folder of outcomes; the worker ``put``s, the gateway ``take``s."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def put(self, request_id: str, outcomes: dict[int, Outcome]) -> None:
+        """Per image index, what ran; replaces what an earlier chunk of the same request wrote."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        target = self.path / _name(request_id)
+        temporary = self.path / f".{target.name}.{os.getpid()}"
+        temporary.write_text(json.dumps({str(i): [o.ran, o.cause] for i, o in sorted(outcomes.items())}))
+        os.replace(temporary, target)
+
+    def take(self, request_id: str) -> dict[int, Outcome] | None:
+        """What the worker wrote for the request, removed; None when it wrote nothing (or something unreadable)."""
+        target = self.path / _name(request_id)
+        try:
+            text = target.read_text()
+            target.unlink()
+            return {int(i): Outcome(ran, cause) for i, (ran, cause) in json.loads(text).items()}
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def sweep(self, older_than_s: float = 600.0) -> int:
+        """Remove outcomes nobody took (their gateway died); returns how many."""
+        removed, now = 0, time.time()
+        try:
+            children = list(self.path.iterdir())
+        except OSError:
+            return 0
+        for child in children:
+            try:
+                if now - child.stat().st_mtime > older_than_s:
+                    child.unlink()
+                    removed += 1
+            except OSError:
+                continue
+        return removed
+
+
+def _name(request_id: str) -> str:
+    if not _NAME.fullmatch(request_id):
+        raise ValueError(f"not a request id: {request_id[:80]!r}")
+    return request_id
