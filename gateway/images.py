@@ -14,6 +14,7 @@ import base64
 import hashlib
 import io
 import math
+import struct
 from dataclasses import dataclass
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -26,6 +27,8 @@ from gateway.matching.features import Extractor, TokenFeatures
 # is the one clients hear about; Pillow's built-in one would otherwise refuse first, with its own figure.
 Image.MAX_IMAGE_PIXELS = None
 
+# What Pillow raises for bytes that are not a well-formed image (found by tests/fuzz/test_image_decoding.py).
+_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error)
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"})
 MAX_ASPECT_RATIO = 200  # the Qwen-VL processors refuse more elongated images
 KEY_VERSION = b"revisit-image-key-v1"
@@ -100,6 +103,8 @@ def _open_checked(data: bytes, limits: ImageLimits) -> Image.Image:
         raise UnprocessableImage("image data is not a recognised image format", code="invalid_image") from exc
     except Image.DecompressionBombError as exc:
         raise PayloadTooLarge(f"image is too large: {exc}", code="image_too_large") from exc
+    except _DECODE_ERRORS as exc:  # a header that is cut short or does not parse
+        raise UnprocessableImage(f"image data is corrupt or truncated: {exc}", code="invalid_image") from exc
     if image.format not in ACCEPTED_FORMATS:
         raise UnprocessableImage(
             f"image format {image.format} is not accepted; use one of {', '.join(sorted(ACCEPTED_FORMATS))}",
@@ -117,7 +122,7 @@ def _open_checked(data: bytes, limits: ImageLimits) -> Image.Image:
         image.load()  # decode now, under the cap, so truncation surfaces here
     except Image.DecompressionBombError as exc:
         raise PayloadTooLarge(f"image is too large: {exc}", code="image_too_large") from exc
-    except (OSError, SyntaxError, ValueError) as exc:
+    except _DECODE_ERRORS as exc:
         raise UnprocessableImage(f"image data is corrupt or truncated: {exc}", code="invalid_image") from exc
     return image
 
@@ -164,9 +169,12 @@ def canonicalize(
     """
     image = _open_checked(data, limits)
     source_format = image.format
-    rotated = image.getexif().get(_EXIF_ORIENTATION, 1) not in (0, 1)
-    oriented = ImageOps.exif_transpose(image) if rotated else image
-    rgb = _to_rgb(oriented)
+    try:  # metadata (EXIF) and mode conversions read more of the file, which may be damaged there too
+        rotated = image.getexif().get(_EXIF_ORIENTATION, 1) not in (0, 1)
+        oriented = ImageOps.exif_transpose(image) if rotated else image
+        rgb = _to_rgb(oriented)
+    except _DECODE_ERRORS as exc:
+        raise UnprocessableImage(f"image data is corrupt: {exc}", code="invalid_image") from exc
     grid = token_grid(rgb.height, rgb.width, processor)
     key = content_key(rgb, model=model, namespace=namespace, processor=processor)
     forwarded_mime = _FORWARDED_AS_IS.get(source_format or "")

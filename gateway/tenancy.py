@@ -24,3 +24,9 @@ def namespace_for(authorization: str | None, *, mapping: Mapping[str, str], defa
         return mapping[key]
     # One namespace per key; the key itself never appears in keys, logs or metrics.
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def cache_scope(namespace: str) -> str:
+    """The digest that stands for a namespace in the workers' caches: SGLang's prefix cache (``extra_key``) and
+    encoder-output cache (the plan's ``scope``). The namespace itself never reaches a worker."""
+    return "revisit-ns-" + hashlib.blake2b(namespace.encode(), digest_size=12).hexdigest()

@@ -1,9 +1,17 @@
 """The pool of SGLang workers: health, load, and the choice of worker per request.
 
 A background task polls every worker's ``/health``. A request goes to the healthy
-worker with the fewest requests in flight (ties: the one used least recently). A
-worker that fails a request is marked down at once and comes back when its health
-check passes again.
+worker with the fewest requests in flight (ties: the one used least recently), a busy
+one (below) last. A worker that fails a request is marked down at once and comes back
+when its health check passes again.
+
+Busy or hung: SGLang's ``/health`` waits for its scheduler, which answers nothing during
+a long prefill, whoever sent it. So when ``/health`` does not answer, the worker's own
+``/metrics`` (served by its HTTP process, never queued behind the scheduler) is read for
+the engine extension's forward clock (engine_ext.executor.events.ForwardClock): a forward
+that started and has not ended means busy, and the worker stays up; no forward in
+progress and no answer means hung, and after ``misses_allowed`` such checks it is taken
+out. (A forward stuck for good is ended by SGLang's own watchdog, which exits the worker.)
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from gateway.errors import NoHealthyWorker
+from plan.outcome import FORWARD_ENDED, FORWARD_STARTED
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +44,7 @@ class Worker:
     served: int = 0
     failures: int = 0
     missed_checks: int = 0
+    busy_since: float | None = None  # Unix time the forward in progress started, while /health goes unanswered
     last_error: str | None = None
     last_checked: float = 0.0
     _last_used: int = field(default=0, repr=False)
@@ -46,6 +56,7 @@ class Worker:
             "inflight": self.inflight,
             "served": self.served,
             "failures": self.failures,
+            "busy_s": None if self.busy_since is None else round(max(0.0, time.time() - self.busy_since), 1),
             "last_error": self.last_error,
         }
 
@@ -97,18 +108,37 @@ class WorkerPool:
         except httpx.HTTPError as exc:
             ok, error = False, f"health check failed: {type(exc).__name__}: {exc}"
             refused = isinstance(exc, httpx.ConnectError)
+        worker.busy_since = None if ok or refused else await self._forward_running(worker)
         worker.last_checked = time.monotonic()
-        worker.missed_checks = 0 if ok else worker.missed_checks + 1
-        # SGLang's /health waits for its scheduler, which is deaf during a long prefill.
-        # So: a refused connection (nothing listening) takes a worker out at once; slow or
-        # failed answers only after several in a row, and never while the worker has our
-        # requests in flight (those report their own failures).
+        busy = worker.busy_since is not None
+        worker.missed_checks = 0 if ok or busy else worker.missed_checks + 1
+        # A refused connection (nothing listening) takes a worker out at once; a busy one stays; other slow or
+        # failed answers only after several in a row, and never while the worker has our requests in flight
+        # (those report their own failures).
         tolerated = worker.inflight > 0 or worker.missed_checks < self._misses_allowed
-        healthy = ok or (worker.healthy and not refused and tolerated)
+        healthy = ok or busy or (worker.healthy and not refused and tolerated)  # busy: alive, whatever it was
         if healthy != worker.healthy:
             log.info("worker %s is now %s", worker.url, "up" if healthy else f"down ({error})")
         worker.healthy = healthy
-        worker.last_error = None if ok else error
+        worker.last_error = None if ok else error if not busy else f"busy with a forward ({error})"
+
+    async def _forward_running(self, worker: Worker) -> float | None:
+        """When the forward the worker is running started, from its /metrics; None when none is running (or the
+        metrics cannot be read: then nothing tells the worker is busy)."""
+        try:
+            response = await self._client.get(worker.url + "/metrics", timeout=self._timeout_s)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        clock: dict[str, float] = {}
+        for line in response.text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in (FORWARD_STARTED, FORWARD_ENDED):
+                with contextlib.suppress(ValueError):
+                    clock[name] = float(value)
+        started, ended = clock.get(FORWARD_STARTED), clock.get(FORWARD_ENDED, 0.0)
+        return started if started is not None and started > ended else None
 
     def choose(self, exclude: Iterable[Worker] = (), prefer: str | None = None) -> Worker:
         """The least-loaded healthy worker; the preferred one (cache affinity) unless it is busier than that by
@@ -117,7 +147,7 @@ class WorkerPool:
         candidates = [w for w in self.workers if w.healthy and id(w) not in excluded]
         if not candidates:
             raise NoHealthyWorker("no healthy worker is available; try again shortly")
-        best = min(candidates, key=lambda w: (w.inflight, w._last_used))
+        best = min(candidates, key=lambda w: (w.busy_since is not None, w.inflight, w._last_used))
         if prefer is not None:
             for worker in candidates:
                 if worker.url == prefer and worker.inflight <= best.inflight + AFFINITY_SLACK:

@@ -46,6 +46,11 @@ CAUSES = {
 }
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
+# The other thing workers report: when their model's last forward started and ended (Unix seconds), as gauges on
+# their /metrics (engine_ext.executor.events.ForwardClock), which the gateway reads to tell busy from hung.
+FORWARD_STARTED = "revisit_worker_forward_started_seconds"
+FORWARD_ENDED = "revisit_worker_forward_ended_seconds"
+
 
 @dataclass(frozen=True)
 class Outcome:

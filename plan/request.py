@@ -34,7 +34,7 @@ The wire form is compact JSON with a version; a worker refuses a version it does
 guess, and runs the request without a plan (a full prefill).
 
 Transport: the plan rides in the request id (SGLang's ``rid``, which reaches the model's forward and is unique
-among requests in flight): ``rv3.<request id>.<base64 of the zlib'd JSON>.`` The gateway replaces the id in what
+among requests in flight): ``rv4.<request id>.<base64 of the zlib'd JSON>.`` The gateway replaces the id in what
 it returns to clients, so the plan is never shown to them; anything SGLang appends after the last dot (it suffixes
 ids of parallel samples) is ignored.
 """
@@ -53,7 +53,7 @@ from typing import Any
 from plan.errors import PlanError
 from plan.ratios import check_ratios
 
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 RID_PREFIX = f"rv{PLAN_VERSION}."
 
 MISS, EXACT, APPROXIMATE = "miss", "exact", "approximate"
@@ -183,10 +183,23 @@ class ImagePlan:
 @dataclass(frozen=True, kw_only=True)
 class RequestPlan:
     images: tuple[ImagePlan, ...] = field(default_factory=tuple)
+    # The tenant's cache scope (a digest of its namespace, never the name): the worker keys SGLang's encoder-output
+    # cache by it, so that no namespace is served, or can time, another's image embeddings. "" for none.
+    scope: str = ""
     version: int = PLAN_VERSION
 
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_-]{0,64}", self.scope):
+            raise PlanError("scope must be up to 64 characters of [A-Za-z0-9_-]")
+
+    @property
+    def reported(self) -> bool:
+        """Whether the gateway reads back what ran (plan.outcome): not for plans that only carry the scope (every
+        image a miss that is not stored, as when reuse is off)."""
+        return any(p.strategy != MISS or p.store for p in self.images)
+
     def to_json(self) -> str:
-        return json.dumps({"version": self.version, "images": [p.to_dict() for p in self.images]},
+        return json.dumps({"version": self.version, "scope": self.scope, "images": [p.to_dict() for p in self.images]},
                           separators=(",", ":"))
 
     def to_rid(self, request_id: str) -> str:
@@ -231,4 +244,7 @@ class RequestPlan:
         images = data.get("images")
         if not isinstance(images, list):
             raise PlanError("plan images must be a list")
-        return cls(images=tuple(ImagePlan.from_dict(p) for p in images))
+        scope = data.get("scope", "")
+        if not isinstance(scope, str):
+            raise PlanError("plan scope must be a string")
+        return cls(images=tuple(ImagePlan.from_dict(p) for p in images), scope=scope)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -15,6 +17,7 @@ import openai
 import pytest
 
 from tests.conftest import free_port
+from tests.images_lib import data_url, encode, small
 
 REVISIT = str(Path(sys.executable).parent / "revisit")
 
@@ -28,10 +31,13 @@ def port_open(port: int) -> bool:
 @pytest.mark.sglang
 def test_serve_starts_workers_shows_progress_and_stops_them_on_sigterm(model_path, tmp_path):
     port, worker_port = free_port(), free_port()
+    dram = Path("/dev/shm") / f"revisit-cli-{uuid.uuid4().hex[:12]}"
+    env = {**os.environ, "REVISIT_STORE_DRAM_DIR": str(dram), "REVISIT_STORE_LMDB_DIR": str(tmp_path / "lmdb"),
+           "REVISIT_ADMIN_TOKEN": "cli-test-token", "REVISIT_BOOKS_INTERVAL_S": "0.5"}
     process = subprocess.Popen(
         [REVISIT, "serve", "--workers", "2", "--port", str(port), "--worker-port", str(worker_port),
          "--log-dir", str(tmp_path), "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
     )
     lines: list[str] = []
     try:
@@ -51,6 +57,22 @@ def test_serve_starts_workers_shows_progress_and_stops_them_on_sigterm(model_pat
                 model=model, messages=[{"role": "user", "content": "hello"}], max_completion_tokens=3
             )
             assert response.choices[0].message.content
+            # Reuse is on as configured: an image seen before, after other text, is reused position-independently.
+            image = data_url(encode(small("chelsea.png", (112, 112))))
+
+            def ask(preamble: str):
+                return client.chat.completions.with_raw_response.create(model=model, max_completion_tokens=2,
+                                                                        messages=[{"role": "user", "content": [
+                    {"type": "text", "text": preamble}, {"type": "image_url", "image_url": {"url": image}}]}])
+
+            assert ask("Look:").headers["x-revisit-reuse"] == "miss"
+            admin = {"Authorization": "Bearer cli-test-token"}
+            deadline = time.monotonic() + 120
+            while httpx.get(f"http://127.0.0.1:{port}/admin/stats", headers=admin).json()["tiers"]["dram"][
+                    "entries"] < 1:
+                assert time.monotonic() < deadline, "the worker never stored the image"
+                time.sleep(0.2)
+            assert ask("Before it, other words. Look:").headers["x-revisit-reuse"] == "exact_moved"
         assert (tmp_path / "worker-0.log").stat().st_size > 0
     finally:
         process.send_signal(signal.SIGTERM)  # as docker stop or systemd would
@@ -64,6 +86,8 @@ def test_serve_starts_workers_shows_progress_and_stops_them_on_sigterm(model_pat
     assert "stopping 2 worker(s)" in rest
     assert "Traceback" not in "".join(lines) + rest
     assert not port_open(worker_port) and not port_open(worker_port + 1) and not port_open(port)
+    shutil.rmtree(dram, ignore_errors=True)
+    shutil.rmtree(str(dram) + "-outcomes", ignore_errors=True)
 
 
 def test_serve_refuses_a_folder_that_is_not_a_model(tmp_path):

@@ -12,17 +12,43 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from plan import RequestPlan
-from plan.outcome import CAUSES, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, OutcomeBox
+from plan.outcome import CAUSES, FORWARD_ENDED, FORWARD_STARTED, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, OutcomeBox
 
 log = logging.getLogger(__name__)
 _RANK = {PLANNED: 0, FULL_PREFILL: 2, UNPLANNED: 3}
 
 METRIC = "revisit_worker_events"
 FALLBACK_METRIC = "revisit_worker_fallbacks"
+
+
+class ForwardClock:
+    """When the model's last forward started and ended (Unix seconds), on the worker's /metrics as it happens
+    (multiprocess gauges are written through to shared files): a started time after the ended one means a forward
+    is running. The gateway reads it when SGLang's /health does not answer, to tell a worker busy with a long
+    prefill from a hung one (gateway/workers.py)."""
+
+    def __init__(self) -> None:
+        self._started = self._ended = None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import Gauge
+
+            self._started = Gauge(FORWARD_STARTED, "When the model's last forward started.", registry=None,
+                                  multiprocess_mode="mostrecent")
+            self._ended = Gauge(FORWARD_ENDED, "When the model's last forward ended.", registry=None,
+                                multiprocess_mode="mostrecent")
+
+    def start(self) -> None:
+        if self._started is not None:
+            self._started.set(time.time())
+
+    def end(self) -> None:
+        if self._ended is not None:
+            self._ended.set(time.time())
 
 
 class FullPrefill(Exception):
@@ -104,6 +130,11 @@ class OutcomeLog:
         self._events = events
         self._by_rid: OrderedDict[str, dict[int, Outcome]] = OrderedDict()  # bounded
         self._touched: set[str] = set()
+        self._muted: set[str] = set()  # this forward's requests whose gateway reads nothing back
+
+    def mute(self, rid: str) -> None:
+        """Nothing is left for this request (its plan is not RequestPlan.reported) in this forward."""
+        self._muted.add(rid)
 
     def record(self, rid: str, index: int, outcome: Outcome) -> None:
         outcomes = self._by_rid.setdefault(rid, {})
@@ -116,7 +147,7 @@ class OutcomeLog:
 
     def flush(self) -> None:
         """Write the outcomes of the requests this forward touched."""
-        for rid in self._touched:
+        for rid in self._touched - self._muted:
             request_id = RequestPlan.request_id(rid)
             outcomes = self._by_rid.get(rid)
             if request_id is None or not outcomes:
@@ -129,6 +160,7 @@ class OutcomeLog:
                 log.exception("revisit: could not leave the outcome of %s for the gateway", request_id)
                 self._events.add("outcome_failed")
         self._touched.clear()
+        self._muted.clear()
 
 
 def _rank(outcome: Outcome) -> int:

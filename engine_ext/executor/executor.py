@@ -29,6 +29,7 @@ done is counted (executor.events).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from engine_ext.executor import exact
 from engine_ext.executor.approximate import ApproximateHits, ApproximateSpan
 from engine_ext.executor.attention import PoolAttention
 from engine_ext.executor.entries import KVFetch, StoredImage, to_entry
-from engine_ext.executor.events import ExecutionEvents, FullPrefill, OutcomeLog
+from engine_ext.executor.events import ExecutionEvents, ForwardClock, FullPrefill, OutcomeLog
 from engine_ext.executor.exact import ReusedKV, ReuseSpan
 from engine_ext.executor.rows import ImageRows, locate
 from engine_ext.rope import inv_freq
@@ -67,7 +68,9 @@ class PlanExecutor:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-store-writer")
         self.reader = KVFetch()
         self.events = ExecutionEvents()
+        self.clock = ForwardClock()  # a forward in progress, for the gateway's health checks
         self._captured: dict[tuple[str, int], None] = {}  # insertion-ordered, bounded
+        self._scoped: dict[int, None] = {}  # item hashes keyed by their tenant's scope (_scope_items); bounded
         self.ran = OutcomeLog(outcomes_factory or _open_outcomes, self.events)
         self.approximate = ApproximateHits(self)
 
@@ -83,6 +86,13 @@ class PlanExecutor:
     # --- per forward ---
 
     def forward(self, input_ids: torch.Tensor, forward_batch, run_model: Callable[[], object]):
+        self.clock.start()
+        try:
+            return self._forward(input_ids, forward_batch, run_model)
+        finally:
+            self.clock.end()
+
+    def _forward(self, input_ids: torch.Tensor, forward_batch, run_model: Callable[[], object]):
         if forward_batch.forward_mode.is_decode() and self.approximate.hiding(forward_batch.rids):
             return self._decode_with_hidden(input_ids, forward_batch)
         if not forward_batch.forward_mode.is_extend() or not forward_batch.mm_inputs:
@@ -96,6 +106,7 @@ class PlanExecutor:
         plans = self._plans(forward_batch.rids)
         if not plans:
             return run_model()
+        _scope_items(forward_batch, plans, self._scoped)
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
         images = [(rows, plans[rows.rid].images[rows.index]) for rows in
@@ -170,6 +181,8 @@ class PlanExecutor:
                 continue
             if plan is not None:
                 plans[rid] = plan
+                if not plan.reported:
+                    self.ran.mute(rid)
         return plans
 
     def _fits(self, rows: ImageRows, plan: RequestPlan) -> bool:
@@ -307,6 +320,25 @@ class PlanExecutor:
         """Wait for pending store writes (tests, shutdown)."""
         self._writer.submit(lambda: None).result(timeout)
 
+
+
+def _scope_items(forward_batch, plans: dict[str, RequestPlan], scoped: dict[int, None]) -> None:
+    """Key each image item of a scoped plan's request by its tenant's scope, once, before SGLang's encoder-output
+    cache (and this executor) look it up: the same pixels sent by two namespaces are two entries there, so neither
+    is served, or can time, the other's embeddings. The radix cache is kept apart by ``extra_key`` already.
+    ``scoped`` holds the hashes already keyed so (an item comes back in each chunk of its request)."""
+    for rid, mm in zip(forward_batch.rids or (), forward_batch.mm_inputs or (), strict=False):
+        plan = plans.get(rid)
+        if plan is None or not plan.scope or mm is None:
+            continue
+        for item in mm.mm_items:
+            if item.hash in scoped:
+                continue
+            digest = hashlib.blake2b(f"{plan.scope}:{item.hash}".encode(), digest_size=8).digest()
+            item.hash = int.from_bytes(digest, "big")  # SGLang masks it as it does its own
+            scoped[item.hash] = None
+            while len(scoped) > 65536:
+                scoped.pop(next(iter(scoped)))
 
 
 def _project(attn, positions: torch.Tensor, h: torch.Tensor):

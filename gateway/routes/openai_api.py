@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import uuid
@@ -15,12 +16,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway.config import MatchSettings
 from gateway.dispatch import Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
+from gateway.intake import IntakeResult
 from gateway.metrics import reuse_label
 from gateway.planner import Planned
 from gateway.services import Services
-from gateway.tenancy import namespace_for
+from gateway.tenancy import cache_scope, namespace_for
 from gateway.workers import Worker
-from plan import SELECTORS
+from plan import MISS, SELECTORS, ImagePlan, RequestPlan
 from plan.outcome import PLANNED
 
 router = APIRouter()
@@ -85,9 +87,9 @@ async def chat_completions(request: Request) -> Any:
     request.state.stream = intake.params.stream
     request_id = uuid.uuid4().hex
     public_id = f"chatcmpl-{request_id}"
+    plan = scoped_plan(planned.plan, intake, namespace)
     body = upstream_body(intake.upstream_body, namespace=namespace,
-                         rid=planned.plan.to_rid(request_id) if planned.plan else public_id,
-                         kinds=planned.kinds)
+                         rid=plan.to_rid(request_id) if plan else public_id, kinds=planned.kinds)
     upstream = await UpstreamRequest.encode(body, size_hint=len(raw))
     def on_served(worker: Worker) -> None:
         services.planner.served(intake, worker.url)
@@ -135,6 +137,17 @@ def _requested_strategy(request: Request, settings: MatchSettings) -> str | None
     return name
 
 
+def scoped_plan(plan: RequestPlan | None, intake: IntakeResult, namespace: str) -> RequestPlan | None:
+    """The plan the worker gets, carrying the namespace's cache scope so that SGLang's encoder-output cache is
+    never shared between namespaces (engine_ext.executor). A request with images but no reuse plan (reuse off)
+    gets one of unstored misses, for the scope alone."""
+    if plan is None and intake.images:
+        plan = RequestPlan(images=tuple(
+            ImagePlan(key=image.key, strategy=MISS, tokens=image.grid.tokens, grid=(image.grid.rows, image.grid.cols),
+                      store=False) for image in intake.images))
+    return dataclasses.replace(plan, scope=cache_scope(namespace)) if plan is not None else None
+
+
 def upstream_body(body: dict[str, Any], *, namespace: str, rid: str, kinds: Sequence[str] = ()) -> dict[str, Any]:
     """The body SGLang gets: the gateway's request id (which may carry the reuse plan) instead of any the client
     sent, and SGLang's prefix cache scoped to the tenant's namespace, so that no tenant's request is served KV that
@@ -144,7 +157,7 @@ def upstream_body(body: dict[str, Any], *, namespace: str, rid: str, kinds: Sequ
     dropped tokens hold no usable K/V at the late layers, so no later request may take its prefix."""
     upstream = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
     upstream["rid"] = rid
-    upstream["extra_key"] = "revisit-ns-" + hashlib.blake2b(namespace.encode(), digest_size=12).hexdigest()
+    upstream["extra_key"] = cache_scope(namespace)
     salt = ("revisit-approximate-" + hashlib.blake2b(rid.encode(), digest_size=12).hexdigest()
             if "approximate" in kinds else "revisit-moved" if "exact_moved" in kinds else None)
     if salt is not None:

@@ -14,6 +14,7 @@ import torch
 
 from engine_ext.executor.attention import Sequences, attend_rows, attention_probs
 from engine_ext.executor.entries import KVFetch, StoredImage, read_head, to_entry
+from engine_ext.executor.events import FullPrefill
 from engine_ext.executor.rows import reuse_depths
 from engine_ext.rope import inv_freq, reposition
 from plan import recompute_count
@@ -129,8 +130,10 @@ def test_a_row_group_read_is_those_rows_layers_moved_to_the_new_positions(device
     head = read_head(dram, key, model_id="m", layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, tokens=TOKENS)
     assert head is not None and torch.equal(head.positions, image.positions) and torch.equal(head.encoder,
                                                                                                 image.encoder)
-    assert read_head(dram, key, model_id="other", layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                     tokens=TOKENS) is None  # another model's entry is no entry
+    with pytest.raises(FullPrefill, match="entry_foreign"):  # another model's entry is no entry
+        read_head(dram, key, model_id="other", layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, tokens=TOKENS)
+    with pytest.raises(FullPrefill, match="entry_missing"):
+        read_head(dram, "d" * 64, model_id="m", layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, tokens=TOKENS)
 
     frequencies = inv_freq(10000.0, HEAD_DIM)
     rows = [1, 2, 7, 11]

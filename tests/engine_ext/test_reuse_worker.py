@@ -283,6 +283,31 @@ def test_a_plan_that_does_not_fit_is_ignored(pair: Pair, seen: dict, picture: Im
     assert ran(pair, bad_rid) == {EVERY_IMAGE: Outcome(UNPLANNED, "plan_refused")}
 
 
+
+def test_the_encoder_cache_is_kept_apart_per_tenant_scope(pair: Pair, picture: Image.Image) -> None:
+    """SGLang's encoder-output cache serves the same pixels to the same scope only: another namespace's request
+    runs the vision tower itself (so it can neither be served nor time the first one's embeddings)."""
+    from PIL import ImageDraw
+
+    image = picture.copy()
+    ImageDraw.Draw(image).ellipse((90, 90, 150, 150), fill=(10, 200, 30))  # pixels no other test sent
+    grid = grid_of(pair.model.prompt(["Look:", image, QUESTION]))
+
+    def scoped(scope: str) -> str:
+        plan = ImagePlan(key=key_for(f"{pair.arch}-scoped"), strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
+                         store=False)
+        return RequestPlan(images=(plan,), scope=scope).to_rid(uuid.uuid4().hex)
+
+    answers, runs, rids = [], [vision_runs(pair.b)], []
+    for scope in ("revisit-ns-a", "revisit-ns-a", "revisit-ns-b"):
+        flush(pair.b)  # the radix cache only: SGLang keeps its encoder cache
+        rids.append(scoped(scope))
+        answers.append(text_of(chat(pair.b, content("Look:", image, QUESTION), plan_rid=rids[-1], tokens=6)))
+        runs.append(vision_runs(pair.b))
+    assert [b - a for a, b in zip(runs, runs[1:], strict=False)] == [1, 0, 1]  # a's repeat hit, b's did not
+    assert answers[0] == answers[1] == answers[2]
+    assert [ran(pair, r) for r in rids] == [None] * 3  # unstored misses are not reported: no gateway reads them
+
 # --- approximate plans ---
 
 APPROXIMATE_PREAMBLE = "Here is a new version. Look:"

@@ -37,6 +37,9 @@ def test_request_plan_round_trips_through_json() -> None:
     assert " " not in wire and json.loads(wire)["version"] == PLAN_VERSION
     back = RequestPlan.from_json(wire)
     assert back == plan and back.images[2].reuse == (1, 4) and back.images[2].alias_grid == (2, 3)
+    scoped = RequestPlan(images=plan.images[:1], scope="revisit-ns-0123abcd")
+    assert RequestPlan.from_json(scoped.to_json()) == scoped and scoped.reported
+    assert not RequestPlan(images=(ImagePlan(key=A, strategy=MISS, tokens=64, grid=(8, 8), store=False),)).reported
     assert back.images[3].shift == (-1, 0) and back.images[3].alias_grid == (3, 3)
     assert back.images[3].vision == PARTIAL_PASS and back.images[2].vision == "full"  # change-blind: 2 reused
 
@@ -81,8 +84,9 @@ def test_bad_image_plans_are_refused(change: dict, message: str) -> None:
         RequestPlan.from_json(json.dumps({"version": PLAN_VERSION, "images": [data]}))
 
 
-@pytest.mark.parametrize("wire", ["not json", "[]", '{"version": 2, "images": []}', '{"version": 3}',
-                                  '{"version": 3, "images": [3]}'])
+@pytest.mark.parametrize("wire", ["not json", "[]", '{"version": 3, "images": []}', '{"version": 4}',
+                                  '{"version": 4, "images": [3]}', '{"version": 4, "images": [], "scope": 7}',
+                                  '{"version": 4, "images": [], "scope": "a/../b"}'])
 def test_bad_request_plans_are_refused(wire: str) -> None:
     with pytest.raises(PlanError):
         RequestPlan.from_json(wire)
