@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -84,6 +85,9 @@ def run(model_path: Path, args, shades, via_gateway: bool = False) -> dict[str, 
     finally:
         client.close()
         worker.stop()
+        store.close()
+        for shared in (env["REVISIT_STORE_DRAM_DIR"], env["REVISIT_STORE_DRAM_DIR"] + "-outcomes"):
+            shutil.rmtree(shared, ignore_errors=True)  # shared memory outlives the run otherwise
     return times
 
 
