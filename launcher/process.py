@@ -14,6 +14,10 @@ from launcher.spec import WorkerSpec
 DEFAULT_STOP_GRACE_S = 15.0
 LOG_TAIL_LINES = 60
 _KILL_SETTLE_S = 5.0
+SHARED_MEMORY = Path("/dev/shm")
+# What SGLang's processes leave in shared memory when they are killed rather than exit (its load-snapshot slots,
+# multiprocessing's named semaphores): removed by stop() when the worker had them open.
+LEFT_BEHIND = ("sglang_loads_", "sem.mp-")
 
 
 class WorkerProcess:
@@ -65,6 +69,7 @@ class WorkerProcess:
     def stop(self, grace: float = DEFAULT_STOP_GRACE_S) -> int:
         """SIGTERM the process group, SIGKILL it after ``grace`` seconds; returns the leader's
         exit code once no process of the group runs any more. Safe to call more than once."""
+        held = shared_memory_of(self.live_processes())
         if self.is_running():
             _signal_group(self.pid, signal.SIGTERM)
             try:
@@ -78,6 +83,10 @@ class WorkerProcess:
         deadline = time.monotonic() + _KILL_SETTLE_S
         while self.live_processes() and time.monotonic() < deadline:
             time.sleep(0.05)
+        if not self.live_processes():
+            for path in held:
+                if path.name.startswith(LEFT_BEHIND):
+                    path.unlink(missing_ok=True)
         return code
 
     def __enter__(self) -> WorkerProcess:
@@ -85,6 +94,31 @@ class WorkerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def shared_memory_of(pids: list[int]) -> set[Path]:
+    """The files under /dev/shm these processes have open or mapped (read from /proc; what vanishes meanwhile is
+    skipped)."""
+    held: set[Path] = set()
+    prefix = f"{SHARED_MEMORY}/"
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith(prefix) and not target.endswith("(deleted)"):
+                held.add(Path(target))
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(prefix) and not fields[5].endswith("(deleted)"):
+                held.add(Path(fields[5]))
+    return held
 
 
 def live_group_members(pgid: int) -> list[int]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -196,3 +197,31 @@ async def test_wait_ready_async_reports_connection_errors_on_timeout() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(WorkerTimeoutError, match="ConnectError"):
         await asyncio.wait_for(wait_ready_async(url, timeout=0.5, interval=0.1), timeout=30)
+
+
+def test_stop_removes_what_the_killed_worker_left_in_shared_memory(tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex[:10]
+    names = {"loads": f"sglang_loads_test_{tag}.shm", "semaphore": f"sem.mp-{tag}", "store": f"revisit-test-{tag}"}
+    script = f"""
+        import mmap, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # killed, as SGLang's children are: no cleanup of its own
+        held = []
+        for name in {sorted(names.values())!r}:
+            f = open("/dev/shm/" + name, "w+b")
+            f.write(bytes(4096))
+            f.flush()
+            held.append((f, mmap.mmap(f.fileno(), 4096)))
+        print("ready", flush=True)
+        time.sleep(600)
+    """
+    worker = _worker_running(script, tmp_path)
+    deadline = time.monotonic() + 30
+    while "ready" not in worker.log_file.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert worker.stop(grace=0.5) == -signal.SIGKILL
+        left = {kind: (Path("/dev/shm") / name).exists() for kind, name in names.items()}
+        assert left == {"loads": False, "semaphore": False, "store": True}  # the store's files are not SGLang's
+    finally:
+        for name in names.values():
+            (Path("/dev/shm") / name).unlink(missing_ok=True)
