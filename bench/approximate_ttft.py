@@ -37,6 +37,7 @@ from PIL import Image, ImageDraw
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import scratch_store  # noqa: E402
 from bench.reuse_ttft import MODEL_ID, body, ttft, variant  # noqa: E402
 from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from engine_ext.selection import DEVIATION, score_kind  # noqa: E402
@@ -97,8 +98,7 @@ def main() -> None:
     layers = text_layers(model_path)
     assert layers is not None
     work = Path(tempfile.mkdtemp(prefix="bench-approx-"))
-    store_env = {"REVISIT_STORE_DRAM_DIR": tempfile.mkdtemp(prefix="bench-approx-", dir="/dev/shm"),
-                 "REVISIT_STORE_LMDB_DIR": str(work / "lmdb")}
+    store_env = scratch_store(work, "bench-approx-")
     worker = start_worker(WorkerSpec(model_path=model_path, port=free_port(), served_model_name=MODEL_ID,
                                      log_file=work / "worker.log", env=store_env))
     processor = ProcessorSettings.from_model_dir(model_path)

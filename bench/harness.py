@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -18,6 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.conftest import free_port  # noqa: E402
+
+
+def scratch_store(work: Path, prefix: str) -> dict[str, str]:
+    """REVISIT_STORE_* for a store of the bench's own: its DRAM tier in shared memory, its LMDB tier under
+    ``work``. The shared-memory folders are removed when the bench exits (they outlive it otherwise)."""
+    dram = tempfile.mkdtemp(prefix=prefix, dir="/dev/shm")
+    atexit.register(shutil.rmtree, dram, ignore_errors=True)
+    atexit.register(shutil.rmtree, dram + "-outcomes", ignore_errors=True)
+    return {"REVISIT_STORE_DRAM_DIR": dram, "REVISIT_STORE_LMDB_DIR": str(work / "lmdb")}
 
 
 @dataclass(frozen=True)

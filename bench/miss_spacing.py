@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shutil
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import gateway_process  # noqa: E402
+from bench.harness import gateway_process, scratch_store  # noqa: E402
 from bench.reuse_ttft import MODEL_ID, body, ttft, variant  # noqa: E402
 from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from gateway.config import ProcessorSettings  # noqa: E402
@@ -47,8 +46,7 @@ CASES = ("spaced", "back to back", "unstored")
 
 def run(model_path: Path, args, shades, via_gateway: bool = False) -> dict[str, list[float]]:
     work = Path(tempfile.mkdtemp(prefix="bench-spacing-"))
-    env = {"REVISIT_STORE_DRAM_DIR": tempfile.mkdtemp(prefix="bench-spacing-", dir="/dev/shm"),
-           "REVISIT_STORE_LMDB_DIR": str(work / "lmdb")}
+    env = scratch_store(work, "bench-spacing-")
     worker = start_worker(WorkerSpec(model_path=model_path, port=free_port(), served_model_name=MODEL_ID,
                                      log_file=work / "worker.log", env=env))
     store = open_store(StoreConfig.from_env(env))
@@ -86,8 +84,6 @@ def run(model_path: Path, args, shades, via_gateway: bool = False) -> dict[str, 
         client.close()
         worker.stop()
         store.close()
-        for shared in (env["REVISIT_STORE_DRAM_DIR"], env["REVISIT_STORE_DRAM_DIR"] + "-outcomes"):
-            shutil.rmtree(shared, ignore_errors=True)  # shared memory outlives the run otherwise
     return times
 
 

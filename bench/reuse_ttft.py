@@ -39,7 +39,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import gateway_process  # noqa: E402
+from bench.harness import gateway_process, scratch_store  # noqa: E402
 from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from gateway.config import ProcessorSettings  # noqa: E402
 from gateway.images import token_grid  # noqa: E402
@@ -100,8 +100,7 @@ def main() -> None:
     if layers is None:
         raise SystemExit(f"{model_path}/config.json names no layer count")
     work = Path(tempfile.mkdtemp(prefix="bench-reuse-"))
-    store_env = {"REVISIT_STORE_DRAM_DIR": tempfile.mkdtemp(prefix="bench-reuse-", dir="/dev/shm"),
-                 "REVISIT_STORE_LMDB_DIR": str(work / "lmdb")}
+    store_env = scratch_store(work, "bench-reuse-")
     worker = start_worker(WorkerSpec(model_path=model_path, port=free_port(), served_model_name=MODEL_ID,
                                      log_file=work / "worker.log", env=store_env))
     try:
