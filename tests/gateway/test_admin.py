@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -303,3 +304,20 @@ def test_two_apps_in_one_process_keep_their_own_metrics(server, policy):
         assert mine[("revisit_cache_entries", (("tier", "dram"),))] == 0
     finally:
         other.stop()
+
+
+def test_metric_names_follow_prometheus_conventions(server):
+    """Prometheus' naming rules (https://prometheus.io/docs/practices/naming/): one prefix, snake case, counters
+    ending in _total, base units (seconds, bytes) named as suffixes, no unit on a ratio or a count."""
+    httpx.get(server.url + "/v1/models")  # a request, so the request families have samples
+    families = list(text_string_to_metric_families(httpx.get(server.url + "/metrics").text))
+    assert {f.name for f in families} >= {"revisit_requests", "revisit_request_duration_seconds",
+                                          "revisit_time_to_first_token_seconds", "revisit_reuse_fallbacks",
+                                          "revisit_cache_entries", "revisit_plans"}
+    for family in families:
+        assert re.fullmatch(r"revisit_[a-z0-9_]+", family.name), family.name
+        assert not re.search(r"(milliseconds|_ms|kilobytes|_kb|_mb|percent)(_|$)", family.name), family.name
+        if family.type == "counter":
+            assert all(s.name in (family.name + "_total", family.name + "_created") for s in family.samples)
+        if family.type == "histogram":
+            assert family.name.endswith(("_seconds", "_bytes")), family.name
