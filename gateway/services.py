@@ -47,7 +47,6 @@ class Services:
     started_at: int = field(default_factory=lambda: int(time.time()))
     _rebuild: asyncio.Task[None] | None = None
     _books: asyncio.Task[None] | None = None
-    books_ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once the first pass is done
 
     @classmethod
     def build(cls, config: GatewayConfig) -> Services:
@@ -105,8 +104,6 @@ class Services:
         loop = asyncio.get_running_loop()
         if store is not None:
             self._books = loop.create_task(self._keep_books(store))
-        else:
-            self.books_ready.set()
         if matcher is not None and store is not None:
             self._rebuild = loop.create_task(self._rebuild_index(matcher, store))
 
@@ -129,13 +126,11 @@ class Services:
                 if first:
                     log.info("cache books rebuilt from the store: %d entries taken in, %d lost, in %.2f s",
                              restored, lost, time.perf_counter() - started)
+                    first = False
             except asyncio.CancelledError:
                 raise
             except Exception:  # the books stay as they are until the next pass; the gateway keeps serving
                 log.exception("reconciling the cache books with the store failed")
-            if first:
-                first = False
-                self.books_ready.set()
             await asyncio.sleep(self.config.books_interval_s)
 
     async def _rebuild_index(self, matcher: Matcher, store: TieredStore) -> None:
