@@ -110,9 +110,10 @@ async def chat_completions(request: Request) -> Any:
 def _what_ran(services: Services, planned: Planned, request_id: str) -> str:
     """The reuse header from what the worker reports it ran (plan.outcome), its fallbacks counted and logged.
     Reads one file of a few hundred bytes from shared memory: no disk, so it stays on the loop."""
-    ran = services.outcomes.take(request_id) if services.outcomes is not None and planned.plan else None
+    reported = services.outcomes is not None and planned.plan is not None and planned.plan.reported
+    ran = services.outcomes.take(request_id) if reported and services.outcomes is not None else None
     if ran is None:
-        if planned.plan is not None and services.outcomes is not None:
+        if reported:
             services.requests.unreported.inc()
         return planned.reuse_header()
     for kind, outcome in planned.fallbacks(ran):
