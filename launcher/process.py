@@ -16,8 +16,9 @@ LOG_TAIL_LINES = 60
 _KILL_SETTLE_S = 5.0
 SHARED_MEMORY = Path("/dev/shm")
 # What SGLang's processes leave in shared memory when they are killed rather than exit (its load-snapshot slots,
-# multiprocessing's named semaphores): removed by stop() when the worker had them open.
-LEFT_BEHIND = ("sglang_loads_", "sem.mp-")
+# multiprocessing's named semaphores, a request's multimodal inputs in passage between its processes): removed by
+# stop() and kill() when the worker had them open.
+LEFT_BEHIND = ("sglang_loads_", "sem.mp-", "sgl_shm_mm_")
 
 
 class WorkerProcess:
@@ -32,6 +33,7 @@ class WorkerProcess:
         self.spec = spec
         self.process = process
         self.log_file = log_file
+        self.started_at = time.time()
 
     @property
     def pid(self) -> int:
@@ -84,9 +86,22 @@ class WorkerProcess:
         while self.live_processes() and time.monotonic() < deadline:
             time.sleep(0.05)
         if not self.live_processes():
-            for path in held:
-                if path.name.startswith(LEFT_BEHIND):
-                    path.unlink(missing_ok=True)
+            _remove_left_behind(held | orphaned_semaphores(self.started_at))
+        return code
+
+    def kill(self) -> int:
+        """End the worker as a crash would (SIGKILL, no chance to clean up), then clear what it held in shared
+        memory. The group is stopped first, so what it holds at that instant is known; stopped, it runs no
+        further, so for its requests and its store writes this is a SIGKILL at the moment of the SIGSTOP."""
+        _signal_group(self.pid, signal.SIGSTOP)
+        held = shared_memory_of(self.live_processes())
+        _signal_group(self.pid, signal.SIGKILL)
+        code = self.process.wait()
+        deadline = time.monotonic() + _KILL_SETTLE_S
+        while self.live_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.live_processes():
+            _remove_left_behind(held | orphaned_semaphores(self.started_at))
         return code
 
     def __enter__(self) -> WorkerProcess:
@@ -94,6 +109,30 @@ class WorkerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _remove_left_behind(held: set[Path]) -> None:
+    for path in held:
+        if path.name.startswith(LEFT_BEHIND):
+            path.unlink(missing_ok=True)
+
+
+def orphaned_semaphores(since: float) -> set[Path]:
+    """Python's named semaphores (``sem.mp-*``) made since ``since`` that no running process holds any more.
+
+    A short-lived process SGLang spawns while it starts makes one and exits without unlinking it, so it is
+    held by no worker process by the time the worker is stopped. A semaphore no process maps is no lock of
+    anyone's any more: removing it frees its file and changes nothing for anybody."""
+    made = set()
+    for path in SHARED_MEMORY.glob("sem.mp-*"):
+        try:
+            if path.stat().st_ctime >= since:
+                made.add(path)
+        except OSError:
+            continue
+    if not made:
+        return set()
+    return made - shared_memory_of([int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()])
 
 
 def shared_memory_of(pids: list[int]) -> set[Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import signal
 import subprocess
@@ -199,12 +200,18 @@ async def test_wait_ready_async_reports_connection_errors_on_timeout() -> None:
         await asyncio.wait_for(wait_ready_async(url, timeout=0.5, interval=0.1), timeout=30)
 
 
-def test_stop_removes_what_the_killed_worker_left_in_shared_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("end", ["stop", "kill"])
+def test_what_a_killed_worker_left_in_shared_memory_is_removed(tmp_path: Path, end: str) -> None:
+    """stop() (SIGTERM ignored, so SIGKILL) and kill() (a crash): SGLang's files go, the store's stay. So does a
+    semaphore its short-lived children made and left (held by no one), but not one another process holds."""
     tag = uuid.uuid4().hex[:10]
-    names = {"loads": f"sglang_loads_test_{tag}.shm", "semaphore": f"sem.mp-{tag}", "store": f"revisit-test-{tag}"}
+    names = {"loads": f"sglang_loads_test_{tag}.shm", "semaphore": f"sem.mp-{tag}",
+             "multimodal": f"sgl_shm_mm_{tag}", "store": f"revisit-test-{tag}"}
+    orphan, elsewhere = Path(f"/dev/shm/sem.mp-orphan{tag}"), Path(f"/dev/shm/sem.mp-other{tag}")
     script = f"""
         import mmap, signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # killed, as SGLang's children are: no cleanup of its own
+        open("{orphan}", "wb").write(bytes(32))  # made and let go, as by a child that exited
         held = []
         for name in {sorted(names.values())!r}:
             f = open("/dev/shm/" + name, "w+b")
@@ -218,10 +225,18 @@ def test_stop_removes_what_the_killed_worker_left_in_shared_memory(tmp_path: Pat
     deadline = time.monotonic() + 30
     while "ready" not in worker.log_file.read_text() and time.monotonic() < deadline:
         time.sleep(0.1)
+    other = elsewhere.open("w+b")  # a live process's semaphore, made meanwhile: not the worker's to remove
+    other.write(bytes(32))
+    other.flush()
+    mapped = mmap.mmap(other.fileno(), 32)
     try:
-        assert worker.stop(grace=0.5) == -signal.SIGKILL
+        code = worker.stop(grace=0.5) if end == "stop" else worker.kill()
+        assert code == -signal.SIGKILL and not worker.live_processes()
         left = {kind: (Path("/dev/shm") / name).exists() for kind, name in names.items()}
-        assert left == {"loads": False, "semaphore": False, "store": True}  # the store's files are not SGLang's
+        assert left == {"loads": False, "semaphore": False, "multimodal": False, "store": True}
+        assert not orphan.exists() and elsewhere.exists()
     finally:
-        for name in names.values():
-            (Path("/dev/shm") / name).unlink(missing_ok=True)
+        mapped.close()
+        other.close()
+        for path in [orphan, elsewhere, *(Path("/dev/shm") / name for name in names.values())]:
+            path.unlink(missing_ok=True)
