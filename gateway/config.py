@@ -329,7 +329,8 @@ class GatewayConfig:
         processor settings), REVISIT_NAMESPACES (JSON object key -> namespace),
         REVISIT_ALLOW_PRIVATE_IMAGE_URLS (0/1), REVISIT_MAX_IMAGES_PER_REQUEST,
         REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES, REVISIT_IMAGE_MEMO_BYTES,
-        REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_BOOKS_INTERVAL_S, REVISIT_ADMIN_TOKEN,
+        REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_HEALTH_TIMEOUT_S,
+        REVISIT_BOOKS_INTERVAL_S, REVISIT_ADMIN_TOKEN,
         REVISIT_METRICS_REQUIRE_TOKEN (0/1), and the cache policy's REVISIT_DRAM_CAPACITY_BYTES,
         REVISIT_LMDB_CAPACITY_BYTES, REVISIT_PRESET_FRACTION, REVISIT_MAX_PROTECTION_BUDGET,
         REVISIT_PRESET_REUSE_WEIGHT, REVISIT_PRESET_MIN_SCORE.
@@ -386,6 +387,7 @@ class GatewayConfig:
             ("image_memo_bytes", "IMAGE_MEMO_BYTES", int),
             ("upstream_timeout_s", "UPSTREAM_TIMEOUT_S", float),
             ("health_interval_s", "HEALTH_INTERVAL_S", float),
+            ("health_timeout_s", "HEALTH_TIMEOUT_S", float),
             ("books_interval_s", "BOOKS_INTERVAL_S", float),
         ):
             if (value := get(name, cast)) is not None:

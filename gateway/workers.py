@@ -11,7 +11,8 @@ a long prefill, whoever sent it. So when ``/health`` does not answer, the worker
 the engine extension's forward clock (engine_ext.executor.events.ForwardClock): a forward
 that started and has not ended means busy, and the worker stays up; no forward in
 progress and no answer means hung, and after ``misses_allowed`` such checks it is taken
-out. (A forward stuck for good is ended by SGLang's own watchdog, which exits the worker.)
+out; requests in flight keep it in only while its /metrics still answers. (A forward stuck
+for good is ended by SGLang's own watchdog, which exits the worker.)
 """
 
 from __future__ import annotations
@@ -108,29 +109,30 @@ class WorkerPool:
         except httpx.HTTPError as exc:
             ok, error = False, f"health check failed: {type(exc).__name__}: {exc}"
             refused = isinstance(exc, httpx.ConnectError)
-        worker.busy_since = None if ok or refused else await self._forward_running(worker)
+        answering, worker.busy_since = (True, None) if ok or refused else await self._forward_clock(worker)
         worker.last_checked = time.monotonic()
         busy = worker.busy_since is not None
         worker.missed_checks = 0 if ok or busy else worker.missed_checks + 1
         # A refused connection (nothing listening) takes a worker out at once; a busy one stays; other slow or
-        # failed answers only after several in a row, and never while the worker has our requests in flight
-        # (those report their own failures).
-        tolerated = worker.inflight > 0 or worker.missed_checks < self._misses_allowed
+        # failed answers only after several in a row. While the worker has our requests in flight (those report
+        # their own failures) it stays too, as long as its HTTP process answers: one that answers nothing at all,
+        # /health nor /metrics, is hung (stopped, swapped out, wedged), whatever it was sent.
+        tolerated = (worker.inflight > 0 and answering) or worker.missed_checks < self._misses_allowed
         healthy = ok or busy or (worker.healthy and not refused and tolerated)  # busy: alive, whatever it was
         if healthy != worker.healthy:
             log.info("worker %s is now %s", worker.url, "up" if healthy else f"down ({error})")
         worker.healthy = healthy
         worker.last_error = None if ok else error if not busy else f"busy with a forward ({error})"
 
-    async def _forward_running(self, worker: Worker) -> float | None:
-        """When the forward the worker is running started, from its /metrics; None when none is running (or the
-        metrics cannot be read: then nothing tells the worker is busy)."""
+    async def _forward_clock(self, worker: Worker) -> tuple[bool, float | None]:
+        """Whether the worker's HTTP process answers /metrics, and when the forward it is running started (None
+        when none is running, or the metrics cannot be read: then nothing tells the worker is busy)."""
         try:
             response = await self._client.get(worker.url + "/metrics", timeout=self._timeout_s)
         except httpx.HTTPError:
-            return None
+            return False, None
         if response.status_code != 200:
-            return None
+            return True, None
         clock: dict[str, float] = {}
         for line in response.text.splitlines():
             name, _, value = line.partition(" ")
@@ -138,7 +140,7 @@ class WorkerPool:
                 with contextlib.suppress(ValueError):
                     clock[name] = float(value)
         started, ended = clock.get(FORWARD_STARTED), clock.get(FORWARD_ENDED, 0.0)
-        return started if started is not None and started > ended else None
+        return True, started if started is not None and started > ended else None
 
     def choose(self, exclude: Iterable[Worker] = (), prefer: str | None = None) -> Worker:
         """The least-loaded healthy worker; the preferred one (cache affinity) unless it is busier than that by

@@ -17,12 +17,14 @@ def test_from_env_reads_prefixed_variables(tmp_path):
             "REVISIT_NAMESPACES": '{"k1": "team"}',
             "REVISIT_ALLOW_PRIVATE_IMAGE_URLS": "1",
             "REVISIT_MAX_IMAGES_PER_REQUEST": "3",
+            "REVISIT_HEALTH_TIMEOUT_S": "2.5",
         }
     )
     assert config.workers == ("http://a:1", "http://b:2")
     assert config.processor == ProcessorSettings(patch_size=16, merge_size=2, min_pixels=1024, max_pixels=65536)
     assert config.namespaces == {"k1": "team"}
     assert config.images.allow_private_urls and config.images.max_images_per_request == 3
+    assert config.health_timeout_s == 2.5
 
 
 @pytest.mark.parametrize(

@@ -12,12 +12,16 @@ from tests.http_server import serve_handler
 
 class SlowHealth(BaseHTTPRequestHandler):
     """Answers /health at once, or, while ``answer`` is clear, only once it is set again (a worker busy with a
-    long prefill): a check then times out whatever the machine's speed, and setting it lets the answers go."""
+    long prefill): a check then times out whatever the machine's speed, and setting it lets the answers go.
+    /metrics waits the same way unless ``metrics_answer`` (the HTTP process of a worker whose scheduler is busy
+    still answers it; one that is stopped answers nothing)."""
 
     answer: threading.Event
+    metrics_answer = False
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        type(self).answer.wait(timeout=60)
+        if not (self.path == "/metrics" and self.metrics_answer):
+            type(self).answer.wait(timeout=60)
         self.send_response(200)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -26,10 +30,10 @@ class SlowHealth(BaseHTTPRequestHandler):
         pass
 
 
-def slow_health():
+def slow_health(metrics_answer: bool = False):
     answer = threading.Event()
     answer.set()
-    return type("Handler", (SlowHealth,), {"answer": answer}), answer
+    return type("Handler", (SlowHealth,), {"answer": answer, "metrics_answer": metrics_answer}), answer
 
 
 async def test_a_slow_health_answer_does_not_take_a_worker_out_at_once():
@@ -50,8 +54,8 @@ async def test_a_slow_health_answer_does_not_take_a_worker_out_at_once():
             assert pool.ready and pool.workers[0].missed_checks == 0
 
 
-async def test_a_busy_worker_is_not_taken_out_for_slow_health_answers():
-    handler, answer = slow_health()
+async def test_a_worker_with_requests_in_flight_is_not_taken_out_for_slow_health_answers():
+    handler, answer = slow_health(metrics_answer=True)
     with serve_handler(handler) as url:
         async with httpx.AsyncClient() as client:
             pool = WorkerPool([url], client, interval_s=3600, timeout_s=0.2, misses_allowed=2)
@@ -63,6 +67,23 @@ async def test_a_busy_worker_is_not_taken_out_for_slow_health_answers():
                 assert pool.ready and pool.workers[0].missed_checks == 4
             await pool.check_all()  # idle again, still slow: out
             assert not pool.ready
+            answer.set()
+
+
+async def test_a_worker_that_answers_nothing_is_taken_out_even_with_requests_in_flight():
+    """Stopped (SIGSTOP, swapped out): neither /health nor /metrics answers, so its requests in flight do not
+    keep it in rotation, where it would take new requests that wait as long as it hangs."""
+    handler, answer = slow_health(metrics_answer=False)
+    with serve_handler(handler) as url:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool([url], client, interval_s=3600, timeout_s=0.2, misses_allowed=2)
+            await pool.check_all()
+            answer.clear()
+            async with pool.lease(pool.workers[0]):
+                await pool.check_all()
+                assert pool.ready, "one unanswered check is not yet a hang"
+                await pool.check_all()
+                assert not pool.ready and pool.workers[0].missed_checks == 2
             answer.set()
 
 
