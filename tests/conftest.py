@@ -81,7 +81,13 @@ def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreConf
     try:
         yield StoreConfig.from_env(STORE_ENV)
     finally:
-        shutil.rmtree(dram, ignore_errors=True)
+        remove_store_memory(StoreConfig(dram_dir=dram))
+
+
+def remove_store_memory(config: StoreConfig) -> None:
+    """A test store's shared-memory folders: its DRAM tier and the outcomes box beside it (plan.outcome)."""
+    for path in (config.dram_path, config.outcomes_path):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def start_worker(model_path: Path, log_dir: Path, port: int | None = None):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import free_port
+from store import StoreConfig
+from tests.conftest import free_port, remove_store_memory
 from tests.images_lib import data_url, encode, small
 
 REVISIT = str(Path(sys.executable).parent / "revisit")
@@ -86,8 +86,7 @@ def test_serve_starts_workers_shows_progress_and_stops_them_on_sigterm(model_pat
     assert "stopping 2 worker(s)" in rest
     assert "Traceback" not in "".join(lines) + rest
     assert not port_open(worker_port) and not port_open(worker_port + 1) and not port_open(port)
-    shutil.rmtree(dram, ignore_errors=True)
-    shutil.rmtree(str(dram) + "-outcomes", ignore_errors=True)
+    remove_store_memory(StoreConfig(dram_dir=dram))
 
 
 def test_serve_refuses_a_folder_that_is_not_a_model(tmp_path):

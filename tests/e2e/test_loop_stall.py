@@ -7,7 +7,6 @@ back up. The loop's lag is the gateway's own measure (gateway/loop_lag.py), samp
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from gateway.config import PolicySettings, ReuseSettings
 from store import Entry, StoreConfig
-from tests.conftest import gateway_config, run_gateway
+from tests.conftest import gateway_config, remove_store_memory, run_gateway
 from tests.images_lib import data_url, encode, small
 
 pytestmark = pytest.mark.sglang
@@ -52,7 +51,7 @@ def gateway(workers, model_path, tmp_path_factory):
         yield server
     finally:
         server.stop()
-        shutil.rmtree(dram, ignore_errors=True)
+        remove_store_memory(store)
 
 
 def ask(gateway, picture: str) -> httpx.Response:

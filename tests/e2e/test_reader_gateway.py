@@ -4,7 +4,6 @@ client: every kind of question, two images in one request, and exact reuse keepi
 from __future__ import annotations
 
 import asyncio
-import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -23,7 +22,7 @@ from offline.reader_eval import (
     make_pairs,
 )
 from store import StoreConfig
-from tests.conftest import WORKER_READY_TIMEOUT_S, free_port, run_gateway, worker_events
+from tests.conftest import WORKER_READY_TIMEOUT_S, free_port, remove_store_memory, run_gateway, worker_events
 
 pytestmark = pytest.mark.sglang
 
@@ -53,7 +52,7 @@ def reader_gateway(tmp_path_factory):
         if server is not None:
             server.stop()
         worker.stop()
-        shutil.rmtree(dram, ignore_errors=True)
+        remove_store_memory(StoreConfig(dram_dir=dram))
 
 
 def test_the_served_oracle_reads_and_reuse_keeps_its_answers(reader_gateway) -> None:

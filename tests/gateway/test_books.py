@@ -5,7 +5,6 @@ what an earlier run (or a worker since) left there. Real ``revisit gateway`` pro
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from store.config import StoreConfig
 from store.tiered import TieredStore, open_tier
-from tests.conftest import free_port
+from tests.conftest import free_port, remove_store_memory
 from tests.store.entries import key_for, make_entry
 
 TOKEN = "admin-token-for-tests"
@@ -33,7 +32,7 @@ def store_config(tmp_path: Path) -> Iterator[StoreConfig]:
     config = StoreConfig(name=name, dram_dir=Path("/dev/shm") / f"revisit-store-{name}", lmdb_dir=tmp_path / "lmdb",
                          lmdb_map_size=16 << 20, pin_host_memory=False, lmdb_sync=False)
     yield config
-    shutil.rmtree(config.dram_path, ignore_errors=True)
+    remove_store_memory(config)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from gateway.config import PolicySettings
 from gateway.policy import CachePolicy
 from store.config import StoreConfig
 from store.tiered import TieredStore, open_tier
+from tests.conftest import remove_store_memory
 from tests.store.entries import key_for, make_entry
 
 
@@ -25,7 +25,7 @@ def store(tmp_path: Path):
     tiered = TieredStore([open_tier(tier, config) for tier in config.tiers])
     yield tiered
     tiered.close()
-    shutil.rmtree(config.dram_path, ignore_errors=True)
+    remove_store_memory(config)
 
 
 def written(store: TieredStore, seed: int) -> tuple[str, int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 
 from store import KVStore, StoreConfig, open_tier
 from store.tiered import TieredStore
+from tests.conftest import remove_store_memory
 
 TIER_KINDS = ("dram", "lmdb", "tiered")
 
@@ -22,7 +22,7 @@ def store_config(tmp_path: Path) -> Iterator[StoreConfig]:
     config = StoreConfig(name=name, dram_dir=shm / f"revisit-store-{name}", lmdb_dir=tmp_path / "lmdb",
                          lmdb_map_size=8 << 20, pin_host_memory=False, lmdb_sync=False, lmdb_grow_wait_s=1.0)
     yield config
-    shutil.rmtree(config.dram_path, ignore_errors=True)
+    remove_store_memory(config)
 
 
 def open_kind(kind: str, config: StoreConfig) -> KVStore:

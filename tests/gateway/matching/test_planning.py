@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import shutil
 import uuid
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from plan import (
 )
 from store import Entry, FeatureStore, StoreConfig
 from store.tiered import TieredStore, open_tier
+from tests.conftest import remove_store_memory
 from tests.gateway.matching.pairs import CELL, EXTRACTOR, aligned, edited, encode_png, features, jpeg
 
 SETTINGS = MatchSettings()
@@ -126,7 +126,7 @@ def cache(tmp_path: Path):
     yield manager, matcher
     manager.close()
     features_store.close()
-    shutil.rmtree(config.dram_path, ignore_errors=True)
+    remove_store_memory(config)
 
 
 def intake(image, namespace: str) -> IntakeResult:
