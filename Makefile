@@ -26,7 +26,7 @@ serve: $(INSTALLED)
 	$(BIN)/revisit serve $(ARGS)
 
 test: $(INSTALLED)
-	$(BIN)/ruff check gateway engine_ext store dashboards plan settings launcher bundled offline tests bench
+	$(BIN)/ruff check gateway engine_ext store dashboards plan settings launcher bundled offline soak tests bench
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(ARGS)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gateway", "engine_ext", "store", "dashboards", "plan", "settings", "launcher", "bundled", "offline")
+PACKAGES = ("gateway", "engine_ext", "store", "dashboards", "plan", "settings", "launcher", "bundled", "offline",
+            "soak")
 
 # package -> the first-party packages it may import. The gateway and the engine extension never import each other;
 # both speak through plan (the wire format) and store (the shared KV store).
@@ -25,6 +26,8 @@ ALLOWED = {
     "launcher": {"plan", "settings", "bundled", "engine_ext"},
     "bundled": {"settings"},
     "offline": {"plan", "bundled", "engine_ext", "store", "settings"},
+    # The soak drives a running gateway from outside, as clients and operators do: over HTTP, never by import.
+    "soak": {"launcher", "bundled", "offline", "plan", "store", "settings"},
 }
 # The one composition root that starts workers next to the gateway (``revisit serve``).
 EXCEPTIONS = {"gateway/embedded.py": {"launcher", "bundled"}}

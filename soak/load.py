@@ -1,0 +1,362 @@
+"""The soak's mixed load: what clients send, sent the way they send it, and what came back.
+
+Kinds (``KINDS``, weights in ``WEIGHTS``):
+
+    text            a chat without images
+    new_image       a panel no one sent before, asked about one of its fields
+    repeat          a panel this tenant sent before (recent ones more often), asked again: an exact hit when cached
+    near_duplicate  a panel this tenant sent, one field redrawn: an approximate hit when its alias is cached
+    other_tenant    a panel the other tenant sent, under this tenant's key: never an exact hit (isolation)
+    stream          a field question, streamed
+    cancel          a streamed request the client leaves after its first chunk, or one it stops waiting for
+    bad_input       a malformed body, a damaged or oversized image, a private URL, a bad parameter: must be a 4xx
+    admin           the admin API and /metrics, with the token (and once in a while without it: a 401)
+
+Every request ends as one outcome: ``ok``, ``refused`` (the 4xx a bad input must get), ``cancelled`` (the
+client left), ``error`` (a 5xx, a broken connection, a stream cut or ended by an error event: later explained
+by a fault active at the time, or not), ``unexpected`` (the wrong status for what was sent, or a cross-tenant
+hit) or ``lost`` (no answer within the client's timeout). A share of field questions is checked: the same
+request sent straight to a worker (plain SGLang, no plan) must give the same answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import random
+import struct
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+
+from bundled.reader.panels import Panel, changed, random_panel
+from bundled.reader.questions import field as field_question
+from offline.reader_eval import data_url
+from soak.stack import ADMIN, MODEL_ID, TENANTS
+
+KINDS = ("text", "new_image", "repeat", "near_duplicate", "other_tenant", "stream", "cancel", "bad_input", "admin")
+WEIGHTS = (8, 14, 22, 10, 5, 10, 6, 12, 13)
+OUTCOMES = ("ok", "refused", "cancelled", "error", "unexpected", "lost")
+CLIENT_TIMEOUT_S = 180.0
+WORDS = "the a cache image screen page table cell value moves stays again near far quick slow".split()
+
+
+@dataclass
+class Record:
+    kind: str
+    tenant: int
+    started: float
+    ended: float = 0.0
+    outcome: str = "ok"
+    detail: str = ""
+    reuse: str = ""  # the first image's reuse kind, as x-revisit-reuse said
+
+
+@dataclass
+class Check:
+    """A field question's answer through the gateway beside plain SGLang's answer to the same request."""
+
+    kind: str
+    reuse: str
+    answer: str
+    reference: str
+    truth: str
+
+    @property
+    def wrong(self) -> bool:
+        return self.answer != self.reference
+
+
+@dataclass
+class Seen:
+    """Panels each tenant sent, most recent last (bounded)."""
+
+    limit: int = 400
+    panels: list[list[Panel]] = field(default_factory=lambda: [[] for _ in TENANTS])
+
+    def add(self, tenant: int, panel: Panel) -> None:
+        mine = self.panels[tenant]
+        mine.append(panel)
+        del mine[: max(0, len(mine) - self.limit)]
+
+    def pick(self, tenant: int, rng: random.Random) -> Panel | None:
+        mine = self.panels[tenant]
+        if not mine:
+            return None
+        return mine[-1 - min(int(rng.expovariate(1 / 12)), len(mine) - 1)]  # recent ones more often
+
+
+class Load:
+    """Clients sending the mixed load until told to stop; every request is recorded."""
+
+    def __init__(self, url: str, worker_urls: list[str], *, seed: int = 0, check_share: float = 0.3) -> None:
+        self.url = url
+        self.worker_urls = worker_urls
+        self.rng = random.Random(f"soak:{seed}")
+        self.check_share = check_share
+        self.seen = Seen()
+        self.records: list[Record] = []
+        self.checks: list[Check] = []
+        self.checks_skipped = 0
+        self.keys: dict[str, tuple[int, Panel]] = {}  # an image's cache key (x-revisit-image-keys) -> who sent what
+        self.stopping = asyncio.Event()
+        self._clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0,
+                                            timeout=CLIENT_TIMEOUT_S) for key in TENANTS]
+        self._http = httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S)
+
+    async def close(self) -> None:
+        for client in self._clients:
+            await client.close()
+        await self._http.aclose()
+
+    # --- running ---
+
+    async def run(self, clients: int, deadline: float, max_requests: int) -> None:
+        async def one_client(index: int) -> None:
+            rng = random.Random(f"{self.rng.random()}:{index}")
+            while not self.stopping.is_set() and time.monotonic() < deadline and len(self.records) < max_requests:
+                kind = rng.choices(KINDS, WEIGHTS)[0]
+                record = await self.send(kind, rng.randrange(len(TENANTS)), rng)
+                if record.outcome == "error" and "connect" in record.detail:
+                    await asyncio.sleep(0.5)  # the gateway is down (a fault): do not spin
+
+        await asyncio.gather(*(one_client(i) for i in range(clients)))
+
+    async def send(self, kind: str, tenant: int, rng: random.Random, body=None) -> Record:
+        """One request of ``kind`` (``body``: a coroutine function of (record, rng) that sends it; default: the
+        kind's own), recorded whatever happens to it."""
+        record = Record(kind=kind, tenant=tenant, started=time.monotonic())
+        self.records.append(record)
+        try:
+            await asyncio.wait_for((body or getattr(self, f"_{kind}"))(record, rng), CLIENT_TIMEOUT_S + 10)
+        except (TimeoutError, openai.APITimeoutError, httpx.TimeoutException) as exc:
+            record.outcome, record.detail = "lost", f"no answer in {CLIENT_TIMEOUT_S:.0f} s ({type(exc).__name__})"
+        except openai.APIStatusError as exc:
+            record.outcome = "unexpected" if exc.status_code < 500 else "error"
+            record.detail = f"{exc.status_code}: {str(exc.message)[:200]}"
+        except (openai.APIConnectionError, httpx.TransportError) as exc:
+            record.outcome, record.detail = "error", f"connection: {type(exc).__name__}: {str(exc)[:160]}"
+        except openai.APIError as exc:  # an error event in a stream
+            record.outcome, record.detail = "error", f"stream error event: {str(exc)[:200]}"
+        finally:
+            record.ended = time.monotonic()
+        return record
+
+    async def ask_checked(self, kind: str, tenant: int, panel: Panel, *, lead: str | None = None) -> \
+            tuple[Record, Check | None]:
+        """A field question about ``panel`` whose answer is always checked (the faults' probes). ``lead``: text
+        before the image, so that SGLang's prefix cache cannot serve the image and the store must."""
+        checks = len(self.checks)
+        rng = random.Random(f"{kind}:{len(self.records)}")
+        record = await self.send(kind, tenant, rng,
+                                 lambda record, rng: self._ask(record, panel, rng, check=True, lead=lead))
+        return record, (self.checks[-1] if len(self.checks) > checks else None)
+
+    # --- the kinds ---
+
+    async def _text(self, record: Record, rng: random.Random) -> None:
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60)))
+        reply = await self._clients[record.tenant].chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": words}], max_tokens=rng.randint(1, 8),
+            temperature=0)
+        if not reply.choices:
+            record.outcome, record.detail = "unexpected", "no choices"
+
+    async def _new_image(self, record: Record, rng: random.Random) -> None:
+        panel = random_panel(rng)
+        await self._ask(record, panel, rng)
+        self.seen.add(record.tenant, panel)
+
+    async def _repeat(self, record: Record, rng: random.Random) -> None:
+        panel = self.seen.pick(record.tenant, rng)
+        if panel is None:
+            return await self._new_image(record, rng)
+        await self._ask(record, panel, rng)
+
+    async def _near_duplicate(self, record: Record, rng: random.Random) -> None:
+        panel = self.seen.pick(record.tenant, rng)
+        if panel is None or len(panel.keys) < 2:
+            return await self._new_image(record, rng)
+        near, _ = changed(panel, rng, 1)
+        await self._ask(record, near, rng)
+        self.seen.add(record.tenant, near)
+
+    async def _other_tenant(self, record: Record, rng: random.Random) -> None:
+        other = 1 - record.tenant
+        mine = self.seen.panels[record.tenant]
+        theirs = [p for p in self.seen.panels[other][-50:] if p not in mine]
+        if not theirs:
+            return await self._new_image(record, rng)
+        panel = rng.choice(theirs)
+        await self._ask(record, panel, rng)
+        reuse = record.reuse
+        if record.outcome == "ok" and (reuse.startswith("exact") or "similarity=1.0000" in reuse):
+            record.outcome, record.detail = "unexpected", f"another tenant's image was reused: {reuse}"
+        self.seen.add(record.tenant, panel)
+
+    async def _stream(self, record: Record, rng: random.Random) -> None:
+        panel = self.seen.pick(record.tenant, rng) if rng.random() < 0.6 else None
+        panel = panel or random_panel(rng)
+        question = field_question(panel, rng.choice(panel.keys))
+        raw = await self._clients[record.tenant].chat.completions.with_raw_response.create(
+            model=MODEL_ID, messages=_messages(panel, question.text), max_tokens=rng.randint(1, 6), temperature=0,
+            stream=True)
+        record.reuse = _first_reuse(raw.headers.get("x-revisit-reuse", ""))
+        finished = False
+        async for chunk in raw.parse():
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finished = True
+        if not finished:
+            record.outcome, record.detail = "error", "stream ended without a finish reason"
+        self.seen.add(record.tenant, panel)
+
+    async def _cancel(self, record: Record, rng: random.Random) -> None:
+        panel = random_panel(rng)
+        question = field_question(panel, panel.keys[0])
+        client = self._clients[record.tenant]
+        if rng.random() < 0.5:
+            stream = await client.chat.completions.create(
+                model=MODEL_ID, messages=_messages(panel, question.text), max_tokens=16, temperature=0, stream=True)
+            async for _ in stream:
+                break
+            await stream.close()
+        else:
+            try:
+                await asyncio.wait_for(client.chat.completions.create(
+                    model=MODEL_ID, messages=_messages(panel, question.text), max_tokens=16, temperature=0),
+                    timeout=rng.uniform(0.05, 1.0))
+                return  # it finished before the client gave up
+            except TimeoutError:
+                pass
+        record.outcome = "cancelled"
+
+    async def _bad_input(self, record: Record, rng: random.Random) -> None:
+        name, body = rng.choice(BAD_INPUTS)()
+        headers = {"Authorization": f"Bearer {TENANTS[record.tenant]}", "Content-Type": "application/json"}
+        content = body if isinstance(body, bytes) else None
+        response = await self._http.post(self.url + "/v1/chat/completions", content=content,
+                                         json=None if content is not None else body, headers=headers)
+        record.detail = f"{name}: {response.status_code}"
+        if 400 <= response.status_code < 500 and "error" in response.json():
+            record.outcome = "refused"
+        elif response.status_code >= 500:
+            record.outcome = "error"
+        else:
+            record.outcome = "unexpected"
+
+    async def _admin(self, record: Record, rng: random.Random) -> None:
+        path, method, expect = rng.choice(ADMIN_CALLS)
+        with_token = expect != 401
+        response = await self._http.request(method, self.url + path, headers=ADMIN if with_token else {})
+        record.detail = f"{method} {path}: {response.status_code}"
+        if response.status_code != expect:
+            record.outcome = "error" if response.status_code >= 500 else "unexpected"
+
+    # --- a field question, and its check ---
+
+    async def _ask(self, record: Record, panel: Panel, rng: random.Random, *, check: bool = False,
+                   lead: str | None = None) -> None:
+        question = field_question(panel, rng.choice(panel.keys))
+        messages = _messages(panel, question.text, lead)
+        raw = await self._clients[record.tenant].chat.completions.with_raw_response.create(
+            model=MODEL_ID, messages=messages, max_tokens=1, temperature=0)
+        answer = (raw.parse().choices[0].message.content or "").strip()
+        record.reuse = _first_reuse(raw.headers.get("x-revisit-reuse", ""))
+        if key := raw.headers.get("x-revisit-image-keys", ""):
+            self.keys[key.split(",")[0]] = (record.tenant, panel)
+        if check or rng.random() < self.check_share:
+            reference = await self._plain_sglang(messages, rng)
+            if reference is None:
+                self.checks_skipped += 1
+            else:
+                self.checks.append(Check(kind=record.kind, reuse=record.reuse, answer=answer, reference=reference,
+                                         truth=question.answer))
+
+    async def _plain_sglang(self, messages: list, rng: random.Random) -> str | None:
+        """The same request straight to a worker: no gateway, no plan, so SGLang's own full prefill."""
+        url = rng.choice(self.worker_urls)
+        try:
+            response = await self._http.post(url + "/v1/chat/completions", json={
+                "model": MODEL_ID, "messages": messages, "max_tokens": 1, "temperature": 0}, timeout=60)
+        except httpx.HTTPError:
+            return None  # the worker is being killed or restarted: nothing to compare with
+        if response.status_code != 200:
+            return None
+        return (response.json()["choices"][0]["message"]["content"] or "").strip()
+
+    # --- the tallies ---
+
+    def reuse_kinds(self) -> dict[str, int]:
+        return dict(Counter(r.reuse.split(";")[0] for r in self.records if r.reuse and r.outcome == "ok"))
+
+
+def _messages(panel: Panel, text: str, lead: str | None = None) -> list:
+    image = {"type": "image_url", "image_url": {"url": data_url(panel.render())}}
+    parts = [{"type": "text", "text": lead}] if lead else []
+    return [{"role": "user", "content": [*parts, image, {"type": "text", "text": text}]}]
+
+
+def _first_reuse(header: str) -> str:
+    return header.split(",")[0]
+
+
+# --- bad inputs: (name, body) makers; every one must get a 4xx with an error body ---
+
+
+def _chat(url: str, **extra) -> dict:
+    return {"model": MODEL_ID, "max_tokens": 2, **extra, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "a?"}]}]}
+
+
+def _png(width: int, height: int) -> bytes:
+    """A valid PNG header claiming width x height (the gateway must refuse it before decoding)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    idat = zlib.compress(b"\0" * 64)
+    return (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk))
+            + struct.pack(">I", len(idat)) + b"IDAT" + idat + struct.pack(">I", zlib.crc32(b"IDAT" + idat))
+            + struct.pack(">I", 0) + b"IEND" + struct.pack(">I", zlib.crc32(b"IEND")))
+
+
+def _b64(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def _panel_png() -> bytes:
+    buffer = io.BytesIO()
+    random_panel(random.Random(7)).render().save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _truncated_panel() -> bytes:
+    data = _panel_png()
+    return data[: len(data) // 2]
+
+
+BAD_INPUTS = (
+    lambda: ("not json", b"{\"model\": \"revisit-oracle\", \"messages\": ["),
+    lambda: ("no messages", {"model": MODEL_ID}),
+    lambda: ("unknown model", {**_chat(_b64(_panel_png())), "model": "no-such-model"}),
+    lambda: ("random bytes as an image", _chat(_b64(random.randbytes(600)))),
+    lambda: ("a truncated PNG", _chat(_b64(_truncated_panel()))),
+    lambda: ("a 30000x30000 PNG", _chat(_b64(_png(30000, 30000)))),
+    lambda: ("a private URL", _chat("http://127.0.0.1:9/image.png")),
+    lambda: ("not base64", _chat("data:image/png;base64,@@@@")),
+    lambda: ("negative max_tokens", {**_chat(_b64(_panel_png())), "max_tokens": -3}),
+    lambda: ("a string for messages", {"model": MODEL_ID, "messages": "hello"}),
+)
+
+ADMIN_CALLS = (
+    ("/admin/stats", "GET", 200),
+    ("/admin/entries?limit=5", "GET", 200),
+    ("/admin/presets", "GET", 200),
+    ("/health", "GET", 200),
+    ("/metrics", "GET", 200),
+    ("/v1/models", "GET", 200),
+    ("/admin/stats", "GET", 401),
+)

@@ -1,0 +1,317 @@
+"""One soak: the stack started, the load sent, the faults injected in turn, every request accounted for.
+
+:class:`SoakPlan` says how long and how hard; :func:`run_soak` runs it and returns a :class:`SoakReport`, which
+says whether it passed: no unexplained error (see soak.load for outcomes, soak.faults for what a fault explains),
+no lost request, no wrong answer among the checked ones, every fault injected and survived, and nothing left in
+/dev/shm once the stack is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from soak.faults import FAULTS, FaultResult
+from soak.load import Load, Record
+from soak.stack import ADMIN, Stack, StackSettings, shm_files
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class SoakPlan:
+    minutes: float = 30.0  # the load's length; faults repeat, in turn, until it is over
+    max_requests: int = 100_000
+    clients: int = 3  # concurrent clients (this machine has 2 cores)
+    faults: tuple[str, ...] = tuple(FAULTS)
+    once: bool = False  # each fault once, then stop (the short form CI runs)
+    warmup_s: float = 30.0  # load before the first fault, so the cache holds entries to hit and to damage
+    gap_s: float = 20.0  # load between faults
+    check_share: float = 0.3
+    disk_full_images: int = 6
+    seed: int = 0
+
+
+@dataclass
+class SoakReport:
+    plan: dict
+    stack: dict
+    seconds: float = 0.0
+    requests: dict[str, dict[str, int]] = field(default_factory=dict)
+    reuse: dict[str, int] = field(default_factory=dict)
+    explained: dict[str, int] = field(default_factory=dict)  # errors per fault that explains them
+    unexplained: list[str] = field(default_factory=list)
+    checked: int = 0
+    checks_skipped: int = 0
+    wrong: list[dict] = field(default_factory=list)
+    right_vs_truth: float = 0.0
+    faults: list[dict] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+    loop_lag: dict = field(default_factory=dict)
+    store: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return (not self.unexplained and not self.wrong and bool(self.faults)
+                and all(f["survived"] for f in self.faults) and not self.memory.get("shm_left_after_stop"))
+
+    def as_dict(self) -> dict:
+        return {"passed": self.passed, **self.__dict__}
+
+    def markdown(self) -> str:
+        total = sum(sum(by.values()) for by in self.requests.values())
+        lines = [f"# Soak: {'passed' if self.passed else 'FAILED'}", "",
+                 f"{total} requests in {self.seconds / 60:.1f} min; {self.checked} answers checked against plain "
+                 f"SGLang, {len(self.wrong)} wrong; {len(self.unexplained)} unexplained errors.", "",
+                 "| kind | " + " | ".join(OUTCOME_COLUMNS) + " |", "|---|" + "---|" * len(OUTCOME_COLUMNS)]
+        for kind, by in self.requests.items():
+            lines.append(f"| {kind} | " + " | ".join(str(by.get(o, 0)) for o in OUTCOME_COLUMNS) + " |")
+        lines += ["", "| fault | survived | seconds | detail |", "|---|---|---|---|"]
+        for fault in self.faults:
+            survived = "yes" if fault["survived"] else ("not injected" if not fault["injected"] else "NO")
+            lines.append(f"| {fault['name']} | {survived} | {fault['seconds']} | {fault['detail']} |")
+            lines += [f"|  | {'ok' if ok else 'FAILED'} |  | {check} |" for check, ok in fault["checks"].items()]
+        lines += ["", f"Errors explained by a fault: {json.dumps(self.explained)}",
+                  f"Reuse kinds served: {json.dumps(self.reuse)}",
+                  f"Checked answers equal to the panel's truth: {self.right_vs_truth:.1%}",
+                  f"Memory: {json.dumps(self.memory)}",
+                  f"The gateway's event-loop lag: {json.dumps(self.loop_lag)}",
+                  f"Store at the end: {json.dumps(self.store)}"]
+        lines += ["", "Unexplained:", *[f"- {u}" for u in self.unexplained[:50]]] if self.unexplained else []
+        lines += ["", "Wrong answers:", *[f"- {w}" for w in self.wrong[:50]]] if self.wrong else []
+        return "\n".join(lines) + "\n"
+
+
+OUTCOME_COLUMNS = ("ok", "refused", "cancelled", "error", "unexpected", "lost")
+
+
+class Soak:
+    """The running soak, as the faults see it: the stack, the load and the checks they share."""
+
+    def __init__(self, stack: Stack, plan: SoakPlan, say: Callable[[str], None]) -> None:
+        self.stack = stack
+        self.plan = plan
+        self.say = say
+        self.rng = random.Random(f"faults:{plan.seed}")
+        self.load = Load(stack.url, stack.worker_urls, seed=plan.seed, check_share=plan.check_share)
+        self.disk_full_images = plan.disk_full_images
+        self.results: list[FaultResult] = []
+        self.loop_lag: Counter[str] = Counter()  # the gateway's loop-lag histogram (cumulative buckets), summed
+        # over its lives (a killed gateway's figures are read just before it is killed)
+
+    # --- checks the faults share ---
+
+    async def served(self) -> bool:
+        """The next requests, a chat and a new image, are answered."""
+        rng = random.Random(f"probe:{len(self.load.records)}")
+        text = await self.load.send("probe", 0, rng, self.load._text)
+        image = await self.load.send("probe", 1, rng, self.load._new_image)
+        return text.outcome == image.outcome == "ok"
+
+    async def _health(self) -> dict | None:
+        try:
+            async with httpx.AsyncClient(timeout=10) as http:
+                return (await http.get(self.stack.url + "/health")).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def all_workers_healthy(self, timeout: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            health = await self._health()
+            if health and all(w["healthy"] for w in health["workers"]):
+                return True
+            await asyncio.sleep(0.25)
+        return False
+
+    async def worker_marked_down(self, url: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            health = await self._health()
+            if health and any(w["url"] == url and not w["healthy"] for w in health["workers"]):
+                return True
+            await asyncio.sleep(0.25)
+        return False
+
+    async def store_check(self) -> dict:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "soak.store_check", env={**os.environ, **self.stack.store_env()},
+            stdout=asyncio.subprocess.PIPE)
+        out, _ = await process.communicate()
+        try:
+            return json.loads(out)
+        except ValueError:
+            return {"opened": False, "error": out.decode(errors="replace")[-500:]}
+
+    async def stats(self) -> dict:
+        async with httpx.AsyncClient(timeout=30) as http:
+            return (await http.get(self.stack.url + "/admin/stats", headers=ADMIN)).json()
+
+    async def books_entries(self) -> int:
+        """The entries the gateway's books hold, once a books pass has run since now."""
+        await asyncio.sleep(self.stack.settings.books_interval_s * 1.5)
+        stats = await self.stats()
+        return sum(tier["entries"] for tier in stats["tiers"].values())
+
+    async def read_loop_lag(self) -> None:
+        """Add the running gateway's event-loop lag histogram (revisit_event_loop_lag_seconds) to the tally."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+                text = (await http.get(self.stack.url + "/metrics")).text
+        except httpx.HTTPError:
+            return
+        for family in text_string_to_metric_families(text):
+            if family.name == "revisit_event_loop_lag_seconds":
+                for sample in family.samples:
+                    if sample.name.endswith("_bucket"):
+                        self.loop_lag[sample.labels["le"]] += int(sample.value)
+
+    def loop_lag_summary(self) -> dict:
+        """Samples of the gateway's loop lag (one per 10 ms) and the share above 50 ms, 100 ms, 250 ms and 1 s."""
+        total = self.loop_lag.get("+Inf", 0)
+        above = {f"over_{float(le) * 1000:.0f}ms": round(1 - self.loop_lag.get(le, 0) / max(1, total), 5)
+                 for le in ("0.05", "0.1", "0.25", "1.0")}
+        return {"samples": total, **above}
+
+    async def demotions(self) -> int:
+        return int((await self.stats())["decisions"].get("demote", 0))
+
+    # --- running ---
+
+    async def run(self, report: SoakReport) -> None:
+        plan = self.plan
+        started = time.monotonic()
+        deadline = started + plan.minutes * 60
+        load = asyncio.create_task(self.load.run(plan.clients, deadline, plan.max_requests))
+        ticker = asyncio.create_task(self._tick(started))
+        try:
+            await self._sleep_or_done(plan.warmup_s, load)
+            report.memory["rss_after_warmup_mib"] = round(self.stack.rss_bytes() / MiB)
+            rounds = 0
+            while not load.done() and (rounds == 0 or not plan.once):
+                for name in plan.faults:
+                    if load.done() or time.monotonic() > deadline:
+                        break
+                    await self._inject(name)
+                    await self._sleep_or_done(plan.gap_s, load)
+                rounds += 1
+            if plan.once:
+                self.load.stopping.set()
+            await load
+        finally:
+            ticker.cancel()
+            self.load.stopping.set()
+            await asyncio.gather(load, return_exceptions=True)
+        report.seconds = time.monotonic() - started
+
+    async def _inject(self, name: str) -> None:
+        result = FaultResult(name=name, started=time.monotonic())
+        self.say(f"fault: {name}")
+        try:
+            await FAULTS[name](self, result)
+        except Exception as exc:  # a fault that breaks the soak's own step is a failed fault, reported
+            result.checks["the fault ran to its end"] = False
+            result.detail += f" raised {type(exc).__name__}: {exc}"
+        result.ended = time.monotonic()
+        store = await self.store_check()
+        result.checks["the store opens"] = store.get("opened", False)
+        self.results.append(result)
+        verdict = "survived" if result.survived else ("not injected" if not result.injected else "FAILED")
+        self.say(f"  {verdict} in {result.ended - result.started:.0f} s: {result.detail}")
+        for check, ok in result.checks.items():
+            if not ok:
+                self.say(f"  check failed: {check}")
+
+    @staticmethod
+    async def _sleep_or_done(seconds: float, task: asyncio.Task) -> None:
+        await asyncio.wait([task], timeout=seconds)
+
+    async def _tick(self, started: float) -> None:
+        while True:
+            await asyncio.sleep(60)
+            outcomes = Counter(r.outcome for r in self.load.records)
+            self.say(f"{(time.monotonic() - started) / 60:.0f} min: {len(self.load.records)} requests "
+                     f"{dict(outcomes)}; {len(self.load.checks)} checked, "
+                     f"{sum(c.wrong for c in self.load.checks)} wrong")
+
+    # --- accounting ---
+
+    def account(self, report: SoakReport) -> None:
+        load = self.load
+        report.requests = {kind: dict(Counter(r.outcome for r in load.records if r.kind == kind))
+                           for kind in dict.fromkeys(r.kind for r in load.records)}
+        report.reuse = load.reuse_kinds()
+        explained: Counter[str] = Counter()
+        for record in load.records:
+            if record.outcome in ("ok", "refused", "cancelled"):
+                continue
+            blame = self._blame(record) if record.outcome == "error" else None
+            if blame is not None:
+                explained[blame] += 1
+            else:
+                report.unexplained.append(_describe(record))
+        report.explained = dict(explained)
+        report.checked, report.checks_skipped = len(load.checks), load.checks_skipped
+        report.wrong = [c.__dict__ for c in load.checks if c.wrong]
+        report.right_vs_truth = sum(c.answer == c.truth for c in load.checks) / max(1, len(load.checks))
+        report.faults = [r.as_dict() for r in self.results]
+
+    def _blame(self, record: Record) -> str | None:
+        """The fault whose window this errored request overlapped, where that fault can cause errors."""
+        for result in self.results:
+            if result.explains and record.started <= result.ended + 2.0 and record.ended >= result.started - 1.0:
+                return result.name
+        return None
+
+
+def _describe(record: Record) -> str:
+    return f"{record.kind} ({record.outcome}, {record.ended - record.started:.1f} s): {record.detail}"
+
+
+def run_soak(plan: SoakPlan, settings: StackSettings | None = None, say: Callable[[str], None] = print) -> SoakReport:
+    baseline = shm_files()
+    stack = Stack.create(settings or StackSettings(), on_progress=say)
+    report = SoakReport(plan=plan.__dict__, stack=stack.describe())
+    try:
+        stack.start(on_progress=say)
+        say(f"stack ready: gateway {stack.url}, workers {stack.worker_urls}")
+        report.memory["rss_at_start_mib"] = round(stack.rss_bytes() / MiB)
+        report.memory["shm_at_start"] = _shm_summary(stack.foreign_shm())
+        soak = Soak(stack, plan, say)
+
+        async def main() -> None:
+            try:
+                await soak.run(report)
+                report.store["books_entries"] = await soak.books_entries()
+                await soak.read_loop_lag()
+                report.loop_lag = soak.loop_lag_summary()
+                checked = await soak.store_check()
+                report.store.update({k: v for k, v in checked.items() if k != "keys"})
+                report.store["stored_entries"] = len(checked.get("keys", ()))
+            finally:
+                await soak.load.close()
+
+        asyncio.run(main())
+        soak.account(report)
+        report.memory["rss_at_end_mib"] = round(stack.rss_bytes() / MiB)
+        report.memory["shm_at_end"] = _shm_summary(stack.foreign_shm())
+    finally:
+        stack.close()
+    left = sorted(set(shm_files()) - set(baseline))
+    report.memory["shm_left_after_stop"] = left
+    return report
+
+
+def _shm_summary(files: dict[str, int]) -> dict:
+    return {"files": len(files), "mib": round(sum(files.values()) / MiB, 1)}
