@@ -41,6 +41,7 @@ from store.entry import parse_header
 if TYPE_CHECKING:
     from soak.run import Soak
 
+KILL_BLAME_S = 10.0  # a killed worker's cut streams end at once; its other requests are retried elsewhere
 HANG_S = 30.0  # three unanswered checks of 2 s /health + 2 s /metrics each take a hung worker out
 
 
@@ -53,6 +54,7 @@ class FaultResult:
     detail: str = ""
     checks: dict[str, bool] = field(default_factory=dict)
     explains: bool = False  # whether errors of requests overlapping this window are this fault's
+    blame_until: float | None = None  # where the errors it can cause end, if before ``ended`` (a restart's wait)
 
     @property
     def survived(self) -> bool:
@@ -76,6 +78,7 @@ async def worker_killed_mid_prefill(soak: Soak, result: FaultResult) -> None:
         result.injected, result.detail = False, "no worker was seen mid-forward in 60 s"
         return
     await asyncio.to_thread(soak.stack.kill_worker, index)
+    result.blame_until = time.monotonic() + KILL_BLAME_S
     result.checks["the next request is served (by the other worker)"] = await soak.served()
     restarted = await asyncio.to_thread(soak.stack.restart_worker, index)
     result.detail = f"worker {index} killed mid-forward; back in {restarted:.0f} s"
@@ -87,6 +90,7 @@ async def worker_killed_mid_store_write(soak: Soak, result: FaultResult) -> None
     result.explains = True
     dram = soak.stack.store.dram_path
     stop = asyncio.Event()
+    groups = {worker.pid for worker in soak.stack.workers}  # each worker leads its process group
 
     def watch() -> tuple[str, int] | None:
         deadline = time.monotonic() + 90
@@ -94,8 +98,11 @@ async def worker_killed_mid_store_write(soak: Soak, result: FaultResult) -> None
             for name in os.listdir(dram):
                 if name.startswith(TEMP_PREFIX):
                     pid = int(name[len(TEMP_PREFIX):].split(".", 1)[0])
-                    try:  # frozen mid-write at once; killed below (Stack.kill_worker), as a crash here would
-                        os.killpg(os.getpgid(pid), signal.SIGSTOP)
+                    try:  # a worker's (the gateway writes here too, promoting): frozen mid-write at once, killed
+                        group = os.getpgid(pid)  # below (Stack.kill_worker) as a crash here would kill it
+                        if group not in groups:
+                            continue
+                        os.killpg(group, signal.SIGSTOP)
                     except (ProcessLookupError, PermissionError):
                         continue
                     return name, pid
@@ -124,6 +131,7 @@ async def worker_killed_mid_store_write(soak: Soak, result: FaultResult) -> None
         return
     torn = (dram / name).exists()
     await asyncio.to_thread(soak.stack.kill_worker, index)
+    result.blame_until = time.monotonic() + KILL_BLAME_S
     result.checks["the next request is served (by the other worker)"] = await soak.served()
     restarted = await asyncio.to_thread(soak.stack.restart_worker, index)
     result.detail = (f"worker {index} killed {'with its put half-written' if torn else 'as its put ended'} "
@@ -143,6 +151,7 @@ async def gateway_killed(soak: Soak, result: FaultResult) -> None:
     await asyncio.to_thread(soak.stack.kill_gateway)
     await asyncio.sleep(1.0)  # the load meets a closed port meanwhile
     restarted = await asyncio.to_thread(soak.stack.start_gateway)
+    result.blame_until = time.monotonic() + 1.0
     result.detail = f"gateway killed with {len(before.get('keys', ()))} entries stored; back in {restarted:.1f} s"
     result.checks["the next request is served"] = await soak.served()
     books = await soak.books_entries()

@@ -270,7 +270,8 @@ class Soak:
     def _blame(self, record: Record) -> str | None:
         """The fault whose window this errored request overlapped, where that fault can cause errors."""
         for result in self.results:
-            if result.explains and record.started <= result.ended + 2.0 and record.ended >= result.started - 1.0:
+            until = result.blame_until if result.blame_until is not None else result.ended
+            if result.explains and record.started <= until + 1.0 and record.ended >= result.started - 1.0:
                 return result.name
         return None
 
