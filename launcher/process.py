@@ -16,9 +16,11 @@ LOG_TAIL_LINES = 60
 _KILL_SETTLE_S = 5.0
 SHARED_MEMORY = Path("/dev/shm")
 # What SGLang's processes leave in shared memory when they are killed rather than exit (its load-snapshot slots,
-# multiprocessing's named semaphores, a request's multimodal inputs in passage between its processes): removed by
-# stop() and kill() when the worker had them open.
-LEFT_BEHIND = ("sglang_loads_", "sem.mp-", "sgl_shm_mm_")
+# multiprocessing's named semaphores, its pid-stamped segments): removed by stop() and kill() when the worker had
+# them open. Pid-stamped segments (sgl_shm_<kind>_<pid>_<rand>, SGLang's own naming: a request's multimodal inputs
+# in passage between its processes, written and closed) go when their creator was one of the worker's processes.
+LEFT_BEHIND = ("sglang_loads_", "sem.mp-", "sgl_shm_")
+STAMPED = "sgl_shm_"
 
 
 class WorkerProcess:
@@ -71,7 +73,8 @@ class WorkerProcess:
     def stop(self, grace: float = DEFAULT_STOP_GRACE_S) -> int:
         """SIGTERM the process group, SIGKILL it after ``grace`` seconds; returns the leader's
         exit code once no process of the group runs any more. Safe to call more than once."""
-        held = shared_memory_of(self.live_processes())
+        pids = self.live_processes()
+        held = shared_memory_of(pids) | stamped_by(pids)
         if self.is_running():
             _signal_group(self.pid, signal.SIGTERM)
             try:
@@ -94,7 +97,8 @@ class WorkerProcess:
         memory. The group is stopped first, so what it holds at that instant is known; stopped, it runs no
         further, so for its requests and its store writes this is a SIGKILL at the moment of the SIGSTOP."""
         _signal_group(self.pid, signal.SIGSTOP)
-        held = shared_memory_of(self.live_processes())
+        pids = self.live_processes()
+        held = shared_memory_of(pids) | stamped_by(pids)
         _signal_group(self.pid, signal.SIGKILL)
         code = self.process.wait()
         deadline = time.monotonic() + _KILL_SETTLE_S
@@ -115,6 +119,17 @@ def _remove_left_behind(held: set[Path]) -> None:
     for path in held:
         if path.name.startswith(LEFT_BEHIND):
             path.unlink(missing_ok=True)
+
+
+def stamped_by(pids: list[int]) -> set[Path]:
+    """SGLang's pid-stamped segments (sgl_shm_<kind>_<pid>_<rand>) made by these processes."""
+    wanted = {str(pid) for pid in pids}
+    found = set()
+    for path in SHARED_MEMORY.glob(f"{STAMPED}*"):
+        parts = path.name.split("_")  # sgl, shm, the kind (perhaps several parts), pid, rand
+        if len(parts) >= 5 and parts[-2] in wanted:
+            found.add(path)
+    return found
 
 
 def orphaned_semaphores(since: float) -> set[Path]:

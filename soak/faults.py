@@ -22,6 +22,7 @@ succeed through them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import random
@@ -92,7 +93,7 @@ async def worker_killed_mid_store_write(soak: Soak, result: FaultResult) -> None
     stop = asyncio.Event()
     groups = {worker.pid for worker in soak.stack.workers}  # each worker leads its process group
 
-    def watch() -> tuple[str, int] | None:
+    def watch() -> tuple[str, int, int] | None:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not stop.is_set():
             for name in os.listdir(dram):
@@ -105,7 +106,7 @@ async def worker_killed_mid_store_write(soak: Soak, result: FaultResult) -> None
                         os.killpg(group, signal.SIGSTOP)
                     except (ProcessLookupError, PermissionError):
                         continue
-                    return name, pid
+                    return name, pid, group
             time.sleep(0.0005)
         return None
 
@@ -117,21 +118,24 @@ async def worker_killed_mid_store_write(soak: Soak, result: FaultResult) -> None
     feeder = asyncio.create_task(feed())
     try:
         seen = await asyncio.to_thread(watch)
+        if seen is None:
+            result.injected, result.detail = False, "no store write was caught in 90 s"
+            return
+        name, pid, group = seen
+        key = name[len(TEMP_PREFIX):].split(".")[1]
+        index = soak.stack.worker_of(pid)
+        if index is None:  # it exited meanwhile: let the rest of its group run on
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGCONT)
+            result.injected, result.detail = False, f"the writer {pid} was gone before it was stopped"
+            return
+        torn = (dram / name).exists()
+        # At once: requests sent to the frozen worker meanwhile wait on it, the feeder's among them.
+        await asyncio.to_thread(soak.stack.kill_worker, index)
+        result.blame_until = time.monotonic() + KILL_BLAME_S
     finally:
         stop.set()
         await asyncio.gather(feeder, return_exceptions=True)
-    if seen is None:
-        result.injected, result.detail = False, "no store write was caught in 90 s"
-        return
-    name, pid = seen
-    key = name[len(TEMP_PREFIX):].split(".")[1]
-    index = soak.stack.worker_of(pid)
-    if index is None:
-        result.injected, result.detail = False, f"the writer {pid} was no worker's"
-        return
-    torn = (dram / name).exists()
-    await asyncio.to_thread(soak.stack.kill_worker, index)
-    result.blame_until = time.monotonic() + KILL_BLAME_S
     result.checks["the next request is served (by the other worker)"] = await soak.served()
     restarted = await asyncio.to_thread(soak.stack.restart_worker, index)
     result.detail = (f"worker {index} killed {'with its put half-written' if torn else 'as its put ended'} "

@@ -193,11 +193,11 @@ class Load:
         if not theirs:
             return await self._new_image(record, rng)
         panel = rng.choice(theirs)
-        await self._ask(record, panel, rng)
+        self.seen.add(record.tenant, panel)  # before it is sent: another of this tenant's clients must not pick it
+        await self._ask(record, panel, rng)  # while it is in flight (it would be a hit in this tenant's own cache)
         reuse = record.reuse
         if record.outcome == "ok" and (reuse.startswith("exact") or "similarity=1.0000" in reuse):
             record.outcome, record.detail = "unexpected", f"another tenant's image was reused: {reuse}"
-        self.seen.add(record.tenant, panel)
 
     async def _stream(self, record: Record, rng: random.Random) -> None:
         panel = self.seen.pick(record.tenant, rng) if rng.random() < 0.6 else None

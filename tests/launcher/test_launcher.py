@@ -212,6 +212,8 @@ def test_what_a_killed_worker_left_in_shared_memory_is_removed(tmp_path: Path, e
         import mmap, signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # killed, as SGLang's children are: no cleanup of its own
         open("{orphan}", "wb").write(bytes(32))  # made and let go, as by a child that exited
+        import os
+        open(f"/dev/shm/sgl_shm_mm_{{os.getpid()}}_{tag}", "wb").write(bytes(64))  # SGLang's pid-stamped, closed
         held = []
         for name in {sorted(names.values())!r}:
             f = open("/dev/shm/" + name, "w+b")
@@ -235,8 +237,10 @@ def test_what_a_killed_worker_left_in_shared_memory_is_removed(tmp_path: Path, e
         left = {kind: (Path("/dev/shm") / name).exists() for kind, name in names.items()}
         assert left == {"loads": False, "semaphore": False, "multimodal": False, "store": True}
         assert not orphan.exists() and elsewhere.exists()
+        assert not list(Path("/dev/shm").glob(f"sgl_shm_mm_*_{tag}"))
     finally:
         mapped.close()
         other.close()
-        for path in [orphan, elsewhere, *(Path("/dev/shm") / name for name in names.values())]:
+        stamped = Path("/dev/shm").glob(f"sgl_shm_mm_*_{tag}")
+        for path in [orphan, elsewhere, *stamped, *(Path("/dev/shm") / name for name in names.values())]:
             path.unlink(missing_ok=True)
