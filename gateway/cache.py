@@ -47,8 +47,13 @@ class Reconciled:
 class ApplyReport:
     applied: Counter = field(default_factory=Counter)
     missing: Counter = field(default_factory=Counter)  # the store had no valid copy to act on
+    dropped: Counter = field(default_factory=Counter)  # entries a failed move took out of the books and the store
     seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # time applying, by kind
     longest_s: float = 0.0  # the longest single decision: what it would have held the event loop for
+
+
+def decision_target(decision: Promote | Demote | Admit) -> str:
+    return str(decision.tier if isinstance(decision, Admit) else decision.target)
 
 
 class CacheManager:
@@ -89,12 +94,35 @@ class CacheManager:
                 log.warning("could not apply %s to the store: %s", decision, exc)
                 done = False
             (self.report.applied if done else self.report.missing)[decision.kind] += 1
+            # An Admit finds nothing to move while the worker has not written the entry yet: that is no failure.
+            if not done and (isinstance(decision, Promote | Demote)
+                             or isinstance(decision, Admit) and self.store.contains(decision.key)):
+                self._drop_unmoved(decision)
             if isinstance(decision, Evict) and self.on_gone is not None and not self.store.contains(decision.key):
                 self.on_gone(decision.key)
             took = time.perf_counter() - started
             self.report.seconds[decision.kind] += took
             self.report.longest_s = max(self.report.longest_s, took)
         return decisions
+
+    def _drop_unmoved(self, decision: Promote | Demote | Admit) -> None:
+        """An entry the books placed in a tier the bytes could not reach (that tier full, its disk full, the
+        copy damaged) goes from the books and the store: kept, it would be counted in one tier and held in
+        another, outside every capacity. A cache may lose an entry; it may not lose count of one."""
+        store = self.store
+        assert store is not None
+        key = decision.key
+        if key not in self.policy:
+            return
+        self.policy.remove(key, force=True)  # its Evict decisions name the tier it never reached: not applied
+        try:
+            store.remove(key, force=True)
+        except StoreError as exc:
+            log.warning("could not remove %s after a failed %s: %s", key, decision.kind, exc)
+        self.report.dropped[decision.kind] += 1
+        log.warning("dropped %s: the %s to %s could not be applied", key, decision.kind, decision_target(decision))
+        if self.on_gone is not None and not store.contains(key):
+            self.on_gone(key)
 
     def _apply_one(self, decision: Decision) -> bool:
         store = self.store

@@ -20,6 +20,7 @@ from gateway.planner import KINDS, Planner
 from gateway.policy import CachePolicy
 
 PREFIX = "revisit_cache"
+CLIENT_LEFT = 499  # the status counted for a request whose client left before its answer (nginx's convention)
 
 
 class PolicyCollector(Collector):
@@ -169,7 +170,7 @@ class RequestTimer:
             if status and ended:
                 code = str(status[0])
             elif status or failed is None or isinstance(failed, asyncio.CancelledError):
-                code = "499"  # the client left (or the response was cut) before it ended
+                code = str(CLIENT_LEFT)  # the client left (or the response was cut) before it ended
             else:
                 code = "500"
             self._record(scope, started, code, first[0] if first else None)

@@ -39,12 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(f"[soak {time.monotonic() - started:6.0f} s] {line}", flush=True)
 
-    report = run_soak(plan, say=say)
+    report = run_soak(plan, say=say, logs=args.out / "logs")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(report.as_dict(), indent=2, default=str))
     (args.out / "soak.md").write_text(report.markdown())
     print(report.markdown())
-    print(f"report written to {args.out}/soak.json and soak.md")
+    print(f"report written to {args.out}/soak.json and soak.md, logs to {args.out}/logs")
     return 0 if report.passed else 1
 
 

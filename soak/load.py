@@ -74,15 +74,20 @@ class Check:
 
 @dataclass
 class Seen:
-    """Panels each tenant sent, most recent last (bounded)."""
+    """Panels each tenant sent: the recent ones to pick from (bounded, most recent last), and all of them."""
 
     limit: int = 400
     panels: list[list[Panel]] = field(default_factory=lambda: [[] for _ in TENANTS])
+    ever: list[set[str]] = field(default_factory=lambda: [set() for _ in TENANTS])  # repr of every panel sent
 
     def add(self, tenant: int, panel: Panel) -> None:
         mine = self.panels[tenant]
         mine.append(panel)
         del mine[: max(0, len(mine) - self.limit)]
+        self.ever[tenant].add(repr(panel))
+
+    def sent(self, tenant: int, panel: Panel) -> bool:
+        return repr(panel) in self.ever[tenant]
 
     def pick(self, tenant: int, rng: random.Random) -> Panel | None:
         mine = self.panels[tenant]
@@ -188,8 +193,8 @@ class Load:
 
     async def _other_tenant(self, record: Record, rng: random.Random) -> None:
         other = 1 - record.tenant
-        mine = self.seen.panels[record.tenant]
-        theirs = [p for p in self.seen.panels[other][-50:] if p not in mine]
+        # Only panels this tenant never sent, however long ago (the other tenant may have sent one of its panels).
+        theirs = [p for p in self.seen.panels[other][-50:] if not self.seen.sent(record.tenant, p)]
         if not theirs:
             return await self._new_image(record, rng)
         panel = rng.choice(theirs)

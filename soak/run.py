@@ -12,11 +12,13 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -62,7 +64,8 @@ class SoakReport:
     @property
     def passed(self) -> bool:
         return (not self.unexplained and not self.wrong and bool(self.faults)
-                and all(f["survived"] for f in self.faults) and not self.memory.get("shm_left_after_stop"))
+                and all(f["survived"] for f in self.faults) and not self.memory.get("shm_left_after_stop")
+                and self.store.get("books_entries") == self.store.get("stored_entries"))
 
     def as_dict(self) -> dict:
         return {"passed": self.passed, **self.__dict__}
@@ -105,6 +108,7 @@ class Soak:
         self.load = Load(stack.url, stack.worker_urls, seed=plan.seed, check_share=plan.check_share)
         self.disk_full_images = plan.disk_full_images
         self.results: list[FaultResult] = []
+        self.probe_seconds: list[float] = []  # how long each of served()'s requests took
         self.loop_lag: Counter[str] = Counter()  # the gateway's loop-lag histogram (cumulative buckets), summed
         # over its lives (a killed gateway's figures are read just before it is killed)
 
@@ -115,6 +119,7 @@ class Soak:
         rng = random.Random(f"probe:{len(self.load.records)}")
         text = await self.load.send("probe", 0, rng, self.load._text)
         image = await self.load.send("probe", 1, rng, self.load._new_image)
+        self.probe_seconds += [text.ended - text.started, image.ended - image.started]
         return text.outcome == image.outcome == "ok"
 
     async def _health(self) -> dict | None:
@@ -218,12 +223,15 @@ class Soak:
     async def _inject(self, name: str) -> None:
         result = FaultResult(name=name, started=time.monotonic())
         self.say(f"fault: {name}")
+        self.probe_seconds = []
         try:
             await FAULTS[name](self, result)
         except Exception as exc:  # a fault that breaks the soak's own step is a failed fault, reported
             result.checks["the fault ran to its end"] = False
             result.detail += f" raised {type(exc).__name__}: {exc}"
         result.ended = time.monotonic()
+        if self.probe_seconds:
+            result.detail += f"; next requests answered in {', '.join(f'{t:.1f}' for t in self.probe_seconds)} s"
         store = await self.store_check()
         result.checks["the store opens"] = store.get("opened", False)
         self.results.append(result)
@@ -280,7 +288,9 @@ def _describe(record: Record) -> str:
     return f"{record.kind} ({record.outcome}, {record.ended - record.started:.1f} s): {record.detail}"
 
 
-def run_soak(plan: SoakPlan, settings: StackSettings | None = None, say: Callable[[str], None] = print) -> SoakReport:
+def run_soak(plan: SoakPlan, settings: StackSettings | None = None, say: Callable[[str], None] = print,
+             logs: Path | None = None) -> SoakReport:
+    """Run the soak; ``logs``: where the gateway's and the workers' logs are copied before the stack goes."""
     baseline = shm_files()
     stack = Stack.create(settings or StackSettings(), on_progress=say)
     report = SoakReport(plan=plan.__dict__, stack=stack.describe())
@@ -308,6 +318,8 @@ def run_soak(plan: SoakPlan, settings: StackSettings | None = None, say: Callabl
         report.memory["rss_at_end_mib"] = round(stack.rss_bytes() / MiB)
         report.memory["shm_at_end"] = _shm_summary(stack.foreign_shm())
     finally:
+        if logs is not None:
+            shutil.copytree(stack.root / "logs", logs, dirs_exist_ok=True)
         stack.close()
     left = sorted(set(shm_files()) - set(baseline))
     report.memory["shm_left_after_stop"] = left

@@ -49,7 +49,7 @@ class StackSettings:
 
     workers: int = 2
     dram_capacity_bytes: int = 8 << 20  # the books' L2 size (some 40 entries): newer images push older ones to LMDB
-    lmdb_capacity_bytes: int = 160 << 20
+    lmdb_capacity_bytes: int = 112 << 20  # headroom on its disk for LMDB's own pages and the features database
     disk_bytes: int = 192 << 20  # the tmpfs the LMDB tier lies on
     upstream_timeout_s: float = 90.0  # a hung worker's requests end with a 504 after this
     health_interval_s: float = 0.5
@@ -170,7 +170,7 @@ class Stack:
         log = open(self.root / "logs" / f"gateway-{self.gateway_starts}.log", "wb")  # noqa: SIM115 (the child's)
         self.gateway = subprocess.Popen(
             [str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(self.gateway_port),
-             "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+             "--log-level", "info"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.gateway_starts += 1
         deadline = time.monotonic() + timeout

@@ -11,13 +11,13 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.config import MatchSettings
 from gateway.dispatch import Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
-from gateway.metrics import reuse_label
+from gateway.metrics import CLIENT_LEFT, reuse_label
 from gateway.planner import Planned
 from gateway.services import Services
 from gateway.tenancy import cache_scope, namespace_for
@@ -53,20 +53,32 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class ClientLeft(Exception):
+    """The client disconnected before its answer was ready; the work for it was cancelled."""
+
+
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work``, cancelling it (and so its upstream request) if the client leaves."""
+    """Run ``work``, cancelling it (and so its upstream request) if the client leaves: then ClientLeft."""
     task = asyncio.ensure_future(work)
+    left = False
 
     async def watch() -> None:
+        nonlocal left
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                left = True
                 task.cancel()
                 return
 
     watcher = asyncio.create_task(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if left and current is not None and not current.cancelling():  # not the gateway shutting down
+            raise ClientLeft from None
+        raise
     finally:
         watcher.cancel()
 
@@ -101,7 +113,12 @@ async def chat_completions(request: Request) -> Any:
             headers[REUSE_HEADER] = _what_ran(services, planned, request_id)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-    result = await _unless_disconnected(request, services.dispatcher.complete(upstream, route))
+    try:
+        result = await _unless_disconnected(request, services.dispatcher.complete(upstream, route))
+    except ClientLeft:
+        # Nobody reads this answer: it ends the request quietly (an ordinary event, not an application error)
+        # and is counted as 499 in revisit_requests_total.
+        return Response(status_code=CLIENT_LEFT)
     if planned.kinds:
         headers[REUSE_HEADER] = _what_ran(services, planned, request_id)
     return JSONResponse(result, headers=headers)

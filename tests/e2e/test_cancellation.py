@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 
@@ -60,7 +61,29 @@ def test_stream_closed_by_the_client_aborts_the_upstream_request(gateway):
     wait_for(lambda: running_requests(worker.url) == 0, timeout=20)
 
 
+class Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def left(gateway) -> float:
+    """revisit_requests_total of chat completions whose client left (code 499)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(gateway.url + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "revisit_requests_total" and s.labels.get("code") == "499"
+               and s.labels.get("endpoint") == "/v1/chat/completions")
+
+
 def test_non_streaming_client_gone_aborts_the_upstream_request(gateway):
+    errors, before = Errors(), left(gateway)
+    logging.getLogger("uvicorn.error").addHandler(errors)  # where uvicorn reports an application's exception
+
     def doomed() -> None:
         try:
             httpx.post(gateway.url + "/v1/chat/completions", json=body(False), timeout=3)
@@ -72,5 +95,11 @@ def test_non_streaming_client_gone_aborts_the_upstream_request(gateway):
     wait_for(lambda: any(w.inflight for w in gateway.app.state.services.pool.workers), timeout=10)
     worker = busy_worker(gateway)
     thread.join()
-    wait_for(lambda: worker.inflight == 0, timeout=10)
-    wait_for(lambda: running_requests(worker.url) == 0, timeout=20)
+    try:
+        wait_for(lambda: worker.inflight == 0, timeout=10)
+        wait_for(lambda: running_requests(worker.url) == 0, timeout=20)
+        # An ordinary event, not an application error: counted, and no traceback in the log.
+        wait_for(lambda: left(gateway) == before + 1, timeout=10)
+        assert errors.messages == []
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(errors)

@@ -142,3 +142,31 @@ def test_a_flush_drops_entries_the_books_had_not_yet_taken_in(store):
     assert list(store.keys()) == [pairs[0][0]] and len(cache.policy) == 1  # the pinned one stays
     cache.flush(force=True)
     assert list(store.keys()) == [] and len(cache.policy) == 0
+
+
+def test_an_entry_that_cannot_go_down_to_a_full_tier_leaves_the_books_and_the_store(tmp_path: Path):
+    """LMDB's map (its disk, in effect) cannot take one more entry: the demoted one is dropped from both, rather
+    than booked in LMDB while its bytes stay in DRAM, outside every capacity (what the soak's full disk found)."""
+    name = f"full-{uuid.uuid4().hex[:12]}"
+    config = StoreConfig(name=name, dram_dir=Path("/dev/shm") / f"revisit-store-{name}", lmdb_dir=tmp_path / "lmdb",
+                         lmdb_map_size=32 << 10, lmdb_max_map_size=32 << 10, pin_host_memory=False, lmdb_sync=False)
+    store = TieredStore([open_tier(tier, config) for tier in config.tiers])
+    gone: list[str] = []
+    try:
+        keys, size = [], 0
+        for seed in range(3):
+            key, size = written(store, seed)
+            keys.append(key)
+        settings = PolicySettings(dram_capacity_bytes=2 * size, lmdb_capacity_bytes=8 * size, preset_fraction=0.0)
+        cache = CacheManager(CachePolicy(settings), store, on_gone=gone.append)
+        for key in keys:
+            cache.insert(key, size)
+        # The third entry pushed the least recently used one down; LMDB could not take it.
+        assert keys[0] not in cache.policy and not store.contains(keys[0]) and gone == [keys[0]]
+        assert cache.report.missing == {"demote": 1} and cache.report.dropped == {"demote": 1}
+        tiers = cache.policy.stats().as_dict()["tiers"]
+        assert (tiers["dram"]["entries"], tiers["lmdb"]["entries"]) == (2, 0)
+        assert sorted(store.keys()) == sorted(keys[1:]) and all(store.tiers_holding(k) == ["dram"] for k in keys[1:])
+    finally:
+        store.close()
+        remove_store_memory(config)

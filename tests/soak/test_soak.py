@@ -14,7 +14,8 @@ pytestmark = pytest.mark.sglang
 
 @pytest.mark.timeout(1500)
 def test_the_short_soak_survives_every_fault(tmp_path) -> None:
-    report = run_soak(SoakPlan(minutes=15, once=True, warmup_s=20, gap_s=5), say=print)  # shown when it fails
+    report = run_soak(SoakPlan(minutes=15, once=True, warmup_s=20, gap_s=5), say=print,  # shown when it fails
+                      logs=tmp_path / "logs")
     (tmp_path / "soak.md").write_text(report.markdown())
     print(report.markdown())
     injected = {f["name"] for f in report.faults if f["injected"]}
@@ -30,5 +31,6 @@ def test_the_short_soak_survives_every_fault(tmp_path) -> None:
     assert bad.get("refused", 0) > 0 and bad.get("unexpected", 0) == 0  # errors: only a killed gateway's, explained
     assert report.reuse.get("exact_same_prefix", 0) + report.reuse.get("exact_moved", 0) > 0, report.reuse
     assert report.store["opened"] and report.store["damaged"] == 0
+    assert report.store["books_entries"] == report.store["stored_entries"]
     assert report.memory["shm_left_after_stop"] == []
     assert report.passed
