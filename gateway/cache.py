@@ -27,6 +27,7 @@ from typing import TypeVar
 from gateway.policy import CachePolicy
 from gateway.policy.decisions import Admit, Decision, Demote, Evict, Promote, Reject
 from gateway.policy.entry import Tier, is_entry_key
+from store.dram import DramTier
 from store.errors import StoreError
 from store.tiered import TieredStore
 
@@ -166,9 +167,21 @@ class CacheManager:
         if self.store is None:
             return Reconciled()
         keys = list(self.store.keys())
-        done = self.take_in(keys)
+        done = self.take_in(self.oldest_first(keys))
         done.lost = self.drop_lost(set(keys))
         return done
+
+    def oldest_first(self, keys: list[str]) -> list[str]:
+        """``keys`` in the order to book them after a restart, least recently used first, so that the books' LRU
+        order resumes about where it was: entries in the slower tiers first (they were demoted there), then the
+        DRAM tier's by when each was written there (a worker's put or a promotion). The store keeps no finer
+        record of use, so within LMDB the order is the store's."""
+        store = self.store
+        if store is None:
+            return keys
+        dram = next((t for t in store.tiers if isinstance(t, DramTier)), None)
+        written = {key: dram.written_at(key) for key in keys} if dram is not None else {}
+        return sorted(keys, key=lambda k: (written.get(k) is not None, written.get(k) or 0.0))
 
     def take_in(self, keys: list[str]) -> Reconciled:
         """Book the entries the store holds under these keys and the books do not, where they are

@@ -116,7 +116,7 @@ class Services:
         while True:
             started = time.perf_counter()
             try:
-                keys = await self.cache.run(lambda: list(store.keys()))
+                keys = await self.cache.run(lambda: self.cache.oldest_first(list(store.keys())))
                 restored = 0
                 for at in range(0, len(keys), REBUILD_CHUNK):
                     restored += (await self.cache.run(self.cache.take_in, keys[at:at + REBUILD_CHUNK])).restored

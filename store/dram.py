@@ -234,6 +234,14 @@ class DramTier(BufferTier):
         except FileNotFoundError:
             return None
 
+    def written_at(self, key: str) -> float | None:
+        """When the entry's file was last written here (a worker's put, or a move up from a slower tier: its
+        last use, in effect); None when absent. What a restarted gateway orders its books by."""
+        try:
+            return self._entry(key).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
     def stats(self) -> StoreStats:
         self._check_open()
         entries = total = pinned = 0

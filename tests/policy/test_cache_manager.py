@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -170,3 +171,21 @@ def test_an_entry_that_cannot_go_down_to_a_full_tier_leaves_the_books_and_the_st
     finally:
         store.close()
         remove_store_memory(config)
+
+
+def test_a_restarted_gateway_books_the_store_least_recently_used_first(store):
+    """Three entries in DRAM, written one after the other, where the books now have room for two: booked oldest
+    first, the two most recent stay in DRAM and the oldest goes down, whatever order the store lists them in."""
+    keys, size = [], 0
+    for seed, when in ((0, 1000.0), (1, 2000.0), (2, 3000.0)):
+        key, size = written(store, seed)
+        os.utime(store.tier("dram").path / f"{key}.kv", (when, when))
+        keys.append(key)
+    lmdb_key, _ = written(store, 3)
+    store.move(lmdb_key, src="dram", dst="lmdb")
+    cache = manager(store, size, dram_entries=2, lmdb_entries=2)
+    listed = [keys[2], keys[0], lmdb_key, keys[1]]
+    assert cache.oldest_first(listed) == [lmdb_key, *keys]
+    cache.take_in(cache.oldest_first(listed))
+    where = {key: store.tiers_holding(key) for key in [*keys, lmdb_key]}
+    assert where == {keys[0]: ["lmdb"], keys[1]: ["dram"], keys[2]: ["dram"], lmdb_key: ["lmdb"]}
