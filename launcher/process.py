@@ -84,13 +84,7 @@ class WorkerProcess:
         # Children can outlive the leader or ignore SIGTERM: clear the whole group.
         if self.live_processes():
             _signal_group(self.pid, signal.SIGKILL)
-        code = self.process.wait()
-        deadline = time.monotonic() + _KILL_SETTLE_S
-        while self.live_processes() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not self.live_processes():
-            _remove_left_behind(held | orphaned_semaphores(self.started_at))
-        return code
+        return self._reap(held)
 
     def kill(self) -> int:
         """End the worker as a crash would (SIGKILL, no chance to clean up), then clear what it held in shared
@@ -100,6 +94,10 @@ class WorkerProcess:
         pids = self.live_processes()
         held = shared_memory_of(pids) | stamped_by(pids)
         _signal_group(self.pid, signal.SIGKILL)
+        return self._reap(held)
+
+    def _reap(self, held: set[Path]) -> int:
+        """Wait for the leader's exit code and the group's end; then remove what it left in shared memory."""
         code = self.process.wait()
         deadline = time.monotonic() + _KILL_SETTLE_S
         while self.live_processes() and time.monotonic() < deadline:
