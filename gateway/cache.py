@@ -53,10 +53,6 @@ class ApplyReport:
     longest_s: float = 0.0  # the longest single decision: what it would have held the event loop for
 
 
-def decision_target(decision: Promote | Demote | Admit) -> str:
-    return str(decision.tier if isinstance(decision, Admit) else decision.target)
-
-
 class CacheManager:
     """Applies decisions to a :class:`TieredStore`; without a store it only keeps the books.
 
@@ -121,7 +117,7 @@ class CacheManager:
         except StoreError as exc:
             log.warning("could not remove %s after a failed %s: %s", key, decision.kind, exc)
         self.report.dropped[decision.kind] += 1
-        log.warning("dropped %s: the %s to %s could not be applied", key, decision.kind, decision_target(decision))
+        log.warning("dropped %s: %s could not be applied", key, decision)
         if self.on_gone is not None and not store.contains(key):
             self.on_gone(key)
 
@@ -175,12 +171,13 @@ class CacheManager:
         """``keys`` in the order to book them after a restart, least recently used first, so that the books' LRU
         order resumes about where it was: entries in the slower tiers first (they were demoted there), then the
         DRAM tier's by when each was written there (a worker's put or a promotion). The store keeps no finer
-        record of use, so within LMDB the order is the store's."""
+        record of use, so within LMDB the order is the store's. Only entries not yet booked are looked at (take_in
+        skips the others), so the periodic pass stats no more files than it books."""
         store = self.store
         if store is None:
             return keys
         dram = next((t for t in store.tiers if isinstance(t, DramTier)), None)
-        written = {key: dram.written_at(key) for key in keys} if dram is not None else {}
+        written = {key: dram.written_at(key) for key in keys if key not in self.policy} if dram is not None else {}
         return sorted(keys, key=lambda k: (written.get(k) is not None, written.get(k) or 0.0))
 
     def take_in(self, keys: list[str]) -> Reconciled:

@@ -177,7 +177,7 @@ async def lmdb_disk_full(soak: Soak, result: FaultResult) -> None:
     filled = await asyncio.to_thread(_fill, filler)
     before = await soak.demotions()
     rng = random.Random("disk-full")
-    records = [await soak.load.send("new_image", 0, rng) for _ in range(soak.disk_full_images)]
+    records = [await soak.load.send("new_image", 0, rng) for _ in range(soak.plan.disk_full_images)]
     after = await soak.demotions()
     result.detail = (f"{filled >> 20} MiB written to fill the disk ({stack.disk_free_bytes()} bytes left); "
                      f"{len(records)} new images sent, demotions tried {after - before}")

@@ -106,7 +106,6 @@ class Soak:
         self.say = say
         self.rng = random.Random(f"faults:{plan.seed}")
         self.load = Load(stack.url, stack.worker_urls, seed=plan.seed, check_share=plan.check_share)
-        self.disk_full_images = plan.disk_full_images
         self.results: list[FaultResult] = []
         self.probe_seconds: list[float] = []  # how long each of served()'s requests took
         self.loop_lag: Counter[str] = Counter()  # the gateway's loop-lag histogram (cumulative buckets), summed
@@ -298,7 +297,7 @@ def run_soak(plan: SoakPlan, settings: StackSettings | None = None, say: Callabl
         stack.start(on_progress=say)
         say(f"stack ready: gateway {stack.url}, workers {stack.worker_urls}")
         report.memory["rss_at_start_mib"] = round(stack.rss_bytes() / MiB)
-        report.memory["shm_at_start"] = _shm_summary(stack.foreign_shm())
+        report.memory["shm_at_start"] = _shm_summary(shm_files())
         soak = Soak(stack, plan, say)
 
         async def main() -> None:
@@ -316,7 +315,7 @@ def run_soak(plan: SoakPlan, settings: StackSettings | None = None, say: Callabl
         asyncio.run(main())
         soak.account(report)
         report.memory["rss_at_end_mib"] = round(stack.rss_bytes() / MiB)
-        report.memory["shm_at_end"] = _shm_summary(stack.foreign_shm())
+        report.memory["shm_at_end"] = _shm_summary(shm_files())
     finally:
         if logs is not None:
             shutil.copytree(stack.root / "logs", logs, dirs_exist_ok=True)

@@ -9,7 +9,6 @@ fault is reported as not injected.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -203,11 +202,6 @@ class Stack:
     def rss_bytes(self) -> int:
         return sum(_rss(pid) for pid in self.pids())
 
-    def foreign_shm(self) -> dict[str, int]:
-        """Files under /dev/shm outside this stack's store: name -> bytes."""
-        ours = {self.store.dram_path.name, self.store.outcomes_path.name}
-        return shm_files(exclude=ours)
-
     def disk_free_bytes(self) -> int:
         stat = os.statvfs(self.root / "disk")
         return stat.f_bavail * stat.f_frsize
@@ -217,10 +211,11 @@ class Stack:
                 "lmdb_on_own_tmpfs": self.disk_mounted, "settings": self.settings.__dict__}
 
 
-def shm_files(exclude: set[str] = frozenset()) -> dict[str, int]:  # type: ignore[assignment]
+def shm_files() -> dict[str, int]:
+    """Files and folders under /dev/shm other than soak stores' (their DRAM tier and outcomes box): name -> bytes."""
     out: dict[str, int] = {}
     for child in SHM.iterdir():
-        if child.name in exclude or child.name.startswith("revisit-store-soak-"):
+        if child.name.startswith("revisit-store-soak-"):
             continue
         try:
             files = child.rglob("*") if child.is_dir() else (child,)
@@ -246,7 +241,3 @@ def _mount_tmpfs(path: Path, size: int) -> bool:
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                           capture_output=True, check=False)
     return done.returncode == 0
-
-
-def dumps(value: object) -> str:
-    return json.dumps(value, indent=2, sort_keys=True, default=str)
