@@ -229,7 +229,7 @@ def scale(extractor: Extractor, settings: MatchSettings, scales: list[int], scra
                 jitter = base.vectors.astype(np.float32) + rng.normal(0, 0.08, base.vectors.shape)
                 salted = TokenFeatures(grid=base.grid, digests=base.digests ^ np.uint64(i * 0x9E3779B97F4A7C15 % 2**64),
                                        vectors=(jitter / np.linalg.norm(jitter, axis=1, keepdims=True)).astype(
-                                           np.float16), entropy=base.entropy)
+                                           np.float16), entropy=base.entropy, shades=base.shades)
                 matcher.add(key(("entry", i)), "ns", salted)
             add_s = time.perf_counter() - started
             del matcher
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-family", type=int, help="cap the labelled pairs per family (the encoder is slow)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    settings = MatchSettings()
+    settings = MatchSettings.from_env()  # REVISIT_MATCH_* as the gateway reads them
     report: dict[str, Any] = {"settings": settings.__dict__}
     with tempfile.TemporaryDirectory(prefix="revisit-bench-matching-") as tmp:
         scratch = Path(tmp)

@@ -58,7 +58,8 @@ def _run_gateway(
     from gateway.app import create_app
 
     server = uvicorn.Server(
-        uvicorn.Config(create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+        uvicorn.Config(create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
+                       timeout_keep_alive=max(1, round(config.keep_alive_s)))
     )
 
     def notify() -> None:

@@ -114,7 +114,8 @@ class MatchSettings:
 
     Lookup: the coarse stage keeps ``candidates`` entries whose every 2 x 2 regional cosine exceeds
     ``coarse_threshold``; the fine stage matches when the mean per-token cosine over the aligned grid reaches
-    ``match_threshold``; a token is similar at ``patch_threshold``; tokens under ``blank_entropy`` bits are blank.
+    ``match_threshold``; a token is similar at ``patch_threshold`` when none of its shades (4 x 4-pixel grey
+    levels) moved by more than ``max_shade_change``; tokens under ``blank_entropy`` bits are blank.
     Plans: B = the lowest-entropy ``reuse_share`` of the tokens, R = ``recompute_share`` of them, ``warmup_layers``
     layers on every token first; the guard plans a miss when more than ``max_changed_share`` of the tokens changed.
     ``strategy`` is the default selector (plan.SELECTORS); a request may name another in the ``x-revisit-strategy``
@@ -132,6 +133,10 @@ class MatchSettings:
     candidates: int = 5
     match_threshold: float = 0.9
     patch_threshold: float = 0.95
+    # Measured on the reader's panels (one field redrawn) and their JPEG re-encodes: quality 50 moves no 4 x 4 cell
+    # by more than 11 grey levels; of the edited tokens a cosine of 0.95 let through as similar (a fifth of them),
+    # three quarters moved a cell by more than 24, and those under 16 differ by antialiasing alone.
+    max_shade_change: int = 16
     blank_entropy: float = 0.5
     reuse_share: float = 0.1
     recompute_share: float = 0.3
@@ -165,6 +170,8 @@ class MatchSettings:
                      "max_changed_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"match {name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0 <= self.max_shade_change <= 255:
+            raise ConfigError(f"match max_shade_change must be a grey level in [0, 255], got {self.max_shade_change}")
         if self.candidates < 1 or self.scan_limit < 1 or self.warmup_layers < 0:
             raise ConfigError("match candidates and scan_limit must be positive, warmup_layers not negative")
         if self.blank_entropy < 0 or self.feature_cache_bytes < 0 or self.pending_grace_s < 0:
@@ -280,6 +287,11 @@ class GatewayConfig:
     health_timeout_s: float = 5.0
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0
+    # How long the gateway keeps a client's idle connection open. Longer than clients keep theirs (httpx, and so the
+    # openai client, 5 s; most others no more than 60), so that the client, not the gateway, closes an idle
+    # connection: a gateway that closes first races a request the client is sending on it, which fails at once
+    # ("Server disconnected without sending a response"). Load balancers in front need a shorter idle timeout.
+    keep_alive_s: float = 75.0
     max_connections: int = 256
     # How often the event loop's lag is sampled (gateway/loop_lag.py).
     loop_lag_interval_s: float = 0.01
@@ -312,8 +324,8 @@ class GatewayConfig:
         if self.image_memo_bytes < 0:
             raise ConfigError(f"image_memo_bytes must not be negative, got {self.image_memo_bytes}")
         for name in ("max_request_bytes", "health_interval_s", "health_timeout_s",
-                     "connect_timeout_s", "upstream_timeout_s", "max_connections", "loop_lag_interval_s",
-                     "books_interval_s"):
+                     "connect_timeout_s", "upstream_timeout_s", "keep_alive_s", "max_connections",
+                     "loop_lag_interval_s", "books_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.admin_token is not None and len(self.admin_token) < 8:
@@ -389,6 +401,7 @@ class GatewayConfig:
             ("health_interval_s", "HEALTH_INTERVAL_S", float),
             ("health_timeout_s", "HEALTH_TIMEOUT_S", float),
             ("books_interval_s", "BOOKS_INTERVAL_S", float),
+            ("keep_alive_s", "KEEP_ALIVE_S", float),
         ):
             if (value := get(name, cast)) is not None:
                 kwargs[key] = value

@@ -28,6 +28,10 @@ from store import FeatureStore, TieredStore, open_store
 
 log = logging.getLogger(__name__)
 REBUILD_CHUNK = 2048  # records restored per turn on the cache thread
+# Idle connections to workers are dropped after this long: sooner than SGLang closes them (its uvicorn keeps an idle
+# connection SGLANG_TIMEOUT_KEEP_ALIVE = 5 s), so that no request goes out on a connection the worker is closing,
+# which would fail at once and take a healthy worker out of rotation.
+UPSTREAM_KEEP_ALIVE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -57,6 +61,7 @@ class Services:
             limits=httpx.Limits(
                 max_connections=config.max_connections,
                 max_keepalive_connections=min(64, config.max_connections),
+                keepalive_expiry=UPSTREAM_KEEP_ALIVE_S,
             ),
         )
         pool = WorkerPool(

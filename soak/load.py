@@ -145,7 +145,9 @@ class Load:
             record.outcome = "unexpected" if exc.status_code < 500 else "error"
             record.detail = f"{exc.status_code}: {str(exc.message)[:200]}"
         except (openai.APIConnectionError, httpx.TransportError) as exc:
-            record.outcome, record.detail = "error", f"connection: {type(exc).__name__}: {str(exc)[:160]}"
+            cause = exc.__cause__  # the openai client's "Connection error." wraps what httpx saw
+            seen = f" ({type(cause).__name__}: {str(cause)[:120]})" if cause is not None else ""
+            record.outcome, record.detail = "error", f"connection: {type(exc).__name__}: {str(exc)[:160]}{seen}"
         except openai.APIError as exc:  # an error event in a stream
             record.outcome, record.detail = "error", f"stream error event: {str(exc)[:200]}"
         finally:

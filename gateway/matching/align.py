@@ -8,7 +8,9 @@ and more than no shift at all. New token (r, c) is then compared with cached tok
 Each new token is then
 
     same      its digest equals the aligned cached token's: the model sees the same pixels there
-    similar   not the same, but the cosine of the two descriptors is at least ``patch_threshold``
+    similar   not the same, but the cosine of the two descriptors is at least ``patch_threshold`` and no cell of
+              its shades moved by more than ``max_shade_change`` grey levels (so a glyph edited in one corner of
+              a token, which a cosine over the whole token barely sees, is changed, while re-encoding noise is not)
     changed   anything else, including tokens with no cached token at their aligned position (scrolled in)
 
 and the image's similarity is the mean cosine over the aligned tokens, leaving out positions that are blank in
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.matching.features import TokenFeatures
+from gateway.matching.features import TokenFeatures, shade_change
 
 SAME, SIMILAR, CHANGED = 0, 1, 2
 CHANGE_CODES = "=~x"  # the change map's wire form: one character per token (plan.ImagePlan.change_map)
@@ -72,7 +74,7 @@ def find_shift(new: TokenFeatures, alias: TokenFeatures, *, min_votes: int = 4, 
 
 
 def align(new: TokenFeatures, alias: TokenFeatures, *, shift: tuple[int, int], patch_threshold: float,
-          blank_entropy: float) -> Alignment:
+          max_shade_change: int, blank_entropy: float) -> Alignment:
     """Compare new with alias under the given shift (see the module docstring)."""
     rows, cols = new.grid
     r, c = np.divmod(np.arange(rows * cols), cols)
@@ -87,7 +89,9 @@ def align(new: TokenFeatures, alias: TokenFeatures, *, shift: tuple[int, int], p
     same[inside] = new.digests[inside] == alias.digests[aligned]
     cosine[same] = 1.0
     changes = np.full(rows * cols, CHANGED, np.uint8)
-    changes[inside & (cosine >= patch_threshold)] = SIMILAR
+    steady = np.zeros(rows * cols, bool)
+    steady[inside] = shade_change(new.shades[inside], alias.shades[aligned]) <= max_shade_change
+    changes[steady & (cosine >= patch_threshold)] = SIMILAR
     changes[same] = SAME
     alias_entropy = np.zeros(rows * cols, np.float32)
     alias_entropy[inside] = alias.entropy[aligned]

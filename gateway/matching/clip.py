@@ -21,7 +21,15 @@ import numpy as np
 from PIL import Image
 
 from gateway.config import ConfigError
-from gateway.matching.features import TokenFeatures, grey, normalise, resized, token_digests, token_entropy
+from gateway.matching.features import (
+    TokenFeatures,
+    grey,
+    normalise,
+    resized,
+    token_digests,
+    token_entropy,
+    token_shades,
+)
 
 TILES_PER_BATCH = 16
 
@@ -79,4 +87,5 @@ class ClipExtractor:
         vectors = grid_map.reshape(tiles_y * per_tile, tiles_x * per_tile, self.dim)[:rows, :cols].numpy()
         return TokenFeatures(grid=grid, digests=token_digests(image, grid, factor, resized_pixels=pixels),
                              vectors=normalise(vectors.reshape(rows * cols, self.dim)).astype(np.float16),
-                             entropy=token_entropy(grey(pixels), grid).astype(np.float16))
+                             entropy=token_entropy(grey(pixels), grid).astype(np.float16),
+                             shades=token_shades(pixels, grid))

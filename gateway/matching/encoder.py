@@ -28,6 +28,7 @@ from gateway.matching.features import (
     resized,
     token_digests,
     token_entropy,
+    token_shades,
 )
 
 
@@ -65,4 +66,4 @@ class EncoderExtractor:
         luma = grey(pixels)
         return TokenFeatures(grid=grid, digests=token_digests(image, grid, factor, resized_pixels=pixels),
                              vectors=normalise(embeds).astype(np.float16),
-                             entropy=token_entropy(luma, grid).astype(np.float16))
+                             entropy=token_entropy(luma, grid).astype(np.float16), shades=token_shades(pixels, grid))

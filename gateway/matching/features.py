@@ -8,6 +8,10 @@ of the resized image), an extractor gives
              alike the two tokens look
     entropy  the Shannon entropy (bits) of the token's grey-level histogram: low for blank margins and flat
              regions, whose KV is the least risky to reuse
+    shades   the token's grey levels (0-255) over SHADE_SIDE x SHADE_SIDE cells (4 x 4 pixels of a 28-pixel token):
+             coarse pixels, so that a match can tell an edited glyph (some cell moves by 40 grey levels or more)
+             from re-encoding noise or a change of brightness, which a cosine cannot: a changed stroke in one
+             corner of a token moves its descriptor less than noise spread over all of it (``shade_change``)
 
 Digests are of the source pixels a token is resized from (its rectangle of the canonical image plus the resize
 kernel's reach), so equal digests mean the resize produced the same pixels; when the image needs no resize the
@@ -32,7 +36,9 @@ from PIL import Image
 HISTOGRAM_BINS = 32  # grey levels per entropy histogram: log2(32) = 5 bits at most
 COARSE_DIM = 64  # width of the coarse stage's regional descriptors
 _RECORD = struct.Struct("<4sHHHH")  # magic, version, rows, cols, dim
-_MAGIC, _VERSION = b"RVTF", 1
+_MAGIC, _VERSION = b"RVTF", 2  # version 1 had no shades: such records are read as damaged and dropped
+SHADE_SIDE = 7
+MIN_GAIN, MAX_GAIN = 0.8, 1.25  # the contrast changes shade_change forgives (a brightness change of +-20%)
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,13 +49,14 @@ class TokenFeatures:
     digests: np.ndarray  # (n,) uint64
     vectors: np.ndarray  # (n, dim) float16, each row of unit L2 norm (or zero)
     entropy: np.ndarray  # (n,) float16, bits
+    shades: np.ndarray  # (n, SHADE_SIDE * SHADE_SIDE) uint8 grey levels
 
     def __post_init__(self) -> None:
         n = self.grid[0] * self.grid[1]
         if self.digests.shape != (n,) or self.entropy.shape != (n,) or self.vectors.ndim != 2 \
-                or self.vectors.shape[0] != n:
+                or self.vectors.shape[0] != n or self.shades.shape != (n, SHADE_SIDE * SHADE_SIDE):
             raise ValueError(f"features do not fit grid {self.grid}: digests {self.digests.shape}, vectors "
-                             f"{self.vectors.shape}, entropy {self.entropy.shape}")
+                             f"{self.vectors.shape}, entropy {self.entropy.shape}, shades {self.shades.shape}")
 
     @property
     def tokens(self) -> int:
@@ -61,7 +68,7 @@ class TokenFeatures:
 
     @property
     def nbytes(self) -> int:
-        return self.digests.nbytes + self.vectors.nbytes + self.entropy.nbytes
+        return self.digests.nbytes + self.vectors.nbytes + self.entropy.nbytes + self.shades.nbytes
 
     def regional(self) -> np.ndarray:
         """(4, min(dim, COARSE_DIM)) float32: the mean of the token vectors in each quadrant of the grid (top-left,
@@ -83,7 +90,7 @@ class TokenFeatures:
     def to_bytes(self) -> bytes:
         head = _RECORD.pack(_MAGIC, _VERSION, self.grid[0], self.grid[1], self.dim)
         return b"".join((head, self.digests.astype("<u8").tobytes(), self.vectors.astype("<f2").tobytes(),
-                         self.entropy.astype("<f2").tobytes()))
+                         self.entropy.astype("<f2").tobytes(), self.shades.astype(np.uint8).tobytes()))
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> TokenFeatures:
@@ -95,7 +102,8 @@ class TokenFeatures:
         if magic != _MAGIC or version != _VERSION:
             raise ValueError(f"not a features record of version {_VERSION}")
         n = rows * cols
-        if len(data) != _RECORD.size + n * (8 + 2 * dim + 2):
+        shade_cells = SHADE_SIDE * SHADE_SIDE
+        if len(data) != _RECORD.size + n * (8 + 2 * dim + 2 + shade_cells):
             raise ValueError("features record has the wrong length")
         at = _RECORD.size
         digests = np.frombuffer(data, "<u8", n, at).astype(np.uint64)
@@ -103,7 +111,9 @@ class TokenFeatures:
         vectors = np.frombuffer(data, "<f2", n * dim, at).reshape(n, dim).astype(np.float16)
         at += 2 * n * dim
         entropy = np.frombuffer(data, "<f2", n, at).astype(np.float16)
-        return cls(grid=(rows, cols), digests=digests, vectors=vectors, entropy=entropy)
+        at += 2 * n
+        shades = np.frombuffer(data, np.uint8, n * shade_cells, at).reshape(n, shade_cells).copy()
+        return cls(grid=(rows, cols), digests=digests, vectors=vectors, entropy=entropy, shades=shades)
 
 
 @functools.cache
@@ -170,6 +180,54 @@ def token_digests(image: Image.Image, grid: tuple[int, int], factor: int, *,
             digests[r * cols + c] = xxhash.xxh3_64_intdigest(struct.pack("<4I", top, bottom, left, right)
                                                              + block.tobytes())
     return digests
+
+
+def token_shades(pixels: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """(n, SHADE_SIDE * SHADE_SIDE) uint8: each token's grey levels over SHADE_SIDE x SHADE_SIDE cells, from the
+    resized image's (rows * factor, cols * factor, 3) pixels."""
+    rows, cols = grid
+    side = SHADE_SIDE
+    levels = np.rint(grey(cell_means(pixels, rows * side, cols * side)) * 255.0).astype(np.uint8)
+    return levels.reshape(rows, side, cols, side).transpose(0, 2, 1, 3).reshape(rows * cols, side * side)
+
+
+def shade_change(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """(n,) float32: per token, the most any cell's grey level moved between two tokens' shades (n, cells each),
+    once a change of brightness and contrast is taken out: new is fitted as gain * old + offset (least squares,
+    the gain held to [MIN_GAIN, MAX_GAIN], so that a glyph wiped off a token is not fitted by a gain of 0)."""
+    old_f, new_f = old.astype(np.float32), new.astype(np.float32)
+    old_d = old_f - old_f.mean(axis=1, keepdims=True)
+    new_d = new_f - new_f.mean(axis=1, keepdims=True)
+    spread = np.einsum("nc,nc->n", old_d, old_d)
+    gain = np.divide(np.einsum("nc,nc->n", new_d, old_d), spread, out=np.ones(len(old_f), np.float32),
+                     where=spread > 1.0)
+    gain = np.clip(gain, MIN_GAIN, MAX_GAIN)
+    return np.abs(new_d - gain[:, None] * old_d).max(axis=1, initial=0.0)
+
+
+def cell_means(values: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """(rows, cols, channels) float32 means of values (H, W, channels) over a grid of equal cells when H and W
+    divide (summed slice by slice: a strided multi-axis mean is several times slower), of nearly equal ones else."""
+    height, width = values.shape[:2]
+    if height % rows or width % cols:
+        top = np.round(np.linspace(0, height, rows + 1)).astype(np.int64)[:-1]
+        left = np.round(np.linspace(0, width, cols + 1)).astype(np.int64)[:-1]
+        sums = np.add.reduceat(np.add.reduceat(values.astype(np.float32), top, axis=0), left, axis=1)
+        areas = np.outer(np.diff(np.append(top, height)), np.diff(np.append(left, width)))
+        return sums / areas[:, :, None]
+    step_y, step_x = height // rows, width // cols
+    if step_y * step_x > 16:  # large cells: one reduceat per axis beats step_y * step_x slice adds
+        sums = np.add.reduceat(np.add.reduceat(values.astype(np.float32), np.arange(0, height, step_y), axis=0),
+                               np.arange(0, width, step_x), axis=1)
+        return sums / (step_y * step_x)
+    # uint8 sums of at most 16 values fit in uint16, which adds several times faster than float32
+    accumulator = np.uint16 if values.dtype == np.uint8 else np.float32
+    sums = values[::step_y, ::step_x].astype(accumulator)
+    for dy in range(step_y):
+        for dx in range(step_x):
+            if dy or dx:
+                sums += values[dy::step_y, dx::step_x]
+    return sums.astype(np.float32) / (step_y * step_x)
 
 
 def grey(rgb: np.ndarray) -> np.ndarray:

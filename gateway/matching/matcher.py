@@ -173,4 +173,5 @@ class Matcher:
 def compare(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings) -> Alignment:
     """The fine stage for one candidate: the whole-token shift that best lines the alias up, then the alignment."""
     return align(features, alias_features, shift=find_shift(features, alias_features),
-                 patch_threshold=settings.patch_threshold, blank_entropy=settings.blank_entropy)
+                 patch_threshold=settings.patch_threshold, max_shade_change=settings.max_shade_change,
+                 blank_entropy=settings.blank_entropy)

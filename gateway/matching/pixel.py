@@ -21,7 +21,16 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from gateway.matching.features import TokenFeatures, grey, normalise, resized, token_digests, token_entropy
+from gateway.matching.features import (
+    TokenFeatures,
+    cell_means,
+    grey,
+    normalise,
+    resized,
+    token_digests,
+    token_entropy,
+    token_shades,
+)
 
 # Structure cells per side: 2 x 2 pixels each for a 28-pixel token. Measured on the labelled set (bench/matching.py):
 # at 7 x 7, different pages of one site scored up to 0.88 against the 0.9 match threshold; at 14 x 14, up to 0.80.
@@ -39,40 +48,15 @@ class PixelExtractor:
         rows, cols = grid
         n = rows * cols
         pixels = resized(image, grid, factor)  # (rows * f, cols * f, 3) uint8
-        cells = _cell_means(pixels, rows * THUMB, cols * THUMB)  # (rows * T, cols * T, 3) float32 in [0, 255]
+        cells = cell_means(pixels, rows * THUMB, cols * THUMB)  # (rows * T, cols * T, 3) float32 in [0, 255]
         luma = grey(cells)  # (rows * T, cols * T) in [0, 1]
         thumb = luma.reshape(rows, THUMB, cols, THUMB).transpose(0, 2, 1, 3).reshape(n, THUMB * THUMB)  # (n, T*T)
         structure = thumb - thumb.mean(axis=1, keepdims=True)
         structure /= np.maximum(np.linalg.norm(structure, axis=1, keepdims=True), CONTRAST_FLOOR)
-        colour = _cell_means(cells, rows, cols).reshape(n, 3) / 255.0 - 0.5  # (n, 3) mean R, G, B
+        colour = cell_means(cells, rows, cols).reshape(n, 3) / 255.0 - 0.5  # (n, 3) mean R, G, B
         tone = normalise(np.concatenate([colour, np.full((n, 1), TONE_CONSTANT, np.float32)], axis=1))  # (n, 4)
         vectors = np.concatenate([np.sqrt(STRUCTURE_WEIGHT) * structure, np.sqrt(1 - STRUCTURE_WEIGHT) * tone],
                                  axis=1)
         return TokenFeatures(grid=grid, digests=token_digests(image, grid, factor, resized_pixels=pixels),
                              vectors=normalise(vectors).astype(np.float16),
-                             entropy=token_entropy(luma, grid).astype(np.float16))
-
-
-def _cell_means(values: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """(rows, cols, channels) float32 means of values (H, W, channels) over a grid of equal cells when H and W
-    divide (summed slice by slice: a strided multi-axis mean is several times slower), of nearly equal ones else."""
-    height, width = values.shape[:2]
-    if height % rows or width % cols:
-        top = np.round(np.linspace(0, height, rows + 1)).astype(np.int64)[:-1]
-        left = np.round(np.linspace(0, width, cols + 1)).astype(np.int64)[:-1]
-        sums = np.add.reduceat(np.add.reduceat(values.astype(np.float32), top, axis=0), left, axis=1)
-        areas = np.outer(np.diff(np.append(top, height)), np.diff(np.append(left, width)))
-        return sums / areas[:, :, None]
-    step_y, step_x = height // rows, width // cols
-    if step_y * step_x > 16:  # large cells: one reduceat per axis beats step_y * step_x slice adds
-        sums = np.add.reduceat(np.add.reduceat(values.astype(np.float32), np.arange(0, height, step_y), axis=0),
-                               np.arange(0, width, step_x), axis=1)
-        return sums / (step_y * step_x)
-    # uint8 sums of at most 16 values fit in uint16, which adds several times faster than float32
-    accumulator = np.uint16 if values.dtype == np.uint8 else np.float32
-    sums = values[::step_y, ::step_x].astype(accumulator)
-    for dy in range(step_y):
-        for dx in range(step_x):
-            if dy or dx:
-                sums += values[dy::step_y, dx::step_x]
-    return sums.astype(np.float32) / (step_y * step_x)
+                             entropy=token_entropy(luma, grid).astype(np.float16), shades=token_shades(pixels, grid))

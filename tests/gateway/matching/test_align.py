@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
+from bundled.reader.panels import changed, random_panel
+from gateway.config import MatchSettings
 from gateway.matching.align import CHANGED, SAME, SIMILAR, align, find_shift
+from gateway.matching.features import shade_change
 from tests.gateway.matching.pairs import CELL, aligned, changed_tokens, edited, features, jpeg
 
 PATCH, BLANK = 0.9, 0.5
+DEFAULTS = MatchSettings()
 
 
-def compare(a, b, shift=None):
+def compare(a, b, shift=None, *, patch_threshold=PATCH):
     fa, fb = features(a), features(b)
-    return align(fb, fa, shift=find_shift(fb, fa) if shift is None else shift, patch_threshold=PATCH,
-                 blank_entropy=BLANK)
+    return align(fb, fa, shift=find_shift(fb, fa) if shift is None else shift, patch_threshold=patch_threshold,
+                 max_shade_change=DEFAULTS.max_shade_change, blank_entropy=BLANK)
 
 
 def test_an_edit_changes_exactly_the_tokens_it_touched() -> None:
@@ -63,3 +69,30 @@ def test_unrelated_images_do_not_look_alike() -> None:
 def test_no_shift_without_enough_agreeing_digests() -> None:
     a = aligned("camera.png", 8, 8)
     assert find_shift(features(jpeg(a)), features(a)) == (0, 0)  # a re-encode keeps no digest
+
+
+def test_an_edited_glyph_is_changed_even_where_the_token_still_looks_alike() -> None:
+    """A field redrawn with another word can leave a token whose descriptor barely moved (the new glyph differs
+    in one corner): its cosine clears the patch threshold, its shades do not."""
+    rng = random.Random(1)
+    edited_tokens = high_cosine = 0
+    for _ in range(150):
+        panel = random_panel(rng)
+        if len(panel.keys) < 2:
+            continue
+        near, _ = changed(panel, rng, 1)
+        result = compare(panel.render(), near.render(), patch_threshold=DEFAULTS.patch_threshold)
+        old, new = features(panel.render()), features(near.render())
+        moved = shade_change(new.shades, old.shades) > DEFAULTS.max_shade_change
+        assert (result.changes[moved] == CHANGED).all()
+        edited_tokens += int(moved.sum())
+        high_cosine += int((moved & (result.cosine >= DEFAULTS.patch_threshold)).sum())
+    assert edited_tokens > 100 and high_cosine > 10  # the cosine alone would have let these through
+
+
+def test_jpeg_noise_does_not_move_the_shades_of_text() -> None:
+    for quality in (50, 75):
+        panel = random_panel(random.Random(quality))
+        result = compare(panel.render(), jpeg(panel.render(), quality), shift=(0, 0),
+                         patch_threshold=DEFAULTS.patch_threshold)
+        assert result.count(CHANGED) == 0, quality
