@@ -86,9 +86,14 @@ class SoakReport:
         lines += ["", f"Errors explained by a fault: {json.dumps(self.explained)}",
                   f"Reuse kinds served: {json.dumps(self.reuse)}",
                   f"Checked answers equal to the panel's truth: {self.right_vs_truth:.1%}",
-                  f"Memory: {json.dumps(self.memory)}",
+                  f"Memory: {json.dumps({k: v for k, v in self.memory.items() if k != 'rss_by_process'})}",
                   f"The gateway's event-loop lag: {json.dumps(self.loop_lag)}",
                   f"Store at the end: {json.dumps(self.store)}"]
+        lives = [life for life in self.memory.get("rss_by_process", ()) if life["samples"] > 1]
+        if lives:
+            lines += ["", "| process (pid) | sampled, min | RSS first, MiB | RSS last, MiB |", "|---|---|---|---|"]
+            lines += [f"| {life['process']} ({life['pid']}) | {life['from_min']}-{life['to_min']} | "
+                      f"{life['first_mib']} | {life['last_mib']} |" for life in lives]
         lines += ["", "Unexplained:", *[f"- {u}" for u in self.unexplained[:50]]] if self.unexplained else []
         lines += ["", "Wrong answers:", *[f"- {w}" for w in self.wrong[:50]]] if self.wrong else []
         return "\n".join(lines) + "\n"
@@ -110,6 +115,7 @@ class Soak:
         self.probe_seconds: list[float] = []  # how long each of served()'s requests took
         self.loop_lag: Counter[str] = Counter()  # the gateway's loop-lag histogram (cumulative buckets), summed
         # over its lives (a killed gateway's figures are read just before it is killed)
+        self.rss_samples: list[tuple[float, dict[str, tuple[int, int]]]] = []  # (minute, Stack.rss_by_process())
 
     # --- checks the faults share ---
 
@@ -248,9 +254,24 @@ class Soak:
         while True:
             await asyncio.sleep(60)
             outcomes = Counter(r.outcome for r in self.load.records)
-            self.say(f"{(time.monotonic() - started) / 60:.0f} min: {len(self.load.records)} requests "
+            minute = (time.monotonic() - started) / 60
+            rss = self.stack.rss_by_process()
+            self.rss_samples.append((minute, rss))
+            self.say(f"{minute:.0f} min: {len(self.load.records)} requests "
                      f"{dict(outcomes)}; {len(self.load.checks)} checked, "
-                     f"{sum(c.wrong for c in self.load.checks)} wrong")
+                     f"{sum(c.wrong for c in self.load.checks)} wrong; RSS MiB "
+                     + ", ".join(f"{name} {size / MiB:.0f}" for name, (_, size) in sorted(rss.items())))
+
+    def rss_lifetimes(self) -> list[dict]:
+        """Per process of the stack (a restarted one is a new process), its RSS at the first and the last minute
+        it was sampled: what a leak would show as growth that does not level off."""
+        lives: dict[tuple[str, int], dict] = {}
+        for minute, rss in self.rss_samples:
+            for name, (pid, size) in rss.items():
+                life = lives.setdefault((name, pid), {"process": name, "pid": pid, "from_min": round(minute, 1),
+                                                      "first_mib": round(size / MiB), "samples": 0})
+                life.update(to_min=round(minute, 1), last_mib=round(size / MiB), samples=life["samples"] + 1)
+        return sorted(lives.values(), key=lambda life: (life["process"], life["from_min"]))
 
     # --- accounting ---
 
@@ -315,6 +336,7 @@ def run_soak(plan: SoakPlan, settings: StackSettings | None = None, say: Callabl
         asyncio.run(main())
         soak.account(report)
         report.memory["rss_at_end_mib"] = round(stack.rss_bytes() / MiB)
+        report.memory["rss_by_process"] = soak.rss_lifetimes()
         report.memory["shm_at_end"] = _shm_summary(shm_files())
     finally:
         if logs is not None:

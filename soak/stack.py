@@ -202,6 +202,13 @@ class Stack:
     def rss_bytes(self) -> int:
         return sum(_rss(pid) for pid in self.pids())
 
+    def rss_by_process(self) -> dict[str, tuple[int, int]]:
+        """Per part of the stack ("gateway", "worker 0", ...): its leader's pid and the RSS of its live group."""
+        parts = {f"worker {i}": w.pid for i, w in enumerate(self.workers)}
+        if self.gateway is not None and self.gateway.poll() is None:
+            parts["gateway"] = self.gateway.pid
+        return {name: (pid, sum(_rss(p) for p in live_group_members(pid))) for name, pid in parts.items()}
+
     def disk_free_bytes(self) -> int:
         stat = os.statvfs(self.root / "disk")
         return stat.f_bavail * stat.f_frsize
