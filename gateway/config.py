@@ -305,6 +305,9 @@ class GatewayConfig:
     policy: PolicySettings = field(default_factory=PolicySettings)
     # Bearer token for /admin; None disables the admin API (every call answers 403).
     admin_token: str | None = None
+    # Let the worker's response fields beyond OpenAI's schema through (SGLang's usage extras, matched_stop,
+    # reasoning_content, ...); off, responses carry exactly the fields OpenAI's schema names (gateway/openai_shape.py).
+    response_extras: bool = False
     # Whether /metrics requires the admin token too (it needs one to be set).
     metrics_require_token: bool = False
     # Reuse planning; the default (no store) plans nothing.
@@ -395,6 +398,7 @@ class GatewayConfig:
         for key, name, cast in (
             ("admin_token", "ADMIN_TOKEN", str),
             ("metrics_require_token", "METRICS_REQUIRE_TOKEN", bool),
+            ("response_extras", "RESPONSE_EXTRAS", bool),
             ("max_request_bytes", "MAX_REQUEST_BYTES", int),
             ("image_memo_bytes", "IMAGE_MEMO_BYTES", int),
             ("upstream_timeout_s", "UPSTREAM_TIMEOUT_S", float),

@@ -31,22 +31,24 @@ from gateway.workers import Worker, WorkerPool
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 _JSON = {"content-type": "application/json"}
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamRequest:
-    """A chat request as a worker gets it: the JSON body, serialised once (off the loop when large, see
-    UpstreamRequest.encode) and sent as is to every worker tried; and the request id it carries."""
+    """A request as a worker gets it: the JSON body, serialised once (off the loop when large, see
+    UpstreamRequest.encode) and sent as is to every worker tried; the request id it carries; the worker's path."""
 
     payload: bytes
     rid: str
+    path: str = CHAT_PATH
 
     @classmethod
-    async def encode(cls, body: dict[str, Any], *, size_hint: int) -> UpstreamRequest:
+    async def encode(cls, body: dict[str, Any], *, size_hint: int, path: str = CHAT_PATH) -> UpstreamRequest:
         """size_hint: about how many bytes the body holds (the client's request size will do)."""
         payload = await off_loop(size_hint, _dumps, body)
-        return cls(payload=payload, rid=str(body["rid"]))
+        return cls(payload=payload, rid=str(body["rid"]), path=path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ class Route:
 
     prefer: str | None = None  # a worker URL to try first (cache affinity)
     public_id: str | None = None  # the id clients see (the upstream one may carry a plan)
+    shape: openai_shape.Shape = openai_shape.Shape()  # the response's shape (which endpoint's, extras or not)
     on_served: Callable[[Worker], None] | None = None  # called with the worker that answered
 
 
@@ -105,7 +108,8 @@ class Dispatcher:
             worker = self._next(tried, last_error, route.prefer)
             async with self._pool.lease(worker):
                 try:
-                    response = await self._client.post(worker.url + CHAT_PATH, content=request.payload, headers=_JSON)
+                    response = await self._client.post(worker.url + request.path, content=request.payload,
+                                                       headers=_JSON)
                 except httpx.TimeoutException as exc:
                     raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
                 except httpx.TransportError as exc:
@@ -115,7 +119,7 @@ class Dispatcher:
             if response.status_code == 200:
                 worker.served += 1
                 try:
-                    result = openai_shape.completion(response.json(), public_id=route.public_id)
+                    result = route.shape.completion(response.json(), public_id=route.public_id)
                 except ValueError as exc:
                     raise UpstreamError("worker returned a body that is not JSON") from exc
                 if route.on_served is not None:
@@ -141,7 +145,7 @@ class Dispatcher:
             await lease.__aenter__()
             response: httpx.Response | None = None
             try:
-                sent = self._client.build_request("POST", worker.url + CHAT_PATH, content=request.payload,
+                sent = self._client.build_request("POST", worker.url + request.path, content=request.payload,
                                                   headers=_JSON)
                 response = await self._client.send(sent, stream=True)
                 if response.status_code != 200:
@@ -170,7 +174,7 @@ class Dispatcher:
             except BaseException:
                 await _close(response, lease)
                 raise
-            shaper = openai_shape.StreamShaper(public_id=route.public_id, upstream_id=request.rid)
+            shaper = route.shape.stream(public_id=route.public_id, upstream_id=request.rid)
             relay = self._relay(worker, response, lines, first, lease, shaper, route.on_served)
             # Start the relay now: a started async generator is closed by the event loop
             # when dropped, so the lease and the upstream stream are released even if the

@@ -100,7 +100,8 @@ def planner_stats(planner: Planner) -> dict:
 
 # Seconds: a cached image on a GPU answers in tens of milliseconds, a miss on a CPU worker in minutes.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-ENDPOINTS = ("/v1/chat/completions", "/v1/models", "/health", "/metrics", "/admin")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/admin")
+COMPLETING = ENDPOINTS[:2]  # the endpoints that run the model: their latency is labelled by reuse
 NO_IMAGE = "none"  # the reuse label of a request without images
 MIXED = "mixed"  # ... of one whose images were planned as different kinds
 
@@ -185,7 +186,7 @@ class RequestTimer:
         endpoint = RequestMetrics.endpoint(scope.get("path", ""))
         metrics.requests.labels(endpoint, code).inc()
         state = scope.get("state") or {}
-        reuse = state.get("reuse", NO_IMAGE) if endpoint == ENDPOINTS[0] else ""
+        reuse = state.get("reuse", NO_IMAGE) if endpoint in COMPLETING else ""
         metrics.duration.labels(endpoint, reuse).observe(time.perf_counter() - started)
         if state.get("stream") and first is not None and code == "200":
             metrics.first_token.labels(reuse).observe(first - started)

@@ -1,7 +1,7 @@
 """The OpenAI chat-completions request, as far as the gateway needs to understand it.
 
-Top-level sampling parameters are validated with pydantic; every other field passes
-through to the worker untouched. Message contents are walked by hand
+Top-level sampling parameters are validated with pydantic; the other fields the workers honour pass through to
+them untouched, and any other field is refused by name (:func:`check_fields`). Message contents are walked by hand
 (:func:`iter_content_parts`) because the gateway rewrites every image part and wants
 error messages that name the exact offending part.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -18,7 +18,84 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.errors import InvalidRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+P = TypeVar("P", "ChatCompletionParams", "CompletionParams")
 SUPPORTED_PART_TYPES = ("text", "image_url")
+IMAGE_URL_FIELDS = ("url", "detail")  # detail passes to the worker, which reads it as OpenAI's "auto"
+# A part's own fields. vLLM's uuid names an image for its media cache; with the image's url beside it, the gateway
+# keys the image by its content as always (uuid passes to the worker, which ignores it).
+PART_FIELDS = {"text": ("type", "text"), "image_url": ("type", "image_url", "uuid")}
+
+
+# --- top-level request fields: honoured by the workers, owned by the gateway, or refused ---
+
+# What SGLang's request models read (sglang.srt.entrypoints.openai.protocol ChatCompletionRequest and
+# CompletionRequest; tests/gateway/test_protocol.py compares these with the installed SGLang's). Forwarded as sent,
+# except the ones below. SGLang ignores a field it does not know, so the gateway refuses every other field: a client
+# never believes a setting of its took effect when none did.
+_SGLANG_SAMPLING = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
+    "seed", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "user",
+    "min_tokens", "stop_token_ids", "stop_regex", "no_stop_trim", "ignore_eos", "skip_special_tokens", "regex",
+    "ebnf", "response_format", "lora_path", "session_id", "session_params", "priority", "cache_salt",
+    "custom_logit_processor", "custom_params", "watermark", "return_hidden_states", "return_routed_experts",
+    "routed_experts_start_len", "return_cached_tokens_details", "return_spec_tokens_details", "return_token_ids",
+})
+WORKER_FIELDS = {
+    "chat": _SGLANG_SAMPLING | {
+        "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+        "chat_template_kwargs", "continue_final_message", "reasoning_effort", "thinking", "task",
+        "separate_reasoning", "stream_reasoning", "return_flat_raw_output_top_logprobs",
+        "return_flat_raw_top_logprobs_b64", "return_input_ids_in_sglext", "return_meta_info",
+        "return_output_ids_in_sglext", "return_prompt_token_ids", "return_sampling_mask", "sampling_logprobs_mode"},
+    "text": _SGLANG_SAMPLING | {"prompt", "best_of", "echo", "suffix", "json_schema", "custom_labels"},
+}
+# Fields SGLang reads that a client may not set through the gateway: its request id and cache scope (they carry the
+# reuse plan and the tenant's namespace), token ids in place of messages (the plan is made from the messages),
+# image and video processing options (the gateway computed each image's token grid with the model's own), and
+# routing across a disaggregated deployment (an operator's, not a client's).
+GATEWAY_OWNED = frozenset({
+    "rid", "extra_key", "input_ids", "images_config", "mm_processor_kwargs", "max_dynamic_patch",
+    "min_dynamic_patch", "video_config", "use_audio_in_video", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank",
+})
+# OpenAI fields the workers do not honour, accepted only with the value that asks for nothing.
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "store": (False, None), "service_tier": ("auto", "default", None), "modalities": (["text"], None),
+    "metadata": (None, {}), "prediction": (None,), "audio": (None,), "web_search_options": (None,),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
+}
+# Fields other servers read (vLLM's extensions) with what to use here instead, for the refusal's message.
+INSTEAD = {
+    "use_beam_search": "beam search is not served here; use n with sampling",
+    "guided_json": "use response_format with a json_schema", "guided_regex": "use regex",
+    "guided_grammar": "use ebnf", "guided_choice": "use regex", "structured_outputs": "use response_format or regex",
+    "include_stop_str_in_output": "use no_stop_trim", "add_generation_prompt": "use continue_final_message",
+    "request_id": "the gateway names each request itself",
+}
+
+
+def check_fields(body: dict[str, Any], endpoint: str) -> None:
+    """Refuse, naming it, the first top-level field of body the workers would not honour (see WORKER_FIELDS)."""
+    honoured = WORKER_FIELDS[endpoint]
+    for name, value in body.items():
+        if name in GATEWAY_OWNED:
+            raise InvalidRequest(f"{name} is set by the gateway, not by clients", param=name,
+                                 code="unsupported_parameter")
+        if name in honoured:
+            continue
+        if name in NO_OP_VALUES and endpoint == "chat":
+            if value in NO_OP_VALUES[name]:
+                continue
+            raise InvalidRequest(f"{name}={json_preview(value)} is not supported by this server; leave it out",
+                                 param=name, code="unsupported_parameter")
+        hint = f" ({INSTEAD[name]})" if name in INSTEAD else ""
+        raise InvalidRequest(f"{name} is not a parameter this server honours{hint}", param=name,
+                             code="unsupported_parameter")
+
+
+def json_preview(value: Any) -> str:
+    text = orjson.dumps(value).decode() if value is not None else "null"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class StreamOptions(BaseModel):
@@ -46,6 +123,31 @@ class ChatCompletionParams(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
+class CompletionParams(BaseModel):
+    """/v1/completions (text only): validated top-level fields; the raw body keeps everything else."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+
+    @property
+    def prompts(self) -> int:
+        """How many prompts the request holds (a list of strings or of token lists is a batch)."""
+        prompt = self.prompt
+        return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+
+
 @dataclass(frozen=True, slots=True)
 class ImagePartRef:
     """Where one image part sits in the body, and the URL it carries."""
@@ -60,7 +162,22 @@ class ImagePartRef:
 
 
 def parse_body(raw: bytes) -> tuple[dict[str, Any], ChatCompletionParams]:
-    """Decode and validate a request body; raise :class:`InvalidRequest` with a precise message."""
+    """Decode and validate a chat request body; raise :class:`InvalidRequest` with a precise message."""
+    body, params = _parse(raw, ChatCompletionParams)
+    check_fields(body, "chat")
+    return body, params
+
+
+def parse_completion_body(raw: bytes) -> tuple[dict[str, Any], CompletionParams]:
+    """Decode and validate a /v1/completions body, as parse_body does a chat one."""
+    body, params = _parse(raw, CompletionParams)
+    check_fields(body, "text")
+    if params.prompt == "" or params.prompt == []:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    return body, params
+
+
+def _parse(raw: bytes, model: type[P]) -> tuple[dict[str, Any], P]:
     try:
         body = orjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -68,7 +185,7 @@ def parse_body(raw: bytes) -> tuple[dict[str, Any], ChatCompletionParams]:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
-        params = ChatCompletionParams.model_validate(body)
+        params = model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
@@ -117,6 +234,10 @@ def _check_part(i: int, j: int, role: str, part: Any) -> Iterator[ImagePartRef]:
             f"{where}.type {kind!r} is not supported; use one of {', '.join(SUPPORTED_PART_TYPES)}",
             param=f"{where}.type",
         )
+    for name in part:
+        if name not in PART_FIELDS[kind]:
+            raise InvalidRequest(f"{where}.{name} is not a field this server honours in a {kind} part",
+                                 param=f"{where}.{name}", code="unsupported_parameter")
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise InvalidRequest(f"{where}.text must be a string", param=f"{where}.text")
@@ -124,6 +245,10 @@ def _check_part(i: int, j: int, role: str, part: Any) -> Iterator[ImagePartRef]:
     if role != "user":
         raise InvalidRequest(f"{where}: images are only allowed in user messages", param=where)
     image_url = part.get("image_url")
+    if part.get("uuid") is not None and (not isinstance(image_url, dict) or not image_url.get("url")):
+        raise InvalidRequest(f"{where}: an image named by its uuid alone is not served yet; send its url too "
+                             "(the gateway keys every image by its content)", param=f"{where}.uuid",
+                             code="unsupported_parameter")
     if not isinstance(image_url, dict):
         raise InvalidRequest(
             f"{where}.image_url must be an object like {{\"url\": \"data:image/png;base64,...\"}}, "
@@ -133,6 +258,13 @@ def _check_part(i: int, j: int, role: str, part: Any) -> Iterator[ImagePartRef]:
     url = image_url.get("url")
     if not isinstance(url, str) or not url:
         raise InvalidRequest(f"{where}.image_url.url must be a non-empty string", param=f"{where}.image_url.url")
+    for name in image_url:
+        if name not in IMAGE_URL_FIELDS:
+            owned = name in ("max_dynamic_patch", "min_dynamic_patch", "max_long_side_pixel", "content_hash")
+            raise InvalidRequest(
+                f"{where}.image_url.{name} " + ("is set by the gateway, which sizes and keys every image itself"
+                                                if owned else "is not a field this server honours"),
+                param=f"{where}.image_url.{name}", code="unsupported_parameter")
     detail = image_url.get("detail")
     if detail is not None and detail not in ("auto", "low", "high"):
         raise InvalidRequest(f"{where}.image_url.detail must be auto, low or high", param=f"{where}.image_url.detail")

@@ -48,6 +48,8 @@ class Worker:
     busy_since: float | None = None  # Unix time the forward in progress started, while /health goes unanswered
     last_error: str | None = None
     last_checked: float = 0.0
+    # What the worker's /v1/models says of its model: {"root": ..., "max_model_len": ...}; read when it comes up.
+    model_card: dict | None = None
     _last_used: int = field(default=0, repr=False)
 
     def snapshot(self) -> dict:
@@ -123,6 +125,20 @@ class WorkerPool:
             log.info("worker %s is now %s", worker.url, "up" if healthy else f"down ({error})")
         worker.healthy = healthy
         worker.last_error = None if ok else error if not busy else f"busy with a forward ({error})"
+        if ok and worker.model_card is None:
+            worker.model_card = await self._model_card(worker)
+
+    async def _model_card(self, worker: Worker) -> dict | None:
+        """The fields of the worker's model card that clients size prompts by (None when it gives none)."""
+        try:
+            response = await self._client.get(worker.url + "/v1/models", timeout=self._timeout_s)
+            cards = response.json().get("data") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict):
+            return None
+        card = {k: cards[0][k] for k in ("root", "max_model_len") if cards[0].get(k) is not None}
+        return card or None
 
     async def _forward_clock(self, worker: Worker) -> tuple[bool, float | None]:
         """Whether the worker's HTTP process answers /metrics, and when the forward it is running started (None

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API: /v1/chat/completions and /v1/models."""
+"""The OpenAI-compatible API: /v1/chat/completions, /v1/completions and /v1/models."""
 
 from __future__ import annotations
 
@@ -7,18 +7,21 @@ import dataclasses
 import hashlib
 import logging
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.config import MatchSettings
-from gateway.dispatch import Route, UpstreamRequest
+from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
 from gateway.metrics import CLIENT_LEFT, reuse_label
+from gateway.offload import off_loop
+from gateway.openai_shape import CHAT, TEXT, Shape
 from gateway.planner import Planned
+from gateway.protocol import parse_completion_body
 from gateway.services import Services
 from gateway.tenancy import cache_scope, namespace_for
 from gateway.workers import Worker
@@ -38,6 +41,13 @@ _GATEWAY_FIELDS = frozenset({"rid", "extra_key"})
 
 def _services(request: Request) -> Services:
     return request.app.state.services
+
+
+def _namespace(request: Request, services: Services) -> str:
+    """The cache namespace of the caller's API key."""
+    config = services.config
+    return namespace_for(request.headers.get("authorization"), mapping=config.namespaces,
+                         default=config.default_namespace)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -88,9 +98,7 @@ async def chat_completions(request: Request) -> Any:
     services = _services(request)
     config = services.config
     raw = await _read_body(request, config.max_request_bytes)
-    namespace = namespace_for(
-        request.headers.get("authorization"), mapping=config.namespaces, default=config.default_namespace
-    )
+    namespace = _namespace(request, services)
     strategy = _requested_strategy(request, config.reuse.match)
     intake = await services.intake.process(raw, namespace=namespace)
     headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
@@ -106,21 +114,57 @@ async def chat_completions(request: Request) -> Any:
     def on_served(worker: Worker) -> None:
         services.planner.served(intake, worker.url)
 
-    route = Route(prefer=planned.prefer, public_id=public_id, on_served=on_served)
-    if intake.params.stream:
-        stream = await services.dispatcher.open_stream(upstream, route)  # returns once the prefill is done
+    route = Route(prefer=planned.prefer, public_id=public_id, on_served=on_served,
+                  shape=Shape(CHAT, extras=config.response_extras))
+
+    def reuse_header() -> None:
         if planned.kinds:
             headers[REUSE_HEADER] = _what_ran(services, planned, request_id)
+
+    return await _answer(request, services, upstream, route, stream=intake.params.stream, headers=headers,
+                         after_prefill=reuse_header)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Any:
+    """Text completions: no images, so no plan; the same dispatch, errors, tenant scoping and metrics as chat."""
+    services = _services(request)
+    config = services.config
+    raw = await _read_body(request, config.max_request_bytes)
+    namespace = _namespace(request, services)
+    body, params = await off_loop(len(raw), parse_completion_body, raw)
+    if params.model != config.model:
+        raise ModelNotFound(params.model)
+    request.state.reuse = reuse_label(())
+    request.state.stream = params.stream
+    request_id = uuid.uuid4().hex
+    public_id = f"cmpl-{request_id}"
+    # A batch of prompts is a batch of SGLang requests: one id each.
+    rid: str | list[str] = public_id if params.prompts == 1 else [f"{public_id}-{i}" for i in range(params.prompts)]
+    upstream = await UpstreamRequest.encode(upstream_body(body, namespace=namespace, rid=rid), size_hint=len(raw),
+                                            path=COMPLETIONS_PATH)
+    route = Route(public_id=public_id, shape=Shape(TEXT, extras=config.response_extras))
+    return await _answer(request, services, upstream, route, stream=params.stream, headers={})
+
+
+async def _answer(request: Request, services: Services, upstream: UpstreamRequest, route: Route, *, stream: bool,
+                  headers: dict[str, str], after_prefill: Callable[[], None] | None = None) -> Response:
+    """Send the request to a worker and answer the client: a stream once the worker's first event is in, or the
+    whole body. ``after_prefill`` runs once the prompt is prefilled (it may add headers)."""
+    if stream:
+        relayed = await services.dispatcher.open_stream(upstream, route)  # returns once the prefill is done
+        if after_prefill is not None:
+            after_prefill()
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return StreamingResponse(relayed, media_type="text/event-stream", headers=headers)
     try:
         result = await _unless_disconnected(request, services.dispatcher.complete(upstream, route))
     except ClientLeft:
         # Nobody reads this answer: it ends the request quietly (an ordinary event, not an application error)
         # and is counted as 499 in revisit_requests_total.
         return Response(status_code=CLIENT_LEFT)
-    if planned.kinds:
-        headers[REUSE_HEADER] = _what_ran(services, planned, request_id)
+    if after_prefill is not None:
+        after_prefill()
     return JSONResponse(result, headers=headers)
 
 
@@ -166,7 +210,8 @@ def scoped_plan(plan: RequestPlan | None, intake: IntakeResult, namespace: str) 
     return dataclasses.replace(plan, scope=cache_scope(namespace)) if plan is not None else None
 
 
-def upstream_body(body: dict[str, Any], *, namespace: str, rid: str, kinds: Sequence[str] = ()) -> dict[str, Any]:
+def upstream_body(body: dict[str, Any], *, namespace: str, rid: str | list[str],
+                  kinds: Sequence[str] = ()) -> dict[str, Any]:
     """The body SGLang gets: the gateway's request id (which may carry the reuse plan) instead of any the client
     sent, and SGLang's prefix cache scoped to the tenant's namespace, so that no tenant's request is served KV that
     another tenant's request computed. KV computed under a position-independent plan (``exact_moved``) is not
@@ -176,7 +221,7 @@ def upstream_body(body: dict[str, Any], *, namespace: str, rid: str, kinds: Sequ
     upstream = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
     upstream["rid"] = rid
     upstream["extra_key"] = cache_scope(namespace)
-    salt = ("revisit-approximate-" + hashlib.blake2b(rid.encode(), digest_size=12).hexdigest()
+    salt = ("revisit-approximate-" + hashlib.blake2b(str(rid).encode(), digest_size=12).hexdigest()
             if "approximate" in kinds else "revisit-moved" if "exact_moved" in kinds else None)
     if salt is not None:
         upstream["cache_salt"] = salt + (f"-{body['cache_salt']}" if body.get("cache_salt") else "")
@@ -184,7 +229,13 @@ def upstream_body(body: dict[str, Any], *, namespace: str, rid: str, kinds: Sequ
 
 
 def _model_card(services: Services) -> dict[str, Any]:
-    return {"id": services.config.model, "object": "model", "created": services.started_at, "owned_by": "revisit"}
+    """OpenAI's model object, with the fields vLLM and SGLang add that clients read to size prompts: ``root`` (what
+    the model was loaded from) and ``max_model_len`` (its context length), as the workers report them."""
+    card = next((w.model_card for w in services.pool.workers if w.healthy and w.model_card), None) or \
+        next((w.model_card for w in services.pool.workers if w.model_card), None) or {}
+    return {"id": services.config.model, "object": "model", "created": services.started_at, "owned_by": "revisit",
+            "root": card.get("root", services.config.model), "parent": None,
+            "max_model_len": card.get("max_model_len")}
 
 
 @router.get("/v1/models")

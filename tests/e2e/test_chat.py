@@ -57,7 +57,7 @@ def image_tokens(gateway, size: tuple[int, int]) -> int:
 def test_models_lists_the_served_model(client, gateway):
     models = client.models.list()
     assert [m.id for m in models.data] == [gateway.config.model]
-    assert_valid(models.model_dump(mode="json"), "ListModelsResponse")
+    assert_valid(models.model_dump(mode="json"), "ListModelsResponse", exact=False)  # cards add vLLM's fields
     assert client.models.retrieve(gateway.config.model).id == gateway.config.model
 
 

@@ -1,0 +1,77 @@
+"""Request fields: the workers honour them, the gateway owns them, or the request is refused naming them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.errors import InvalidRequest
+from gateway.protocol import GATEWAY_OWNED, WORKER_FIELDS, iter_image_parts, parse_body, parse_completion_body
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+TEXT = {"model": "m", "prompt": "hi"}
+
+
+def refused(parse, body: dict) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as raised:
+        parse(json.dumps(body).encode())
+    return raised.value
+
+
+def test_the_field_lists_are_sglangs():
+    """Every field listed as honoured is one SGLang's request model reads, and every field SGLang reads is listed
+    as honoured or as the gateway's own: a new SGLang field shows up here, not as a silently ignored setting."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    for endpoint, model in (("chat", ChatCompletionRequest), ("text", CompletionRequest)):
+        sglang = set(model.model_fields)
+        assert WORKER_FIELDS[endpoint] <= sglang, WORKER_FIELDS[endpoint] - sglang
+        assert sglang <= WORKER_FIELDS[endpoint] | GATEWAY_OWNED, sglang - WORKER_FIELDS[endpoint] - GATEWAY_OWNED
+
+
+def test_fields_the_workers_honour_pass():
+    body, _ = parse_body(json.dumps({**CHAT, "top_k": 5, "repetition_penalty": 1.1, "user": "u"}).encode())
+    assert body["top_k"] == 5
+    body, _ = parse_completion_body(json.dumps({**TEXT, "echo": True, "suffix": "!"}).encode())
+    assert body["echo"] is True
+
+
+def test_vllms_extensions_are_refused_by_name():
+    error = refused(parse_body, {**CHAT, "use_beam_search": True, "n": 2})
+    assert error.param == "use_beam_search" and "beam search" in error.message
+    assert refused(parse_completion_body, {**TEXT, "guided_json": {}}).param == "guided_json"
+    assert refused(parse_body, {**CHAT, "nonsense_field": 1}).param == "nonsense_field"
+
+
+def test_the_gateways_own_fields_are_refused():
+    for name in ("rid", "extra_key", "input_ids", "mm_processor_kwargs", "bootstrap_host"):
+        error = refused(parse_body, {**CHAT, name: "x"})
+        assert error.param == name and "gateway" in error.message
+
+
+def test_openai_fields_the_workers_lack_pass_only_when_they_ask_for_nothing():
+    parse_body(json.dumps({**CHAT, "store": False, "service_tier": "auto", "modalities": ["text"]}).encode())
+    assert refused(parse_body, {**CHAT, "store": True}).param == "store"
+    assert refused(parse_body, {**CHAT, "modalities": ["text", "audio"]}).param == "modalities"
+
+
+def test_image_options_that_change_the_token_grid_are_the_gateways():
+    for name, value in (("max_long_side_pixel", 64), ("content_hash", "abc"), ("uuidx", "1")):
+        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", name: value}}
+        body = {**CHAT, "messages": [{"role": "user", "content": [part]}]}
+        body_parsed, _ = parse_body(json.dumps(body).encode())  # the top level is fine
+        with pytest.raises(InvalidRequest) as raised:
+            list(iter_image_parts(body_parsed["messages"]))
+        assert raised.value.param == f"messages[0].content[0].image_url.{name}"
+
+
+def test_a_parts_own_fields():
+    image = {"url": "data:image/png;base64,AAAA"}
+    with_uuid = [{"type": "image_url", "image_url": image, "uuid": "u-1"}, {"type": "text", "text": "hi"}]
+    assert len(list(iter_image_parts([{"role": "user", "content": with_uuid}]))) == 1
+    for part, param in (({"type": "image_url", "image_url": None, "uuid": "u-1"}, "messages[0].content[0].uuid"),
+                        ({"type": "text", "text": "hi", "cache_control": {}}, "messages[0].content[0].cache_control")):
+        with pytest.raises(InvalidRequest) as raised:
+            list(iter_image_parts([{"role": "user", "content": [part]}]))
+        assert raised.value.param == param
