@@ -7,6 +7,9 @@ can skip decoding: look it up by a digest of the raw bytes.
 
 Entries are per namespace: a shared memo would let one tenant learn, from response
 times, whether another tenant recently sent a given image.
+
+It also remembers the names clients give images (vLLM's media ``uuid``): a request may then
+send an image by its name alone, as long as the image is still remembered here.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections import OrderedDict
 from gateway.images import CanonicalImage
 
 _ENTRY_OVERHEAD = 512  # bytes of bookkeeping counted per entry besides its payload
+MAX_NAMES = 65536  # client-given image names remembered (about 100 bytes each)
 
 
 class CanonicalMemo:
@@ -26,6 +30,7 @@ class CanonicalMemo:
         self._budget = budget_bytes
         self._entries: OrderedDict[tuple[str, bytes], CanonicalImage] = OrderedDict()
         self._bytes = 0
+        self._names: OrderedDict[tuple[str, str], bytes] = OrderedDict()  # (namespace, uuid) -> digest
         self.hits = 0
         self.misses = 0
 
@@ -58,3 +63,16 @@ class CanonicalMemo:
         while self._bytes > self._budget:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.nbytes + _ENTRY_OVERHEAD
+
+    def name(self, namespace: str, uuid: str, digest: bytes) -> None:
+        """Remember that the namespace's client calls the image of these bytes ``uuid`` (the latest use wins)."""
+        self._names[(namespace, uuid)] = digest
+        self._names.move_to_end((namespace, uuid))
+        while len(self._names) > MAX_NAMES:
+            self._names.popitem(last=False)
+
+    def named(self, namespace: str, uuid: str) -> CanonicalImage | None:
+        """The image the namespace's client named ``uuid``, while it is remembered; else None."""
+        digest = self._names.get((namespace, uuid))
+        return None if digest is None else self.get(namespace, digest)
+

@@ -65,8 +65,17 @@ class Intake:
         )
 
     async def _resolve(self, ref: ImagePartRef, namespace: str) -> CanonicalImage:
+        if not ref.url:  # named by its uuid alone
+            named = self.memo.named(namespace, ref.uuid or "")
+            if named is None:
+                raise InvalidRequest(f"{ref.param}: no image named {ref.uuid!r} is known here; send it with its url "
+                                     "(images are remembered by name for as long as the gateway keeps them)",
+                                     param=ref.param.removesuffix(".image_url") + ".uuid", code="unknown_image_uuid")
+            return named
         data = await self._fetcher.fetch(ref.url, param=ref.param)
         digest = await off_loop(len(data), CanonicalMemo.digest, data)
+        if ref.uuid is not None:
+            self.memo.name(namespace, ref.uuid, digest)
         if (known := self.memo.get(namespace, digest)) is not None:
             return known
         try:
@@ -129,7 +138,7 @@ def _rewrite_images(
     for ref, image in zip(refs, images, strict=True):
         if _needs_rewrite(ref, image):
             part = upstream["messages"][ref.message_index]["content"][ref.part_index]
-            part["image_url"] = {**part["image_url"], "url": image.data_url}
+            part["image_url"] = {**(part.get("image_url") or {}), "url": image.data_url}
     return upstream
 
 
@@ -138,6 +147,6 @@ def _needs_rewrite(ref: ImagePartRef, image: CanonicalImage) -> bool:
     not forwarded as uploaded. A data: URL of bytes forwarded as they came stays as it is, sparing a base64 encode
     of megabytes (it holds the GIL, and so the event loop, for ~35 ms per 20 MB)."""
     if not (image.as_uploaded and ref.url.startswith("data:")):
-        return True
+        return True  # fetched, re-encoded, or named by its uuid alone
     encoded = ref.url.partition(",")[2]
     return encoded != encoded.strip()  # the gateway tolerates surrounding whitespace; SGLang's strict decode does not

@@ -21,9 +21,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 P = TypeVar("P", "ChatCompletionParams", "CompletionParams")
 SUPPORTED_PART_TYPES = ("text", "image_url")
 IMAGE_URL_FIELDS = ("url", "detail")  # detail passes to the worker, which reads it as OpenAI's "auto"
-# A part's own fields. vLLM's uuid names an image for its media cache; with the image's url beside it, the gateway
-# keys the image by its content as always (uuid passes to the worker, which ignores it).
+# A part's own fields. vLLM's uuid names an image for its media cache: sent with the image's url, it names that
+# image within the caller's namespace (the gateway still keys the image by its content); sent alone (image_url null
+# or without a url), it stands for the image it named (gateway/image_memo.py). It passes to the worker, which ignores
+# it.
 PART_FIELDS = {"text": ("type", "text"), "image_url": ("type", "image_url", "uuid")}
+MAX_UUID_CHARS = 256
 
 
 # --- top-level request fields: honoured by the workers, owned by the gateway, or refused ---
@@ -154,7 +157,8 @@ class ImagePartRef:
 
     message_index: int
     part_index: int
-    url: str
+    url: str  # "" for an image named by its uuid alone
+    uuid: str | None = None  # vLLM's media uuid: the client's own name for the image, within its namespace
 
     @property
     def param(self) -> str:
@@ -245,10 +249,13 @@ def _check_part(i: int, j: int, role: str, part: Any) -> Iterator[ImagePartRef]:
     if role != "user":
         raise InvalidRequest(f"{where}: images are only allowed in user messages", param=where)
     image_url = part.get("image_url")
-    if part.get("uuid") is not None and (not isinstance(image_url, dict) or not image_url.get("url")):
-        raise InvalidRequest(f"{where}: an image named by its uuid alone is not served yet; send its url too "
-                             "(the gateway keys every image by its content)", param=f"{where}.uuid",
-                             code="unsupported_parameter")
+    uuid = part.get("uuid")
+    if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
+        raise InvalidRequest(f"{where}.uuid must be a string of 1 to {MAX_UUID_CHARS} characters",
+                             param=f"{where}.uuid")
+    if uuid is not None and (image_url is None or (isinstance(image_url, dict) and not image_url.get("url"))):
+        yield ImagePartRef(message_index=i, part_index=j, url="", uuid=uuid)  # served from the namespace's cache
+        return
     if not isinstance(image_url, dict):
         raise InvalidRequest(
             f"{where}.image_url must be an object like {{\"url\": \"data:image/png;base64,...\"}}, "
@@ -268,5 +275,5 @@ def _check_part(i: int, j: int, role: str, part: Any) -> Iterator[ImagePartRef]:
     detail = image_url.get("detail")
     if detail is not None and detail not in ("auto", "low", "high"):
         raise InvalidRequest(f"{where}.image_url.detail must be auto, low or high", param=f"{where}.image_url.detail")
-    yield ImagePartRef(message_index=i, part_index=j, url=url)
+    yield ImagePartRef(message_index=i, part_index=j, url=url, uuid=uuid)
 

@@ -113,3 +113,23 @@ def test_chat_responses_carry_openais_fields_only_unless_extras_are_on(client, g
     assert "matched_stop" in body["choices"][0]
     assert body["choices"][0]["message"]["content"] == strict["choices"][0]["message"]["content"]
     assert any("matched_stop" in c["choices"][0] for c in chunks if c.get("choices"))
+
+
+def test_an_image_sent_once_with_a_uuid_is_served_by_its_uuid_alone(client, gateway):
+    """vLLM's cached-media form: the part names the image, and carries no data the second time."""
+    image = data_url(encode(small("coffee.png", (84, 56))))
+
+    def ask(part: dict, key: str = "sk-test"):
+        with openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=300) as caller:
+            return caller.chat.completions.with_raw_response.create(
+                model=gateway.config.model, max_tokens=3, temperature=0, messages=[{"role": "user", "content": [
+                    part, {"type": "text", "text": "What is this?"}]}])
+
+    first = ask({"type": "image_url", "image_url": {"url": image}, "uuid": "menu-42"})
+    again = ask({"type": "image_url", "image_url": None, "uuid": "menu-42"})
+    assert again.headers["x-revisit-image-keys"] == first.headers["x-revisit-image-keys"]
+    assert again.parse().choices[0].message.content == first.parse().choices[0].message.content
+    for key, uuid in (("sk-other-tenant", "menu-42"), ("sk-test", "never-sent")):
+        with pytest.raises(openai.BadRequestError) as raised:
+            ask({"type": "image_url", "image_url": None, "uuid": uuid}, key=key)
+        assert raised.value.body["code"] == "unknown_image_uuid"

@@ -1,7 +1,7 @@
-"""Malformed and odd chat requests through the real gateway and workers: every one gets a 4xx or a 200, never a
-5xx or a hang, and the gateway stays healthy. Hypothesis builds the bodies from the chat schema's fields, with
-wrong types, missing and unknown fields, odd content parts and extreme numbers; raw bodies that are not JSON at
-all are tried too."""
+"""Malformed and odd chat and text-completion requests through the real gateway and workers: every one gets a 4xx
+or a 200, never a 5xx or a hang, and the gateway stays healthy. Hypothesis builds the bodies from the schemas'
+fields, with wrong types, missing and unknown fields, odd content parts and extreme numbers; raw bodies that are
+not JSON at all are tried too."""
 
 from __future__ import annotations
 
@@ -54,6 +54,23 @@ KNOWN = st.fixed_dictionaries({}, optional={
 })
 BODIES = st.builds(lambda known, unknown: {**unknown, **known}, KNOWN,  # plus fields the schema does not have
                    st.dictionaries(st.text(min_size=1, max_size=12), JSON, max_size=2))
+TEXT_KNOWN = st.fixed_dictionaries({}, optional={
+    "model": st.one_of(st.just("revisit-tiny"), JSON),
+    "prompt": st.one_of(st.text(max_size=40), st.lists(st.text(max_size=10), max_size=3),
+                        st.lists(st.integers(-5, 200_000), max_size=5), st.lists(st.lists(st.integers(0, 100),
+                                                                                            max_size=3), max_size=2),
+                        JSON),
+    "max_tokens": st.one_of(st.integers(-5, 3), JSON),
+    "temperature": st.one_of(st.floats(-5, 5, allow_nan=False), JSON),
+    "n": st.one_of(st.integers(-2, 2), JSON),
+    "stream": st.one_of(st.booleans(), JSON),
+    "echo": st.one_of(st.booleans(), JSON),
+    "logprobs": st.one_of(st.integers(-2, 8), JSON),
+    "stop": st.one_of(st.text(max_size=5), JSON),
+    "suffix": JSON,
+})
+TEXT_BODIES = st.builds(lambda known, unknown: {**unknown, **known}, TEXT_KNOWN,
+                        st.dictionaries(st.text(min_size=1, max_size=12), JSON, max_size=2))
 RAW = st.one_of(st.binary(max_size=200), st.just(b"{"), st.just(b"[" * 5000 + b"]" * 5000),
                 st.just(b'{"messages": "' + b"a" * 10000), st.just(b"\xff\xfe{}"))
 
@@ -69,9 +86,9 @@ def small_enough(body: dict) -> dict:
     return body
 
 
-def answered(gateway, content: bytes) -> int:
+def answered(gateway, content: bytes, path: str = "/v1/chat/completions") -> int:
     with httpx.Client(timeout=120) as client:
-        response = client.post(gateway.url + "/v1/chat/completions", content=content,
+        response = client.post(gateway.url + path, content=content,
                                headers={"Content-Type": "application/json"})
         status = response.status_code
         assert status < 500, (status, content[:300], response.text[:300])
@@ -87,6 +104,13 @@ def answered(gateway, content: bytes) -> int:
 @given(body=BODIES)
 def test_every_chat_body_is_a_client_error_or_served(gateway, body) -> None:
     answered(gateway, json.dumps(small_enough(body)).encode())
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(body=TEXT_BODIES)
+def test_every_completions_body_is_a_client_error_or_served(gateway, body) -> None:
+    answered(gateway, json.dumps(small_enough(body)).encode(), "/v1/completions")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

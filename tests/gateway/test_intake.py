@@ -35,3 +35,27 @@ async def test_data_urls_forwarded_as_uploaded_are_not_encoded_again() -> None:
     rewritten = base64.b64decode(urls[2].partition(",")[2])
     assert rewritten == result.images[2].payload and Image.open(io.BytesIO(rewritten)).mode == "RGB"
     assert [image.as_uploaded for image in result.images] == [True, True, False]
+
+
+async def test_an_image_named_by_its_uuid_is_served_by_that_name_in_its_namespace_only() -> None:
+    from gateway.errors import InvalidRequest
+
+    config = GatewayConfig(model="m", workers=("http://127.0.0.1:1",))
+    intake = Intake(config, ImageFetcher(config.images))
+    url = data_url(encode(small("astronaut.png").convert("RGB")))
+
+    def named(uuid: str, with_url: bool) -> bytes:
+        part = {"type": "image_url", "image_url": {"url": url} if with_url else None, "uuid": uuid}
+        return json.dumps({"model": "m", "messages": [{"role": "user", "content": [part]}]}).encode()
+
+    first = await intake.process(named("sku-1", True), namespace="n")
+    again = await intake.process(named("sku-1", False), namespace="n")
+    assert again.images[0].key == first.images[0].key
+    assert again.upstream_body["messages"][0]["content"][0]["image_url"]["url"] == first.images[0].data_url
+    for uuid, namespace in (("sku-1", "other"), ("sku-2", "n")):
+        try:
+            await intake.process(named(uuid, False), namespace=namespace)
+        except InvalidRequest as exc:
+            assert exc.param == "messages[0].content[0].uuid" and exc.code == "unknown_image_uuid"
+        else:
+            raise AssertionError(f"{uuid} in {namespace} was served")

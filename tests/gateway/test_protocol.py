@@ -68,9 +68,11 @@ def test_image_options_that_change_the_token_grid_are_the_gateways():
 
 def test_a_parts_own_fields():
     image = {"url": "data:image/png;base64,AAAA"}
-    with_uuid = [{"type": "image_url", "image_url": image, "uuid": "u-1"}, {"type": "text", "text": "hi"}]
-    assert len(list(iter_image_parts([{"role": "user", "content": with_uuid}]))) == 1
-    for part, param in (({"type": "image_url", "image_url": None, "uuid": "u-1"}, "messages[0].content[0].uuid"),
+    with_uuid = [{"type": "image_url", "image_url": image, "uuid": "u-1"},
+                 {"type": "image_url", "image_url": None, "uuid": "u-2"}, {"type": "text", "text": "hi"}]
+    refs = list(iter_image_parts([{"role": "user", "content": with_uuid}]))
+    assert [(r.url, r.uuid) for r in refs] == [(image["url"], "u-1"), ("", "u-2")]
+    for part, param in (({"type": "image_url", "image_url": None, "uuid": 7}, "messages[0].content[0].uuid"),
                         ({"type": "text", "text": "hi", "cache_control": {}}, "messages[0].content[0].cache_control")):
         with pytest.raises(InvalidRequest) as raised:
             list(iter_image_parts([{"role": "user", "content": [part]}]))
