@@ -21,15 +21,7 @@ import numpy as np
 from PIL import Image
 
 from gateway.config import ConfigError
-from gateway.matching.features import (
-    TokenFeatures,
-    grey,
-    normalise,
-    resized,
-    token_digests,
-    token_entropy,
-    token_shades,
-)
+from gateway.matching.features import TokenFeatures, resized
 
 TILES_PER_BATCH = 16
 
@@ -85,7 +77,4 @@ class ClipExtractor:
         pooled = torch.nn.functional.adaptive_avg_pool2d(tokens, per_tile)  # (tiles, width, per_tile, per_tile)
         grid_map = pooled.reshape(tiles_y, tiles_x, self.dim, per_tile, per_tile).permute(0, 3, 1, 4, 2)
         vectors = grid_map.reshape(tiles_y * per_tile, tiles_x * per_tile, self.dim)[:rows, :cols].numpy()
-        return TokenFeatures(grid=grid, digests=token_digests(image, grid, factor, resized_pixels=pixels),
-                             vectors=normalise(vectors.reshape(rows * cols, self.dim)).astype(np.float16),
-                             entropy=token_entropy(grey(pixels), grid).astype(np.float16),
-                             shades=token_shades(pixels, grid))
+        return TokenFeatures.of_pixels(image, grid, factor, pixels, vectors.reshape(rows * cols, self.dim))

@@ -17,19 +17,10 @@ import hashlib
 import threading
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 from gateway.config import ConfigError
-from gateway.matching.features import (
-    TokenFeatures,
-    grey,
-    normalise,
-    resized,
-    token_digests,
-    token_entropy,
-    token_shades,
-)
+from gateway.matching.features import TokenFeatures, resized
 
 
 class EncoderExtractor:
@@ -63,7 +54,4 @@ class EncoderExtractor:
         embeds = out.pooler_output[0].float().numpy()  # (n, hidden), merged tokens in row-major grid order
         if embeds.shape[0] != grid[0] * grid[1]:
             raise ValueError(f"the vision tower gave {embeds.shape[0]} tokens for a {grid} grid")
-        luma = grey(pixels)
-        return TokenFeatures(grid=grid, digests=token_digests(image, grid, factor, resized_pixels=pixels),
-                             vectors=normalise(embeds).astype(np.float16),
-                             entropy=token_entropy(luma, grid).astype(np.float16), shades=token_shades(pixels, grid))
+        return TokenFeatures.of_pixels(image, grid, factor, pixels, embeds)

@@ -58,6 +58,17 @@ class TokenFeatures:
             raise ValueError(f"features do not fit grid {self.grid}: digests {self.digests.shape}, vectors "
                              f"{self.vectors.shape}, entropy {self.entropy.shape}, shades {self.shades.shape}")
 
+    @classmethod
+    def of_pixels(cls, image: Image.Image, grid: tuple[int, int], factor: int, pixels: np.ndarray,
+                  vectors: np.ndarray, luma: np.ndarray | None = None) -> TokenFeatures:
+        """An extractor's result: its descriptor ``vectors`` (n, dim), normalised here, with the digests, entropy and
+        shades every extractor takes from the pixels. ``pixels``: the image as :func:`resized` gives it; ``luma``:
+        the grey levels to take the entropy of (default: every pixel's)."""
+        return cls(grid=grid, digests=token_digests(image, grid, factor, resized_pixels=pixels),
+                   vectors=normalise(vectors).astype(np.float16),
+                   entropy=token_entropy(grey(pixels) if luma is None else luma, grid).astype(np.float16),
+                   shades=token_shades(pixels, grid))
+
     @property
     def tokens(self) -> int:
         return self.grid[0] * self.grid[1]

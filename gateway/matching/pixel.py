@@ -21,16 +21,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from gateway.matching.features import (
-    TokenFeatures,
-    cell_means,
-    grey,
-    normalise,
-    resized,
-    token_digests,
-    token_entropy,
-    token_shades,
-)
+from gateway.matching.features import TokenFeatures, cell_means, grey, normalise, resized
 
 # Structure cells per side: 2 x 2 pixels each for a 28-pixel token. Measured on the labelled set (bench/matching.py):
 # at 7 x 7, different pages of one site scored up to 0.88 against the 0.9 match threshold; at 14 x 14, up to 0.80.
@@ -57,6 +48,4 @@ class PixelExtractor:
         tone = normalise(np.concatenate([colour, np.full((n, 1), TONE_CONSTANT, np.float32)], axis=1))  # (n, 4)
         vectors = np.concatenate([np.sqrt(STRUCTURE_WEIGHT) * structure, np.sqrt(1 - STRUCTURE_WEIGHT) * tone],
                                  axis=1)
-        return TokenFeatures(grid=grid, digests=token_digests(image, grid, factor, resized_pixels=pixels),
-                             vectors=normalise(vectors).astype(np.float16),
-                             entropy=token_entropy(luma, grid).astype(np.float16), shades=token_shades(pixels, grid))
+        return TokenFeatures.of_pixels(image, grid, factor, pixels, vectors, luma)
