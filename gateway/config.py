@@ -104,6 +104,42 @@ class ImageLimits:
             raise ConfigError("fetch_timeout_s must be positive")
 
 
+VIDEO_ENV_PREFIX = ENV_PREFIX + "VIDEO_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class VideoSettings:
+    """Video parts (gateway/videos.py), ``REVISIT_VIDEO_<FIELD>``.
+
+    Limits, checked from the container before any frame is decoded and again while counting: ``max_per_request``
+    videos, ``max_bytes`` each, ``max_seconds`` long, ``max_frames`` frames of at most ``max_frame_pixels``.
+    Sampling, as the model's processor samples frames (SGLang's Qwen-VL defaults: ``fps`` frames a second, at
+    least ``min_frames`` and at most ``max_sampled_frames``, an even count), so that the gateway keys the frames
+    the model sees. A worker started with another video configuration needs the same numbers here.
+    """
+
+    max_per_request: int = 2
+    max_bytes: int = 32 * 1024 * 1024
+    max_seconds: float = 300.0
+    max_frames: int = 9000
+    max_frame_pixels: int = 3840 * 2160
+    fps: float = 2.0
+    min_frames: int = 4
+    max_sampled_frames: int = 768
+
+    def __post_init__(self) -> None:
+        for name in ("max_per_request", "max_bytes", "max_seconds", "max_frames", "max_frame_pixels", "fps",
+                     "min_frames", "max_sampled_frames"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"video {name} must be positive, got {getattr(self, name)}")
+        if self.min_frames > self.max_sampled_frames:
+            raise ConfigError("video min_frames exceeds max_sampled_frames")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> VideoSettings:
+        return cls(**EnvReader(environ, error=ConfigError).fields(cls, VIDEO_ENV_PREFIX))
+
+
 MATCH_ENV_PREFIX = ENV_PREFIX + "MATCH_"
 EXTRACTORS = ("pixel", "encoder", "clip")  # gateway/matching/pixel.py, encoder.py, clip.py
 
@@ -280,6 +316,7 @@ class GatewayConfig:
     workers: tuple[str, ...]
     processor: ProcessorSettings = field(default_factory=ProcessorSettings)
     images: ImageLimits = field(default_factory=ImageLimits)
+    videos: VideoSettings = field(default_factory=VideoSettings)
     max_request_bytes: int = 64 * 1024 * 1024
     # Repeat uploads of the same bytes skip decoding (gateway/image_memo.py).
     image_memo_bytes: int = 256 * 1024 * 1024
@@ -346,9 +383,9 @@ class GatewayConfig:
         REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES, REVISIT_IMAGE_MEMO_BYTES,
         REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_HEALTH_TIMEOUT_S,
         REVISIT_BOOKS_INTERVAL_S, REVISIT_ADMIN_TOKEN,
-        REVISIT_METRICS_REQUIRE_TOKEN (0/1), and the cache policy's REVISIT_DRAM_CAPACITY_BYTES,
-        REVISIT_LMDB_CAPACITY_BYTES, REVISIT_PRESET_FRACTION, REVISIT_MAX_PROTECTION_BUDGET,
-        REVISIT_PRESET_REUSE_WEIGHT, REVISIT_PRESET_MIN_SCORE.
+        REVISIT_METRICS_REQUIRE_TOKEN (0/1), REVISIT_VIDEO_* (VideoSettings), and the cache policy's
+        REVISIT_DRAM_CAPACITY_BYTES, REVISIT_LMDB_CAPACITY_BYTES, REVISIT_PRESET_FRACTION,
+        REVISIT_MAX_PROTECTION_BUDGET, REVISIT_PRESET_REUSE_WEIGHT, REVISIT_PRESET_MIN_SCORE.
         """
         env = EnvReader(environ, error=ConfigError)
 
@@ -381,6 +418,7 @@ class GatewayConfig:
         }
         if image_kwargs:
             kwargs["images"] = ImageLimits(**image_kwargs)
+        kwargs["videos"] = VideoSettings.from_env(env.environ)
         policy_kwargs = {
             key: value
             for key, value in (

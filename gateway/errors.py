@@ -49,6 +49,12 @@ class UnprocessableImage(ClientError):
     status_code = 422
 
 
+class UnprocessableVideo(ClientError):
+    """The bytes arrived intact but are not a video the gateway can read."""
+
+    status_code = 422
+
+
 class PayloadTooLarge(ClientError):
     status_code = 413
 

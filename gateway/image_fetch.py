@@ -91,7 +91,7 @@ class _GuardedTransport(httpx.AsyncHTTPTransport):
 
 
 class ImageFetcher:
-    """Resolves image URLs to bytes. One per app; :meth:`aclose` on shutdown."""
+    """Resolves image and video URLs to bytes. One per app; :meth:`aclose` on shutdown."""
 
     def __init__(self, limits: ImageLimits):
         self._limits = limits
@@ -100,46 +100,47 @@ class ImageFetcher:
             timeout=httpx.Timeout(limits.fetch_timeout_s),
             follow_redirects=True,
             max_redirects=limits.max_redirects,
-            headers={"User-Agent": "revisit-gateway/0.1", "Accept": "image/*"},
+            headers={"User-Agent": "revisit-gateway/0.1"},
         )
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def fetch(self, url: str, *, param: str) -> bytes:
+    async def fetch(self, url: str, *, param: str, media: str = "image", limit: int | None = None) -> bytes:
+        """The bytes a data: or http(s) URL holds, at most ``limit`` (default: the image limit) of them. ``media``
+        ("image" or "video") names what is fetched in errors and in the Accept header."""
+        limit = self._limits.max_image_bytes if limit is None else limit
         if url.startswith(_DATA_PREFIX):
-            return await off_loop(len(url), self._decode_data_url, url, param)
+            return await off_loop(len(url), self._decode_data_url, url, param, media, limit)
         if url.startswith(("http://", "https://")):
-            return await self._fetch_remote(url, param)
+            return await self._fetch_remote(url, param, media, limit)
         scheme = url.split(":", 1)[0] if ":" in url else url[:16]
         raise InvalidRequest(
             f"{param}.url must be a data: URL or an http(s) URL, not {scheme!r}", param=f"{param}.url"
         )
 
-    def _decode_data_url(self, url: str, param: str) -> bytes:
+    def _decode_data_url(self, url: str, param: str, media: str, limit: int) -> bytes:
         header, sep, payload = url.partition(",")
         if not sep or not header.endswith(";base64"):
+            example = "data:image/png;base64,..." if media == "image" else "data:video/mp4;base64,..."
             raise InvalidRequest(
-                f"{param}.url: data URLs must be base64 encoded (data:image/png;base64,...)",
+                f"{param}.url: data URLs must be base64 encoded ({example})",
                 param=f"{param}.url",
             )
-        if len(payload) * 3 // 4 > self._limits.max_image_bytes:
-            raise PayloadTooLarge(
-                f"{param}: image exceeds {self._limits.max_image_bytes} bytes", param=param, code="image_too_large"
-            )
+        if len(payload) * 3 // 4 > limit:
+            raise PayloadTooLarge(f"{param}: {media} exceeds {limit} bytes", param=param, code=f"{media}_too_large")
         try:
             return _decode_base64(payload.strip())
         except binascii.Error as exc:
             raise InvalidRequest(f"{param}.url: invalid base64 data: {exc}", param=f"{param}.url") from exc
 
-    async def _fetch_remote(self, url: str, param: str) -> bytes:
-        limit = self._limits.max_image_bytes
-        too_large = PayloadTooLarge(f"{param}: image exceeds {limit} bytes", param=param, code="image_too_large")
+    async def _fetch_remote(self, url: str, param: str, media: str, limit: int) -> bytes:
+        too_large = PayloadTooLarge(f"{param}: {media} exceeds {limit} bytes", param=param, code=f"{media}_too_large")
         try:
-            async with self._client.stream("GET", url) as response:
+            async with self._client.stream("GET", url, headers={"Accept": f"{media}/*"}) as response:
                 if response.status_code != 200:
                     raise InvalidRequest(
-                        f"{param}: fetching the image returned HTTP {response.status_code}", param=param
+                        f"{param}: fetching the {media} returned HTTP {response.status_code}", param=param
                     )
                 declared = response.headers.get("content-length")
                 if declared and declared.isdigit() and int(declared) > limit:
@@ -153,14 +154,14 @@ class ImageFetcher:
                 return b"".join(chunks)
         except BlockedAddress as exc:
             raise InvalidRequest(
-                f"{param}: image URL refused: {exc}", param=param, code="image_url_refused"
+                f"{param}: {media} URL refused: {exc}", param=param, code=f"{media}_url_refused"
             ) from exc
         except httpx.TooManyRedirects as exc:
-            raise InvalidRequest(f"{param}: too many redirects fetching the image", param=param) from exc
+            raise InvalidRequest(f"{param}: too many redirects fetching the {media}", param=param) from exc
         except httpx.TimeoutException as exc:
-            raise InvalidRequest(f"{param}: fetching the image timed out", param=param) from exc
+            raise InvalidRequest(f"{param}: fetching the {media} timed out", param=param) from exc
         except httpx.HTTPError as exc:
-            raise InvalidRequest(f"{param}: cannot fetch the image: {exc}", param=param) from exc
+            raise InvalidRequest(f"{param}: cannot fetch the {media}: {exc}", param=param) from exc
 
 
 _BASE64_SLICE = 1 << 20  # characters per a2b_base64 call: a multiple of 4, about 2.5 ms of holding the GIL

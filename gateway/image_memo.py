@@ -16,19 +16,27 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-
-from gateway.images import CanonicalImage
+from typing import Generic, Protocol, TypeVar
 
 _ENTRY_OVERHEAD = 512  # bytes of bookkeeping counted per entry besides its payload
 MAX_NAMES = 65536  # client-given image names remembered (about 100 bytes each)
 
 
-class CanonicalMemo:
-    """An LRU of :class:`CanonicalImage` within a byte budget. Event-loop only (no locking)."""
+class Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+T = TypeVar("T", bound=Sized)
+
+
+class CanonicalMemo(Generic[T]):
+    """An LRU of canonicalised media (gateway.images.CanonicalImage, gateway.videos.CanonicalVideo) within a byte
+    budget. Event-loop only (no locking)."""
 
     def __init__(self, budget_bytes: int):
         self._budget = budget_bytes
-        self._entries: OrderedDict[tuple[str, bytes], CanonicalImage] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, bytes], T] = OrderedDict()
         self._bytes = 0
         self._names: OrderedDict[tuple[str, str], bytes] = OrderedDict()  # (namespace, uuid) -> digest
         self.hits = 0
@@ -45,7 +53,7 @@ class CanonicalMemo:
     def bytes_used(self) -> int:
         return self._bytes
 
-    def get(self, namespace: str, digest: bytes) -> CanonicalImage | None:
+    def get(self, namespace: str, digest: bytes) -> T | None:
         image = self._entries.get((namespace, digest))
         if image is None:
             self.misses += 1
@@ -54,7 +62,7 @@ class CanonicalMemo:
         self.hits += 1
         return image
 
-    def put(self, namespace: str, digest: bytes, image: CanonicalImage) -> None:
+    def put(self, namespace: str, digest: bytes, image: T) -> None:
         cost = image.nbytes + _ENTRY_OVERHEAD
         if cost > self._budget or (namespace, digest) in self._entries:
             return
@@ -71,7 +79,7 @@ class CanonicalMemo:
         while len(self._names) > MAX_NAMES:
             self._names.popitem(last=False)
 
-    def named(self, namespace: str, uuid: str) -> CanonicalImage | None:
+    def named(self, namespace: str, uuid: str) -> T | None:
         """The image the namespace's client named ``uuid``, while it is remembered; else None."""
         digest = self._names.get((namespace, uuid))
         return None if digest is None else self.get(namespace, digest)

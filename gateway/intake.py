@@ -1,8 +1,9 @@
-"""Request intake: validate a chat request, resolve and canonicalise its images.
+"""Request intake: validate a chat request, resolve and canonicalise its images and videos.
 
 The result, :class:`IntakeResult`, carries the body to send upstream (every image
 replaced by its canonical lossless pixels, so the worker computes KV for exactly the
-pixels the key names) and the images in prompt order with their keys and token grids.
+pixels the key names; every video as a data: URL of its bytes, so the worker fetches nothing) and the images in
+prompt order with their keys and token grids, and the videos with the keys of their sampled frames.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from gateway.image_memo import CanonicalMemo
 from gateway.images import CanonicalImage, canonicalize
 from gateway.matching.features import Extractor
 from gateway.offload import off_loop
-from gateway.protocol import ChatCompletionParams, ImagePartRef, iter_image_parts, parse_body
+from gateway.protocol import (
+    ChatCompletionParams,
+    ImagePartRef,
+    MediaPartRef,
+    VideoPartRef,
+    iter_media_parts,
+    parse_body,
+)
+from gateway.videos import CanonicalVideo, open_video
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +41,7 @@ class IntakeResult:
     namespace: str
     # Per image: a digest of everything the prompt holds before it (see prefix_digests).
     prefix_digests: tuple[str, ...] = ()
+    videos: tuple[CanonicalVideo, ...] = ()
 
 
 class Intake:
@@ -39,30 +49,53 @@ class Intake:
         self._config = config
         self._fetcher = fetcher
         self._extractor = extractor  # with one, every new image gets per-token features (approximate matching)
-        self.memo = CanonicalMemo(config.image_memo_bytes)
+        self.memo: CanonicalMemo[CanonicalImage] = CanonicalMemo(config.image_memo_bytes)
+        # Videos are remembered for their frame keys (decoding is what costs), within a quarter of that budget.
+        self.video_memo: CanonicalMemo[CanonicalVideo] = CanonicalMemo(config.image_memo_bytes // 4)
 
     async def process(self, raw: bytes, *, namespace: str) -> IntakeResult:
         body, params = await off_loop(len(raw), parse_body, raw)
         if params.model != self._config.model:
             raise ModelNotFound(params.model)
-        refs = list(iter_image_parts(body["messages"]))
-        limit = self._config.images.max_images_per_request
-        if len(refs) > limit:
-            raise InvalidRequest(
-                f"request has {len(refs)} images; at most {limit} are allowed per request",
-                param="messages",
-                code="too_many_images",
-            )
-        images = await asyncio.gather(*(self._resolve(ref, namespace) for ref in refs))
-        payload_bytes = sum(len(image.payload) for ref, image in zip(refs, images, strict=True)
-                            if _needs_rewrite(ref, image))
+        parts = list(iter_media_parts(body["messages"]))
+        refs = [ref for ref in parts if isinstance(ref, ImagePartRef)]
+        video_refs = [ref for ref in parts if isinstance(ref, VideoPartRef)]
+        for count, limit, what in ((len(refs), self._config.images.max_images_per_request, "images"),
+                                   (len(video_refs), self._config.videos.max_per_request, "videos")):
+            if count > limit:
+                raise InvalidRequest(f"request has {count} {what}; at most {limit} are allowed per request",
+                                     param="messages", code=f"too_many_{what}")
+        images, videos = await asyncio.gather(
+            asyncio.gather(*(self._resolve(ref, namespace) for ref in refs)),
+            asyncio.gather(*(self._resolve_video(ref, namespace) for ref in video_refs)))
+        media: list[tuple[MediaPartRef, CanonicalImage | CanonicalVideo]] = [
+            *zip(refs, images, strict=True), *zip(video_refs, videos, strict=True)]
+        payload_bytes = sum(len(item.payload) for ref, item in media if _needs_rewrite(ref, item))
         return IntakeResult(
-            upstream_body=await off_loop(payload_bytes, _rewrite_images, body, refs, images),
+            upstream_body=await off_loop(payload_bytes, _rewrite_media, body, media),
             params=params,
             images=tuple(images),
             namespace=namespace,
-            prefix_digests=prefix_digests(body, refs, images),
+            prefix_digests=prefix_digests(body, refs, images, media),
+            videos=tuple(videos),
         )
+
+    async def _resolve_video(self, ref: VideoPartRef, namespace: str) -> CanonicalVideo:
+        settings = self._config.videos
+        data = await self._fetcher.fetch(ref.url, param=ref.param, media="video", limit=settings.max_bytes)
+        digest = await off_loop(len(data), CanonicalMemo.digest, data)
+        if (known := self.video_memo.get(namespace, digest)) is not None:
+            return known
+        try:
+            video = await asyncio.to_thread(open_video, data, settings=settings, processor=self._config.processor,
+                                            model=self._config.model, namespace=namespace)
+        except ClientError as exc:
+            exc.message = f"{ref.param}: {exc.message}"
+            exc.param = exc.param or ref.param
+            exc.args = (exc.message,)
+            raise
+        self.video_memo.put(namespace, digest, video)
+        return video
 
     async def _resolve(self, ref: ImagePartRef, namespace: str) -> CanonicalImage:
         if not ref.url:  # named by its uuid alone
@@ -101,9 +134,11 @@ class Intake:
 _TEMPLATE_FIELDS = ("model", "tools", "tool_choice", "chat_template_kwargs")
 
 
-def prefix_digests(body: dict[str, Any], refs: list[ImagePartRef], images: list[CanonicalImage]) -> tuple[str, ...]:
+def prefix_digests(body: dict[str, Any], refs: list[ImagePartRef], images: list[CanonicalImage],
+                   media: list[tuple[MediaPartRef, CanonicalImage | CanonicalVideo]] | None = None) -> tuple[str, ...]:
     """For each image, a digest of everything before it in the prompt: the template fields, the earlier messages
-    and the parts of its own message before it, with earlier images named by their exact keys.
+    and the parts of its own message before it, with earlier images and videos named by their keys (``media``:
+    every image and video part with what it resolved to; by default the images).
 
     Equal digests mean equal token prefixes (the chat template is deterministic), so the image sits at the same
     positions after the same context: its cached KV can be reused as is. Any difference, even one that would not
@@ -111,7 +146,8 @@ def prefix_digests(body: dict[str, Any], refs: list[ImagePartRef], images: list[
     """
     if not refs:
         return ()
-    keys = {(ref.message_index, ref.part_index): image.key for ref, image in zip(refs, images, strict=True)}
+    named = media if media is not None else list(zip(refs, images, strict=True))
+    keys = {(ref.message_index, ref.part_index): item.key for ref, item in named}
     head = {name: body[name] for name in _TEMPLATE_FIELDS if name in body}
     digests = []
     for ref in refs:
@@ -128,25 +164,27 @@ def prefix_digests(body: dict[str, Any], refs: list[ImagePartRef], images: list[
     return tuple(digests)
 
 
-def _rewrite_images(
-    body: dict[str, Any], refs: list[ImagePartRef], images: list[CanonicalImage]
+def _rewrite_media(
+    body: dict[str, Any], media: list[tuple[MediaPartRef, CanonicalImage | CanonicalVideo]]
 ) -> dict[str, Any]:
-    if not refs:
+    if not media:
         return body
     upstream = dict(body)
     upstream["messages"] = copy.deepcopy(body["messages"])
-    for ref, image in zip(refs, images, strict=True):
-        if _needs_rewrite(ref, image):
+    for ref, item in media:
+        if _needs_rewrite(ref, item):
             part = upstream["messages"][ref.message_index]["content"][ref.part_index]
-            part["image_url"] = {**(part.get("image_url") or {}), "url": image.data_url}
+            field = "image_url" if isinstance(ref, ImagePartRef) else "video_url"
+            part[field] = {**(part.get(field) or {}), "url": item.data_url}
     return upstream
 
 
-def _needs_rewrite(ref: ImagePartRef, image: CanonicalImage) -> bool:
-    """Whether the worker must get other bytes than the client's URL holds: fetched images, and any image that is
-    not forwarded as uploaded. A data: URL of bytes forwarded as they came stays as it is, sparing a base64 encode
-    of megabytes (it holds the GIL, and so the event loop, for ~35 ms per 20 MB)."""
-    if not (image.as_uploaded and ref.url.startswith("data:")):
+def _needs_rewrite(ref: MediaPartRef, item: CanonicalImage | CanonicalVideo) -> bool:
+    """Whether the worker must get other bytes than the client's URL holds: fetched images and videos, and any
+    image that is not forwarded as uploaded. A data: URL of bytes forwarded as they came stays as it is, sparing a
+    base64 encode of megabytes (it holds the GIL, and so the event loop, for ~35 ms per 20 MB)."""
+    as_uploaded = isinstance(item, CanonicalVideo) or item.as_uploaded
+    if not (as_uploaded and ref.url.startswith("data:")):
         return True  # fetched, re-encoded, or named by its uuid alone
     encoded = ref.url.partition(",")[2]
     return encoded != encoded.strip()  # the gateway tolerates surrounding whitespace; SGLang's strict decode does not

@@ -102,19 +102,24 @@ def planner_stats(planner: Planner) -> dict:
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/admin")
 COMPLETING = ENDPOINTS[:2]  # the endpoints that run the model: their latency is labelled by reuse
-NO_IMAGE = "none"  # the reuse label of a request without images
-MIXED = "mixed"  # ... of one whose images were planned as different kinds
+NO_IMAGE = "none"  # the reuse label of a request without images or videos
+MIXED = "mixed"  # ... of one whose images were planned as different kinds, or that has images and videos
+VIDEO = "video"  # ... of one with videos and no image: videos run as plain SGLang (gateway/videos.py)
+FRAMES_SEEN = ("image", "video", "new")  # revisit_video_frames_total's labels (videos.FramesSeen)
 
 
-def reuse_label(kinds: tuple[str, ...] | list[str]) -> str:
-    """One label for a request's images: their kind when they agree (planner.KINDS), else "mixed"."""
+def reuse_label(kinds: tuple[str, ...] | list[str], *, videos: int = 0) -> str:
+    """One label for a request's images: their kind when they agree (planner.KINDS), else "mixed"; "video" for
+    videos alone."""
     distinct = set(kinds)
+    if videos:
+        return MIXED if distinct else VIDEO
     return NO_IMAGE if not distinct else distinct.pop() if len(distinct) == 1 else MIXED
 
 
 class RequestMetrics:
     """Requests served, by endpoint and status code, and how long they took, by the reuse their images got
-    (``reuse``: planner.KINDS, "none" or "mixed"; set by the chat route in the request's state)."""
+    (``reuse``: planner.KINDS, "none", "mixed" or "video"; set by the chat route in the request's state)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("revisit_requests", "HTTP requests served, by endpoint and status code (499: the "
@@ -127,6 +132,10 @@ class RequestMetrics:
                                  "(degraded).", ["planned", "cause", "ran"], registry=registry)
         self.unreported = Counter("revisit_reuse_unreported", "Planned requests whose worker reported nothing of "
                                   "what it ran (x-revisit-reuse then says what was planned).", registry=registry)
+        self.video_frames = Counter("revisit_video_frames", "Frames the model samples from requested videos, by "
+                                    "where they were seen before: as a stored image, in an earlier video of the "
+                                    "namespace, or new. Videos run as plain SGLang; this is what reuse of their "
+                                    "frames would serve.", ["seen"], registry=registry)
         self.first_token = Histogram("revisit_time_to_first_token_seconds", "Streamed chat completions: from the "
                                      "request's arrival to its first streamed chunk, by reuse kind.", ["reuse"],
                                      buckets=LATENCY_BUCKETS, registry=registry)

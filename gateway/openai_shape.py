@@ -17,9 +17,10 @@ whether extras pass; it mends whole bodies and, through :class:`StreamShaper`, a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 CHAT, TEXT = "chat", "text"
 
@@ -123,8 +124,8 @@ class StreamShaper:
         if self._shape.extras and self._id is not None and f'"id":"{self._id}"' in line and '"usage"' not in line:
             return line  # with extras, the common case has nothing to mend: no JSON round trip
         try:
-            chunk = json.loads(line[6:])
-        except ValueError:
+            chunk = orjson.loads(line[6:])  # a fifth of the stdlib's time: ~3 us a chunk of a token
+        except orjson.JSONDecodeError:
             return line
         if not isinstance(chunk, dict) or "error" in chunk:
             return line
@@ -133,4 +134,7 @@ class StreamShaper:
         elif "id" in chunk:
             chunk["id"] = self._id
         self._shape.mend(chunk)
-        return "data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
+        try:
+            return "data: " + orjson.dumps(chunk).decode()
+        except orjson.JSONEncodeError:  # an integer past 64 bits, say: the chunk goes as it came
+            return line

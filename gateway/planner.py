@@ -45,6 +45,7 @@ from gateway.images import CanonicalImage
 from gateway.intake import IntakeResult
 from gateway.matching.matcher import Match, Matcher
 from gateway.matching.plans import approximate_plan
+from gateway.videos import FrameBook, FramesSeen
 from plan import EXACT, MISS, ImagePlan, RequestPlan
 from plan.outcome import EVERY_IMAGE, PLANNED, Outcome
 
@@ -97,8 +98,9 @@ class Planner:
         self.cache = cache
         self.settings = settings
         self.matcher = matcher if settings.match.enabled else None
-        self._holder: OrderedDict[str, str] = OrderedDict()  # key -> worker URL that last served it
+        self._holder: OrderedDict[str, str] = OrderedDict()  # image or video key -> worker URL that last served it
         self.counts: Counter[str] = Counter()
+        self.frames = FrameBook()  # the frames of recent videos (gateway/videos.py)
 
     @property
     def enabled(self) -> bool:
@@ -109,12 +111,28 @@ class Planner:
         the loop). ``strategy`` overrides the settings' default selector for approximate plans (the route checks
         that the settings allow it)."""
         if not self.enabled or not intake.images:
-            return Planned(None, None, ())
+            # A video is not planned for (it runs as plain SGLang): it keeps to the worker that served it last.
+            return Planned(None, self._video_holder(intake), ())
         plans, kinds, similarities = await self.cache.run(self._plan_images, intake,
                                                           strategy or self.settings.match.strategy)
         prefer = next((self._holder[image.key] for image, kind in zip(intake.images, kinds, strict=True)
-                       if kind != "miss" and image.key in self._holder), None)
+                       if kind != "miss" and image.key in self._holder), None) or self._video_holder(intake)
         return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds), tuple(similarities))
+
+    def _video_holder(self, intake: IntakeResult) -> str | None:
+        return next((self._holder[video.key] for video in intake.videos if video.key in self._holder), None)
+
+    async def frames_seen(self, intake: IntakeResult) -> tuple[FramesSeen, ...]:
+        """Per video: how many of its sampled frames were seen before, as stored images (looked up in the books on
+        the cache thread) or in earlier videos; then its frames are remembered. Event loop."""
+        if not intake.videos:
+            return ()
+        keys = [key for video in intake.videos for key in video.frame_keys]
+        stored = await self.cache.run(self._in_books, keys) if self.enabled else frozenset()
+        return tuple(self.frames.record(video, stored) for video in intake.videos)
+
+    def _in_books(self, keys: list[str]) -> frozenset[str]:
+        return frozenset(key for key in keys if key in self.cache.policy)
 
     def _plan_images(self, intake: IntakeResult, strategy: str) -> tuple[list[ImagePlan], list[str],
                                                                           list[float | None]]:
@@ -184,8 +202,8 @@ class Planner:
 
     def served(self, intake: IntakeResult, worker_url: str) -> None:
         """The request went well on this worker: it now holds its images in its own caches. Event loop only."""
-        for image in intake.images:
-            _remember(self._holder, image.key, worker_url)
+        for key in [image.key for image in intake.images] + [video.key for video in intake.videos]:
+            _remember(self._holder, key, worker_url)
 
     def _stored_prefix_digest(self, key: str) -> str | None:
         """The prefix digest recorded in the entry stored under key ("" when unknown), or None when no usable entry

@@ -18,14 +18,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.errors import InvalidRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# A message's fields as SGLang reads them (ChatCompletionMessageUserParam for user messages, the generic one for the
+# others; tests/gateway/test_protocol.py compares them with the installed SGLang's). Any other field, which SGLang
+# would drop without a word (a user message's name), is refused by name.
+MESSAGE_FIELDS = {
+    "user": frozenset({"role", "content"}),
+    "other": frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content", "phase",
+                        "prefix", "tools"}),
+}
 P = TypeVar("P", "ChatCompletionParams", "CompletionParams")
-SUPPORTED_PART_TYPES = ("text", "image_url")
+SUPPORTED_PART_TYPES = ("text", "image_url", "video_url")
 IMAGE_URL_FIELDS = ("url", "detail")  # detail passes to the worker, which reads it as OpenAI's "auto"
+VIDEO_URL_FIELDS = ("url",)
 # A part's own fields. vLLM's uuid names an image for its media cache: sent with the image's url, it names that
 # image within the caller's namespace (the gateway still keys the image by its content); sent alone (image_url null
 # or without a url), it stands for the image it named (gateway/image_memo.py). It passes to the worker, which ignores
 # it.
-PART_FIELDS = {"text": ("type", "text"), "image_url": ("type", "image_url", "uuid")}
+PART_FIELDS = {"text": ("type", "text"), "image_url": ("type", "image_url", "uuid"), "video_url": ("type", "video_url")}
 MAX_UUID_CHARS = 256
 
 
@@ -102,8 +111,11 @@ def json_preview(value: Any) -> str:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """What SGLang reads of stream_options (its StreamOptions); any other option is refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class ChatCompletionParams(BaseModel):
@@ -165,6 +177,22 @@ class ImagePartRef:
         return f"messages[{self.message_index}].content[{self.part_index}].image_url"
 
 
+@dataclass(frozen=True, slots=True)
+class VideoPartRef:
+    """Where one video part sits in the body, and the URL it carries."""
+
+    message_index: int
+    part_index: int
+    url: str
+
+    @property
+    def param(self) -> str:
+        return f"messages[{self.message_index}].content[{self.part_index}].video_url"
+
+
+MediaPartRef = ImagePartRef | VideoPartRef
+
+
 def parse_body(raw: bytes) -> tuple[dict[str, Any], ChatCompletionParams]:
     """Decode and validate a chat request body; raise :class:`InvalidRequest` with a precise message."""
     body, params = _parse(raw, ChatCompletionParams)
@@ -201,8 +229,8 @@ def _parse(raw: bytes, model: type[P]) -> tuple[dict[str, Any], P]:
     return body, params
 
 
-def iter_image_parts(messages: list[dict[str, Any]]) -> Iterator[ImagePartRef]:
-    """Validate every message and yield its image parts in order."""
+def iter_media_parts(messages: list[dict[str, Any]]) -> Iterator[MediaPartRef]:
+    """Validate every message and yield its image and video parts in order."""
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", param=f"messages[{i}]")
@@ -212,6 +240,10 @@ def iter_image_parts(messages: list[dict[str, Any]]) -> Iterator[ImagePartRef]:
                 f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}",
                 param=f"messages[{i}].role",
             )
+        for name in message:
+            if name not in MESSAGE_FIELDS["user" if role == "user" else "other"]:
+                raise InvalidRequest(f"messages[{i}].{name} is not a field this server honours in a {role} message",
+                                     param=f"messages[{i}].{name}", code="unsupported_parameter")
         content = message.get("content")
         if content is None:
             if role == "assistant":
@@ -228,7 +260,7 @@ def iter_image_parts(messages: list[dict[str, Any]]) -> Iterator[ImagePartRef]:
             yield from _check_part(i, j, role, part)
 
 
-def _check_part(i: int, j: int, role: str, part: Any) -> Iterator[ImagePartRef]:
+def _check_part(i: int, j: int, role: str, part: Any) -> Iterator[MediaPartRef]:
     where = f"messages[{i}].content[{j}]"
     if not isinstance(part, dict):
         raise InvalidRequest(f"{where} must be an object", param=where)
@@ -247,7 +279,10 @@ def _check_part(i: int, j: int, role: str, part: Any) -> Iterator[ImagePartRef]:
             raise InvalidRequest(f"{where}.text must be a string", param=f"{where}.text")
         return
     if role != "user":
-        raise InvalidRequest(f"{where}: images are only allowed in user messages", param=where)
+        raise InvalidRequest(f"{where}: images and videos are only allowed in user messages", param=where)
+    if kind == "video_url":
+        yield _video_part(i, j, part)
+        return
     image_url = part.get("image_url")
     uuid = part.get("uuid")
     if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
@@ -277,3 +312,20 @@ def _check_part(i: int, j: int, role: str, part: Any) -> Iterator[ImagePartRef]:
         raise InvalidRequest(f"{where}.image_url.detail must be auto, low or high", param=f"{where}.image_url.detail")
     yield ImagePartRef(message_index=i, part_index=j, url=url, uuid=uuid)
 
+
+
+def _video_part(i: int, j: int, part: dict[str, Any]) -> VideoPartRef:
+    where = f"messages[{i}].content[{j}]"
+    video_url = part.get("video_url")
+    if not isinstance(video_url, dict):
+        raise InvalidRequest(f"{where}.video_url must be an object like {{\"url\": \"data:video/mp4;base64,...\"}}, "
+                             f"not a {type(video_url).__name__}", param=f"{where}.video_url")
+    url = video_url.get("url")
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest(f"{where}.video_url.url must be a non-empty string", param=f"{where}.video_url.url")
+    for name in video_url:
+        if name not in VIDEO_URL_FIELDS:
+            raise InvalidRequest(f"{where}.video_url.{name} is not a field this server honours (the gateway samples "
+                                 "frames as the model's processor does)", param=f"{where}.video_url.{name}",
+                                 code="unsupported_parameter")
+    return VideoPartRef(message_index=i, part_index=j, url=url)

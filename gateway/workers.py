@@ -48,7 +48,7 @@ class Worker:
     busy_since: float | None = None  # Unix time the forward in progress started, while /health goes unanswered
     last_error: str | None = None
     last_checked: float = 0.0
-    # What the worker's /v1/models says of its model: {"root": ..., "max_model_len": ...}; read when it comes up.
+    # What the worker's /v1/models says of its model: {"root": ..., "max_model_len": ...}; read each time it comes up.
     model_card: dict | None = None
     _last_used: int = field(default=0, repr=False)
 
@@ -121,12 +121,13 @@ class WorkerPool:
         # /health nor /metrics, is hung (stopped, swapped out, wedged), whatever it was sent.
         tolerated = (worker.inflight > 0 and answering) or worker.missed_checks < self._misses_allowed
         healthy = ok or busy or (worker.healthy and not refused and tolerated)  # busy: alive, whatever it was
+        came_back = healthy and not worker.healthy
         if healthy != worker.healthy:
             log.info("worker %s is now %s", worker.url, "up" if healthy else f"down ({error})")
         worker.healthy = healthy
         worker.last_error = None if ok else error if not busy else f"busy with a forward ({error})"
-        if ok and worker.model_card is None:
-            worker.model_card = await self._model_card(worker)
+        if ok and (worker.model_card is None or came_back):  # a worker back may have been restarted with another
+            worker.model_card = await self._model_card(worker) or worker.model_card  # context length
 
     async def _model_card(self, worker: Worker) -> dict | None:
         """The fields of the worker's model card that clients size prompts by (None when it gives none)."""

@@ -7,6 +7,8 @@ Kinds (``KINDS``, weights in ``WEIGHTS``):
     repeat          a panel this tenant sent before (recent ones more often), asked again: an exact hit when cached
     near_duplicate  a panel this tenant sent, one field redrawn: an approximate hit when its alias is cached
     other_tenant    a panel the other tenant sent, under this tenant's key: never an exact hit (isolation)
+    video           a screen recording of a panel whose fields change (a recent one again now and then), asked
+                    about: it runs as plain SGLang, so its answer must be plain SGLang's
     stream          a field question, streamed
     cancel          a streamed request the client leaves after its first chunk, or one it stops waiting for
     bad_input       a malformed body, a damaged or oversized image, a private URL, a bad parameter: must be a 4xx
@@ -39,8 +41,9 @@ from bundled.reader.questions import field as field_question
 from offline.reader_eval import data_url
 from soak.stack import ADMIN, MODEL_ID, TENANTS
 
-KINDS = ("text", "new_image", "repeat", "near_duplicate", "other_tenant", "stream", "cancel", "bad_input", "admin")
-WEIGHTS = (8, 14, 22, 10, 5, 10, 6, 12, 13)
+KINDS = ("text", "new_image", "repeat", "near_duplicate", "other_tenant", "video", "stream", "cancel", "bad_input",
+         "admin")
+WEIGHTS = (8, 14, 22, 10, 5, 4, 10, 6, 12, 13)
 OUTCOMES = ("ok", "refused", "cancelled", "error", "unexpected", "lost")
 CLIENT_TIMEOUT_S = 180.0
 WORDS = "the a cache image screen page table cell value moves stays again near far quick slow".split()
@@ -65,7 +68,7 @@ class Check:
     reuse: str
     answer: str
     reference: str
-    truth: str
+    truth: str  # the panel's field ("" for a video, whose frames differ in it)
 
     @property
     def wrong(self) -> bool:
@@ -109,6 +112,7 @@ class Load:
         self.checks: list[Check] = []
         self.checks_skipped = 0
         self.keys: dict[str, tuple[int, Panel]] = {}  # an image's cache key (x-revisit-image-keys) -> who sent what
+        self.videos: list[list[bytes]] = [[] for _ in TENANTS]  # each tenant's recent recordings
         self.stopping = asyncio.Event()
         self._clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0,
                                             timeout=CLIENT_TIMEOUT_S) for key in TENANTS]
@@ -205,6 +209,35 @@ class Load:
         reuse = record.reuse
         if record.outcome == "ok" and (reuse.startswith("exact") or "similarity=1.0000" in reuse):
             record.outcome, record.detail = "unexpected", f"another tenant's image was reused: {reuse}"
+
+    async def _video(self, record: Record, rng: random.Random) -> None:
+        mine = self.videos[record.tenant]
+        if mine and rng.random() < 0.4:
+            video = rng.choice(mine)
+        else:
+            panel = random_panel(rng)
+            frames = [panel]
+            for _ in range(rng.choice((3, 5, 7))):
+                frames.append(changed(frames[-1], rng, 1)[0] if len(panel.keys) > 1 and rng.random() < 0.5
+                              else frames[-1])
+            video = await asyncio.to_thread(_recording, [f.render() for f in frames])
+            mine.append(video)
+            del mine[:-8]
+        part = {"type": "video_url", "video_url": {"url": _b64(video, "video/mp4")}}
+        messages: list = [{"role": "user", "content": [part, {"type": "text", "text": "What does the screen show?"}]}]
+        raw = await self._clients[record.tenant].chat.completions.with_raw_response.create(
+            model=MODEL_ID, messages=messages, max_tokens=1, temperature=0)
+        answer = (raw.parse().choices[0].message.content or "").strip()
+        record.reuse = "video"
+        if not raw.headers.get("x-revisit-video-frames"):
+            record.outcome, record.detail = "unexpected", "no x-revisit-video-frames header"
+        if rng.random() < self.check_share:
+            reference = await self._plain_sglang(messages, rng)
+            if reference is None:
+                self.checks_skipped += 1
+            else:
+                self.checks.append(Check(kind=record.kind, reuse="video", answer=answer, reference=reference,
+                                         truth=""))
 
     async def _stream(self, record: Record, rng: random.Random) -> None:
         panel = self.seen.pick(record.tenant, rng) if rng.random() < 0.6 else None
@@ -334,10 +367,34 @@ def _b64(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
+def _recording(frames: list, fps: int = 2) -> bytes:
+    """Frames (PIL images) as an H.264 MP4 at ``fps``, as a screen recorder writes one."""
+    import av
+    import numpy as np
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = (side - side % 2 for side in frames[0].size)
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            pixels = np.asarray(frame.convert("RGB"))[: stream.height, : stream.width]
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
 def _panel_png() -> bytes:
     buffer = io.BytesIO()
     random_panel(random.Random(7)).render().save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def _truncated_recording() -> bytes:
+    rng = random.Random(5)
+    panel = random_panel(rng)
+    data = _recording([panel.render(), changed(panel, rng, 1)[0].render()] * 2)
+    return data[: len(data) // 3]
 
 
 def _truncated_panel() -> bytes:
@@ -356,6 +413,8 @@ BAD_INPUTS = (
     lambda: ("not base64", _chat("data:image/png;base64,@@@@")),
     lambda: ("negative max_tokens", {**_chat(_b64(_panel_png())), "max_tokens": -3}),
     lambda: ("a string for messages", {"model": MODEL_ID, "messages": "hello"}),
+    lambda: ("a truncated video", {"model": MODEL_ID, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": _b64(_truncated_recording(), "video/mp4")}}]}]}),
 )
 
 ADMIN_CALLS = (

@@ -85,7 +85,7 @@ class SoakReport:
             lines += [f"|  | {'ok' if ok else 'FAILED'} |  | {check} |" for check, ok in fault["checks"].items()]
         lines += ["", f"Errors explained by a fault: {json.dumps(self.explained)}",
                   f"Reuse kinds served: {json.dumps(self.reuse)}",
-                  f"Checked answers equal to the panel's truth: {self.right_vs_truth:.1%}",
+                  f"Checked field answers equal to the panel's truth: {self.right_vs_truth:.1%}",
                   f"Memory: {json.dumps({k: v for k, v in self.memory.items() if k != 'rss_by_process'})}",
                   f"The gateway's event-loop lag: {json.dumps(self.loop_lag)}",
                   f"Store at the end: {json.dumps(self.store)}"]
@@ -292,7 +292,8 @@ class Soak:
         report.explained = dict(explained)
         report.checked, report.checks_skipped = len(load.checks), load.checks_skipped
         report.wrong = [c.__dict__ for c in load.checks if c.wrong]
-        report.right_vs_truth = sum(c.answer == c.truth for c in load.checks) / max(1, len(load.checks))
+        with_truth = [c for c in load.checks if c.truth]  # field questions about one panel
+        report.right_vs_truth = sum(c.answer == c.truth for c in with_truth) / max(1, len(with_truth))
         report.faults = [r.as_dict() for r in self.results]
 
     def _blame(self, record: Record) -> str | None:

@@ -17,7 +17,7 @@ from gateway.config import MatchSettings
 from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
-from gateway.metrics import CLIENT_LEFT, reuse_label
+from gateway.metrics import CLIENT_LEFT, FRAMES_SEEN, reuse_label
 from gateway.offload import off_loop
 from gateway.openai_shape import CHAT, TEXT, Shape
 from gateway.planner import Planned
@@ -34,6 +34,7 @@ T = TypeVar("T")
 
 IMAGE_KEYS_HEADER = "x-revisit-image-keys"
 REUSE_HEADER = "x-revisit-reuse"  # per image, what the worker ran (Planned.reuse_header)
+VIDEO_FRAMES_HEADER = "x-revisit-video-frames"  # per video, its sampled frames and how many were seen before
 STRATEGY_HEADER = "x-revisit-strategy"  # a request's choice of approximate strategy, where settings allow it
 # SGLang request fields the gateway owns: a client's value would name another request or another tenant's cache.
 _GATEWAY_FIELDS = frozenset({"rid", "extra_key"})
@@ -103,7 +104,13 @@ async def chat_completions(request: Request) -> Any:
     intake = await services.intake.process(raw, namespace=namespace)
     headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
     planned = await services.planner.plan(intake, strategy=strategy)
-    request.state.reuse = reuse_label(planned.kinds)  # the latency histograms' label (gateway/metrics.py)
+    if seen := await services.planner.frames_seen(intake):
+        headers[VIDEO_FRAMES_HEADER] = ",".join(video.header() for video in seen)
+        for label, count in zip(FRAMES_SEEN, (sum(v.as_image for v in seen), sum(v.in_video for v in seen),
+                                              sum(v.new for v in seen)), strict=True):
+            services.requests.video_frames.labels(label).inc(count)
+    # the latency histograms' label (gateway/metrics.py)
+    request.state.reuse = reuse_label(planned.kinds, videos=len(intake.videos))
     request.state.stream = intake.params.stream
     request_id = uuid.uuid4().hex
     public_id = f"chatcmpl-{request_id}"
@@ -201,9 +208,9 @@ def _requested_strategy(request: Request, settings: MatchSettings) -> str | None
 
 def scoped_plan(plan: RequestPlan | None, intake: IntakeResult, namespace: str) -> RequestPlan | None:
     """The plan the worker gets, carrying the namespace's cache scope so that SGLang's encoder-output cache is
-    never shared between namespaces (engine_ext.executor). A request with images but no reuse plan (reuse off)
-    gets one of unstored misses, for the scope alone."""
-    if plan is None and intake.images:
+    never shared between namespaces (engine_ext.executor). A request with images or videos but no reuse plan
+    (reuse off, or videos alone) gets one of unstored misses, for the scope alone."""
+    if plan is None and (intake.images or intake.videos):
         plan = RequestPlan(images=tuple(
             ImagePlan(key=image.key, strategy=MISS, tokens=image.grid.tokens, grid=(image.grid.rows, image.grid.cols),
                       store=False) for image in intake.images))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from gateway.intake import prefix_digests
-from gateway.protocol import iter_image_parts
+from gateway.protocol import iter_media_parts
 
 
 def image(url: str) -> dict:
@@ -13,7 +13,7 @@ def image(url: str) -> dict:
 
 
 def digests(body: dict, keys: dict[str, str]) -> tuple[str, ...]:
-    refs = list(iter_image_parts(body["messages"]))
+    refs = list(iter_media_parts(body["messages"]))
     return prefix_digests(body, refs, [SimpleNamespace(key=keys[ref.url]) for ref in refs])
 
 

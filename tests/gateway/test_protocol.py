@@ -7,7 +7,14 @@ import json
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.protocol import GATEWAY_OWNED, WORKER_FIELDS, iter_image_parts, parse_body, parse_completion_body
+from gateway.protocol import (
+    GATEWAY_OWNED,
+    MESSAGE_FIELDS,
+    WORKER_FIELDS,
+    iter_media_parts,
+    parse_body,
+    parse_completion_body,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 TEXT = {"model": "m", "prompt": "hi"}
@@ -62,7 +69,7 @@ def test_image_options_that_change_the_token_grid_are_the_gateways():
         body = {**CHAT, "messages": [{"role": "user", "content": [part]}]}
         body_parsed, _ = parse_body(json.dumps(body).encode())  # the top level is fine
         with pytest.raises(InvalidRequest) as raised:
-            list(iter_image_parts(body_parsed["messages"]))
+            list(iter_media_parts(body_parsed["messages"]))
         assert raised.value.param == f"messages[0].content[0].image_url.{name}"
 
 
@@ -70,10 +77,51 @@ def test_a_parts_own_fields():
     image = {"url": "data:image/png;base64,AAAA"}
     with_uuid = [{"type": "image_url", "image_url": image, "uuid": "u-1"},
                  {"type": "image_url", "image_url": None, "uuid": "u-2"}, {"type": "text", "text": "hi"}]
-    refs = list(iter_image_parts([{"role": "user", "content": with_uuid}]))
+    refs = list(iter_media_parts([{"role": "user", "content": with_uuid}]))
     assert [(r.url, r.uuid) for r in refs] == [(image["url"], "u-1"), ("", "u-2")]
     for part, param in (({"type": "image_url", "image_url": None, "uuid": 7}, "messages[0].content[0].uuid"),
                         ({"type": "text", "text": "hi", "cache_control": {}}, "messages[0].content[0].cache_control")):
         with pytest.raises(InvalidRequest) as raised:
-            list(iter_image_parts([{"role": "user", "content": [part]}]))
+            list(iter_media_parts([{"role": "user", "content": [part]}]))
         assert raised.value.param == param
+
+
+def test_message_fields_are_sglangs():
+    """A message's fields, as SGLang's message models read them: a user message's ``name``, which SGLang drops, is
+    refused like any other field it would not honour."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionMessageGenericParam, ChatCompletionMessageUserParam
+
+    assert MESSAGE_FIELDS["user"] == set(ChatCompletionMessageUserParam.model_fields)
+    assert MESSAGE_FIELDS["other"] == set(ChatCompletionMessageGenericParam.model_fields)
+    tool_call = {"role": "assistant", "content": None, "reasoning_content": "r",
+                 "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert list(iter_media_parts([{"role": "user", "content": "hi"}, tool_call,
+                                  {"role": "tool", "content": "1", "tool_call_id": "c"}])) == []
+    for message, param in (({"role": "user", "content": "hi", "name": "ann"}, "messages[0].name"),
+                           ({"role": "system", "content": "s", "cache_control": {}}, "messages[0].cache_control")):
+        with pytest.raises(InvalidRequest) as raised:
+            list(iter_media_parts([message]))
+        assert raised.value.param == param and raised.value.code == "unsupported_parameter"
+
+
+def test_stream_options_are_sglangs():
+    parse_body(json.dumps({**CHAT, "stream": True,
+                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode())
+    error = refused(parse_body, {**CHAT, "stream": True, "stream_options": {"include_obfuscation": False}})
+    assert error.param == "stream_options.include_obfuscation"
+
+
+def test_video_parts():
+    video = {"url": "data:video/mp4;base64,AAAA"}
+    refs = list(iter_media_parts([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "video_url",
+                                                                                     "video_url": video}]}]))
+    assert [type(r).__name__ for r in refs] == ["ImagePartRef", "VideoPartRef"]
+    assert refs[1].url == video["url"] and refs[1].param == "messages[0].content[1].video_url"
+    for part, param in (({"type": "video_url", "video_url": {**video, "fps": 1}}, "video_url.fps"),
+                        ({"type": "video_url", "video_url": {**video, "max_frames": 4}}, "video_url.max_frames"),
+                        ({"type": "video_url", "video_url": {"url": ""}}, "video_url.url"),
+                        ({"type": "video_url", "video_url": video, "uuid": "v"}, "uuid")):
+        with pytest.raises(InvalidRequest) as raised:
+            list(iter_media_parts([{"role": "user", "content": [part]}]))
+        assert raised.value.param == f"messages[0].content[0].{param}"

@@ -93,3 +93,40 @@ async def test_nothing_listening_takes_a_worker_out_at_once():
         pool.workers[0].healthy = True
         await pool.check_all()
         assert not pool.ready and "ConnectError" in pool.workers[0].last_error
+
+
+class Restartable(BaseHTTPRequestHandler):
+    """A worker whose /health fails while ``down`` and whose /v1/models reports ``context`` as max_model_len."""
+
+    down = False
+    context = 4096
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        cls = type(self)
+        if self.path == "/v1/models":
+            body = ('{"object": "list", "data": [{"id": "m", "object": "model", "root": "/models/m", '
+                    f'"max_model_len": {cls.context}}}]}}').encode()
+        else:
+            body = b""
+        self.send_response(503 if cls.down and self.path == "/health" else 200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+async def test_the_model_card_is_read_again_when_a_worker_comes_back():
+    handler = type("Handler", (Restartable,), {})
+    with serve_handler(handler) as url:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool([url], client, interval_s=3600, timeout_s=1.0, misses_allowed=1)
+            await pool.check_all()
+            assert pool.workers[0].model_card["max_model_len"] == 4096
+            handler.down, handler.context = True, 8192  # restarted with a longer context
+            await pool.check_all()
+            assert not pool.ready and pool.workers[0].model_card["max_model_len"] == 4096  # the last one known
+            handler.down = False
+            await pool.check_all()
+            assert pool.ready and pool.workers[0].model_card["max_model_len"] == 8192
