@@ -18,6 +18,7 @@ import pytest
 from store import StoreConfig
 from tests.conftest import free_port, remove_store_memory
 from tests.images_lib import data_url, encode, small
+from tests.videos_lib import encode_video, pan
 
 REVISIT = str(Path(sys.executable).parent / "revisit")
 
@@ -73,6 +74,13 @@ def test_serve_starts_workers_shows_progress_and_stops_them_on_sigterm(model_pat
                 assert time.monotonic() < deadline, "the worker never stored the image"
                 time.sleep(0.2)
             assert ask("Before it, other words. Look:").headers["x-revisit-reuse"] == "exact_moved"
+            # What drop-in clients send besides: a video, and a text completion.
+            video = {"type": "video_url", "video_url": {"url": data_url(encode_video(pan(frames=8)), "video/mp4")}}
+            raw = client.chat.completions.with_raw_response.create(
+                model=model, max_completion_tokens=2, messages=[{"role": "user", "content": [
+                    video, {"type": "text", "text": "What happens?"}]}])
+            assert raw.headers["x-revisit-video-frames"].startswith("4;") and raw.parse().choices
+            assert client.completions.create(model=model, prompt="Once upon", max_tokens=2).choices[0].text
         assert (tmp_path / "worker-0.log").stat().st_size > 0
     finally:
         process.send_signal(signal.SIGTERM)  # as docker stop or systemd would
