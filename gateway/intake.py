@@ -12,8 +12,9 @@ import asyncio
 import copy
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.config import GatewayConfig
 from gateway.errors import ClientError, InvalidRequest, ModelNotFound
@@ -31,6 +32,8 @@ from gateway.protocol import (
     parse_body,
 )
 from gateway.videos import CanonicalVideo, open_video
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +89,8 @@ class Intake:
         digest = await off_loop(len(data), CanonicalMemo.digest, data)
         if (known := self.video_memo.get(namespace, digest)) is not None:
             return known
-        try:
-            video = await asyncio.to_thread(open_video, data, settings=settings, processor=self._config.processor,
-                                            model=self._config.model, namespace=namespace)
-        except ClientError as exc:
-            exc.message = f"{ref.param}: {exc.message}"
-            exc.param = exc.param or ref.param
-            exc.args = (exc.message,)
-            raise
+        video = await _in_part(ref, open_video, data, settings=settings, processor=self._config.processor,
+                               model=self._config.model, namespace=namespace)
         self.video_memo.put(namespace, digest, video)
         return video
 
@@ -111,23 +108,21 @@ class Intake:
             self.memo.name(namespace, ref.uuid, digest)
         if (known := self.memo.get(namespace, digest)) is not None:
             return known
-        try:
-            image = await asyncio.to_thread(
-                canonicalize,
-                data,
-                limits=self._config.images,
-                processor=self._config.processor,
-                model=self._config.model,
-                namespace=namespace,
-                extractor=self._extractor,
-            )
-        except ClientError as exc:
-            exc.message = f"{ref.param}: {exc.message}"
-            exc.param = exc.param or ref.param
-            exc.args = (exc.message,)
-            raise
+        image = await _in_part(ref, canonicalize, data, limits=self._config.images, processor=self._config.processor,
+                               model=self._config.model, namespace=namespace, extractor=self._extractor)
         self.memo.put(namespace, digest, image)
         return image
+
+
+async def _in_part(ref: MediaPartRef, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """Run ``work`` on a thread; a client error it raises names the part (its message and param)."""
+    try:
+        return await asyncio.to_thread(work, *args, **kwargs)
+    except ClientError as exc:
+        exc.message = f"{ref.param}: {exc.message}"
+        exc.param = exc.param or ref.param
+        exc.args = (exc.message,)
+        raise
 
 
 # Top-level fields that the chat template renders before the messages (a tool list goes into the system turn).
