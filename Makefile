@@ -16,19 +16,26 @@ $(INSTALLED): pyproject.toml requirements/sglang-cpu.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# SGLang's wheel declares CUDA-only packages: install its CPU-usable requirements and the project first, then
 	# SGLang alone without its declared ones (in this order pip has no unmet declaration to report).
-	$(BIN)/pip install --quiet -r requirements/sglang-cpu.txt -e '.[engine,clip,test]'
+	$(BIN)/pip install --quiet -r requirements/sglang-cpu.txt -e '.[engine,clip,replay,test]'
 	$(BIN)/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
 	@touch $@
 
 install: $(INSTALLED)
 
+# Debian's Chromium, for the operator page's browser tests (tests/dashboards); Playwright drives it, and no browser
+# is downloaded. Elsewhere: make test CHROMIUM=/path/to/chromium.
+CHROMIUM ?= /usr/bin/chromium
+$(CHROMIUM):
+	@echo "[setup] installing Debian's chromium for the browser tests (needs root: apt-get)"
+	apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+
 serve: $(INSTALLED)
 	$(BIN)/revisit serve $(ARGS)
 
-test: $(INSTALLED)
-	$(BIN)/ruff check gateway engine_ext store dashboards plan settings launcher bundled offline soak tests bench
+test: $(INSTALLED) $(CHROMIUM)
+	$(BIN)/ruff check gateway engine_ext store dashboards plan settings launcher bundled offline soak replay tests bench
 	$(BIN)/mypy
-	$(BIN)/python -m pytest $(ARGS)
+	REVISIT_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest $(ARGS)
 
 bench: $(INSTALLED)
 	$(BIN)/python bench/gateway_overhead.py $(ARGS)

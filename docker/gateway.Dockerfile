@@ -6,6 +6,8 @@ COPY plan ./plan
 COPY settings ./settings
 COPY store ./store
 COPY dashboards ./dashboards
+# revisit replay and revisit trace (their plots need the replay extra: pip install ".[replay]")
+COPY replay ./replay
 RUN pip install --no-cache-dir .
 EXPOSE 8000
 ENTRYPOINT ["revisit", "gateway"]

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
 from gateway.metrics import RequestTimer
-from gateway.routes import admin, health, openai_api
+from gateway.routes import admin, dashboard, health, openai_api
 from gateway.services import Services
 
 
@@ -34,4 +34,5 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(health.router)
     app.include_router(admin.router)
     app.include_router(admin.metrics_router)
+    app.include_router(dashboard.router)
     return app

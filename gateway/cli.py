@@ -5,6 +5,8 @@
                        line when ready, workers stopped on exit
     revisit gateway    the gateway alone, in front of workers that run elsewhere
                        (settings from REVISIT_* variables, see GatewayConfig.from_env)
+    revisit replay     replay a trace against a running gateway: report and plots (replay/)
+    revisit trace      make a trace from real images, or import one of image hashes (replay/)
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gateway = commands.add_parser("gateway", help="run the gateway alone (workers from REVISIT_WORKERS)")
     _add_server_args(gateway)
+
+    from replay.cli import add_commands
+
+    add_commands(commands)
     return parser
 
 
@@ -76,6 +82,11 @@ def _run_gateway(
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("replay", "trace"):
+        from replay.cli import run_command
+
+        logging.basicConfig(level=logging.WARNING)
+        return run_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     try:

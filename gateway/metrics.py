@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,7 +101,7 @@ def planner_stats(planner: Planner) -> dict:
 
 # Seconds: a cached image on a GPU answers in tens of milliseconds, a miss on a CPU worker in minutes.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/admin")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/admin", "/dashboard")
 COMPLETING = ENDPOINTS[:2]  # the endpoints that run the model: their latency is labelled by reuse
 NO_IMAGE = "none"  # the reuse label of a request without images or videos
 MIXED = "mixed"  # ... of one whose images were planned as different kinds, or that has images and videos
@@ -121,7 +122,9 @@ class RequestMetrics:
     """Requests served, by endpoint and status code, and how long they took, by the reuse their images got
     (``reuse``: planner.KINDS, "none", "mixed" or "video"; set by the chat route in the request's state)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, recent: int = 200) -> None:
+        # The last requests that ran the model, newest last (GET /admin/recent, the operator page).
+        self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
         self.requests = Counter("revisit_requests", "HTTP requests served, by endpoint and status code (499: the "
                                 "client left before the response ended).", ["endpoint", "code"], registry=registry)
         self.duration = Histogram("revisit_request_duration_seconds", "From the request's arrival to the end of its "
@@ -196,9 +199,15 @@ class RequestTimer:
         metrics.requests.labels(endpoint, code).inc()
         state = scope.get("state") or {}
         reuse = state.get("reuse", NO_IMAGE) if endpoint in COMPLETING else ""
-        metrics.duration.labels(endpoint, reuse).observe(time.perf_counter() - started)
-        if state.get("stream") and first is not None and code == "200":
-            metrics.first_token.labels(reuse).observe(first - started)
+        duration = time.perf_counter() - started
+        metrics.duration.labels(endpoint, reuse).observe(duration)
+        streamed_first = first - started if state.get("stream") and first is not None and code == "200" else None
+        if streamed_first is not None:
+            metrics.first_token.labels(reuse).observe(streamed_first)
+        if endpoint in COMPLETING:
+            metrics.recent.append({"at": time.time(), "endpoint": endpoint, "code": int(code), "reuse": reuse,
+                                   "stream": bool(state.get("stream")), "duration_s": round(duration, 4),
+                                   "ttft_s": round(streamed_first, 4) if streamed_first is not None else None})
 
 
 def build_registry(policy: CachePolicy, planner: Planner | None = None) -> CollectorRegistry:

@@ -55,6 +55,9 @@ _REMEMBERED = 65536  # holders of recent images
 
 
 KINDS = ("miss", "exact_same_prefix", "exact_moved", "approximate")  # what each image was planned as
+# What a request lets the planner reuse (the x-revisit-reuse-mode request header): everything, exact hits only, or
+# nothing (plain SGLang; nothing is stored). A client can only ask for less than the gateway's settings allow.
+REUSE_MODES = ("all", "exact", "off")
 # Also counted: "admitted" (entries found in the store and taken into the books), "near_miss" (candidates compared
 # but none similar enough), "guard_fallback" (a match planned as a miss: too much changed).
 
@@ -106,15 +109,15 @@ class Planner:
     def enabled(self) -> bool:
         return self.settings.enabled and self.cache.store is not None
 
-    async def plan(self, intake: IntakeResult, *, strategy: str | None = None) -> Planned:
+    async def plan(self, intake: IntakeResult, *, strategy: str | None = None, mode: str = "all") -> Planned:
         """One plan per image, read from the store, the books and the match index on the cache thread (never on
         the loop). ``strategy`` overrides the settings' default selector for approximate plans (the route checks
-        that the settings allow it)."""
-        if not self.enabled or not intake.images:
+        that the settings allow it); ``mode`` (REUSE_MODES) limits what may be reused."""
+        if not self.enabled or not intake.images or mode == "off":
             # A video is not planned for (it runs as plain SGLang): it keeps to the worker that served it last.
             return Planned(None, self._video_holder(intake), ())
         plans, kinds, similarities = await self.cache.run(self._plan_images, intake,
-                                                          strategy or self.settings.match.strategy)
+                                                          strategy or self.settings.match.strategy, mode == "all")
         prefer = next((self._holder[image.key] for image, kind in zip(intake.images, kinds, strict=True)
                        if kind != "miss" and image.key in self._holder), None) or self._video_holder(intake)
         return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds), tuple(similarities))
@@ -134,8 +137,8 @@ class Planner:
     def _in_books(self, keys: list[str]) -> frozenset[str]:
         return frozenset(key for key in keys if key in self.cache.policy)
 
-    def _plan_images(self, intake: IntakeResult, strategy: str) -> tuple[list[ImagePlan], list[str],
-                                                                          list[float | None]]:
+    def _plan_images(self, intake: IntakeResult, strategy: str, approximate: bool = True) -> \
+            tuple[list[ImagePlan], list[str], list[float | None]]:
         """The cache thread's part of plan()."""
         plans: list[ImagePlan] = []
         kinds: list[str] = []
@@ -145,7 +148,7 @@ class Planner:
             stored_digest = self._stored_prefix_digest(image.key)
             similarities.append(None)
             if stored_digest is None:
-                plan = self._plan_new(image, prefix_digest, intake.namespace, strategy)
+                plan = self._plan_new(image, prefix_digest, intake.namespace, strategy, approximate)
                 plans.append(plan)
                 kinds.append(plan.strategy)
                 if plan.strategy != MISS:
@@ -166,13 +169,18 @@ class Planner:
         self.counts.update(kinds)
         return plans, kinds, similarities
 
-    def _plan_new(self, image: CanonicalImage, prefix_digest: str, namespace: str, strategy: str) -> ImagePlan:
+    def _plan_new(self, image: CanonicalImage, prefix_digest: str, namespace: str, strategy: str,
+                  approximate: bool = True) -> ImagePlan:
         """An image the store does not hold: approximate when it nearly duplicates a stored image of its
-        namespace (and the guard agrees), else a miss. Either way the worker stores it, so it is indexed."""
+        namespace (and the guard agrees, and ``approximate``), else a miss. Either way the worker stores it, so it
+        is indexed."""
         grid = (image.grid.rows, image.grid.cols)
         miss = ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
                          prefix_digest=prefix_digest)
         if self.matcher is None or image.features is None:
+            return miss
+        if not approximate:
+            self.matcher.add(image.key, namespace, image.features)
             return miss
         lookup = self.matcher.lookup(namespace, image.key, image.features)
         alias = self._usable_alias(lookup.matches)

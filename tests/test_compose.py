@@ -75,6 +75,22 @@ def test_compose_deploys_a_gateway_in_front_of_gpu_workers_sharing_one_store():
     assert named["gateway"]["ports"] == ["9000:8000"]
 
 
+def test_the_monitoring_profile_scrapes_the_gateway_into_grafana_with_the_dashboard():
+    services = compose_file()["services"]
+    assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["monitoring"]
+    assert "profiles" not in services["gateway"]  # a plain `docker compose up` starts no monitoring
+    scrape = yaml.safe_load((ROOT / "dashboards" / "prometheus.yml").read_text())["scrape_configs"][0]
+    assert scrape["metrics_path"] == "/metrics" and scrape["static_configs"][0]["targets"] == ["gateway:8000"]
+    mounts = {volume.split(":")[0]: volume.split(":")[1] for volume in services["grafana"]["volumes"]}
+    assert mounts["./dashboards/grafana/revisit.json"].startswith("/var/lib/grafana/dashboards")
+    provider = yaml.safe_load((ROOT / "dashboards/grafana/provisioning/dashboards/revisit.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    source = yaml.safe_load((ROOT / "dashboards/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+    for path in mounts:
+        assert (ROOT / path).exists(), path
+
+
 def test_an_installed_compose_tool_reads_the_file_the_same_way():
     """A second opinion where a Compose tool is installed (`.ci/run` installs docker-compose); on a machine without
     one the schema test above is the check."""
@@ -83,11 +99,11 @@ def test_an_installed_compose_tool_reads_the_file_the_same_way():
         else ["docker-compose"] if shutil.which("docker-compose") else None)
     if tool is None:
         pytest.skip("no Compose tool installed: nothing to compare with")
-    result = subprocess.run([*tool, "-f", str(ROOT / "compose.yaml"), "config"], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
+    result = subprocess.run([*tool, "-f", str(ROOT / "compose.yaml"), "--profile", "monitoring", "config"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     theirs, ours = yaml.safe_load(result.stdout)["services"], compose_file()["services"]
     assert set(theirs) == set(ours)
     for name, service in ours.items():
-        assert {k: str(v) for k, v in theirs[name]["environment"].items()} == {
-            k: str(v) for k, v in service["environment"].items()}
+        assert {k: str(v) for k, v in theirs[name].get("environment", {}).items()} == {
+            k: str(v) for k, v in service.get("environment", {}).items()}

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("gateway", "engine_ext", "store", "dashboards", "plan", "settings", "launcher", "bundled", "offline",
-            "soak")
+            "soak", "replay")
 
 # package -> the first-party packages it may import. The gateway and the engine extension never import each other;
 # both speak through plan (the wire format) and store (the shared KV store).
@@ -28,9 +28,13 @@ ALLOWED = {
     "offline": {"plan", "bundled", "engine_ext", "store", "settings"},
     # The soak drives a running gateway from outside, as clients and operators do: over HTTP, never by import.
     "soak": {"launcher", "bundled", "offline", "plan", "store", "settings"},
+    # Replay drives a running gateway from outside too; its traces are made of the offline tools' real images.
+    "replay": {"offline", "bundled", "settings"},
 }
 # The one composition root that starts workers next to the gateway (``revisit serve``).
-EXCEPTIONS = {"gateway/embedded.py": {"launcher", "bundled"}}
+EXCEPTIONS = {"gateway/embedded.py": {"launcher", "bundled"},
+              # The console command names the replay tool's commands (it serves nothing of the gateway's).
+              "gateway/cli.py": {"replay"}}
 # What the launcher may take from the engine extension: the package's location and its model package's name.
 LAUNCHER_FROM_ENGINE_EXT = {"engine_ext", "engine_ext.models"}
 

@@ -99,6 +99,7 @@ class ApproximateHits:
         except Exception as exc:  # a store that cannot be read means a full prefill, never a failed request
             log.exception("revisit: preparing the approximate plan for %s failed", plan.key[:16])
             raise FullPrefill("store_error", str(exc)) from exc
+        worker.events.add("store_bytes_read", head.nbytes)
         if partial:
             self._partial_vision_pass(rows, plan, head)
         kind = score_kind(plan)

@@ -13,6 +13,7 @@ waits for as little as possible:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ class EntryHead:
     positions: torch.Tensor  # (3, n) int64: the M-RoPE positions the stored keys were computed at
     encoder: torch.Tensor | None  # as the vision tower gave it, on the host (None when not asked for)
     kv_dtype: str
+    nbytes: int = 0  # read from the store: the header, and the encoder output when asked for
 
 
 def read_head(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads: int, head_dim: int,
@@ -82,7 +84,8 @@ def read_head(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads:
         if not _fits(h, model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens):
             raise FullPrefill("entry_foreign", f"{key[:16]} is {h.model_id}'s, {h.num_tokens} tokens")
         encoder = _tensor(read.encoder_array(), h.encoder_dtype) if with_encoder else None
-        return EntryHead(positions=_positions(h), encoder=encoder, kv_dtype=h.kv_dtype)
+        return EntryHead(positions=_positions(h), encoder=encoder, kv_dtype=h.kv_dtype,
+                         nbytes=h.header_nbytes + (h.encoder_nbytes if with_encoder else 0))
 
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -104,8 +107,9 @@ class KVFetch:
     requested device, or of None when the store no longer holds an intact copy of those blocks (the caller then
     computes those rows instead)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_read: Callable[[int], None] | None = None) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-kv-reader")
+        self._on_read = on_read  # told the bytes of K/V each fetch read from the store
 
     def fetch(self, store: KVStore, key: str, *, tokens: list[int], depth: int, layers: int, kv_dtype: str,
               delta: int | torch.Tensor, frequencies: torch.Tensor, device: torch.device,
@@ -114,7 +118,7 @@ class KVFetch:
         step for the whole image (an int), or (3, tokens) steps per M-RoPE axis and token with ``axes``, the axis of
         each rotary frequency (tokens that moved inside the image: engine_ext.rope.reposition_axes)."""
         return self._thread.submit(_read_group, store, key, tuple(tokens), depth, layers, kv_dtype, delta,
-                                   frequencies, device, axes)
+                                   frequencies, device, axes, self._on_read)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -122,7 +126,7 @@ class KVFetch:
 
 def _read_group(store: KVStore, key: str, tokens: tuple[int, ...], depth: int, layers: int, kv_dtype: str,
                 delta: int | torch.Tensor, frequencies: torch.Tensor, device: torch.device,
-                axes: torch.Tensor | None) -> KVGroup | None:
+                axes: torch.Tensor | None, on_read: Callable[[int], None] | None = None) -> KVGroup | None:
     read = store.get_sparse(key, tokens, (depth, layers))
     if read is None:
         return None
@@ -132,6 +136,8 @@ def _read_group(store: KVStore, key: str, tokens: tuple[int, ...], depth: int, l
         host = torch.empty(read.shape, dtype=torch.int16 if kv_dtype == "bfloat16" else _TORCH_DTYPES[kv_dtype],
                            pin_memory=device.type == "cuda")
         read.gather_into(host.numpy().view(DTYPES[kv_dtype]))
+    if on_read is not None:
+        on_read(host.numel() * host.element_size())
     kv = host.view(torch.bfloat16) if kv_dtype == "bfloat16" else host
     kv = kv.to(device, non_blocking=True).transpose(0, 1)  # (layers - depth, tokens, 2, kv_heads, head_dim)
     if isinstance(delta, torch.Tensor):

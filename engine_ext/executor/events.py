@@ -76,6 +76,7 @@ EVENTS = {
     "decode_steps_hiding": "decode steps (per request) run by the executor to keep dropped tokens hidden",
     "plan_refused": "a request id carried a damaged plan or one of an unknown version; ran unplanned",
     "plan_mismatch": "a plan did not fit its request's images; ran unplanned",
+    "store_bytes_read": "bytes read from the store for exact and approximate plans: headers, encoder outputs, K/V",
     "encoder_from_store": "a stored encoder output was put in SGLang's encoder cache (the vision tower skipped)",
     "vision_images": "images the vision tower encoded in full",
     "vision_partial_images": "images of approximate plans encoded by a partial vision pass (the rest from the alias)",

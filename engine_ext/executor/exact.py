@@ -51,6 +51,7 @@ def prepare(worker: PlanExecutor, rows: ImageRows, plan: ImagePlan, forward_batc
     except Exception as exc:  # a store that cannot be read means a full prefill, never a failed request
         log.exception("revisit: reading %s failed", plan.key)
         raise FullPrefill("store_error", str(exc)) from exc
+    worker.events.add("store_bytes_read", head.nbytes)
     local = rows.local_rows
     now = forward_batch.mrope_positions[:, rows.batch_rows]  # (3, rows)
     shift = now - head.positions.to(now.device)[:, local]

@@ -66,7 +66,7 @@ class PlanExecutor:
         self._store = None
         self._store_lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-store-writer")
-        self.reader = KVFetch()
+        self.reader = KVFetch(on_read=lambda nbytes: self.events.add("store_bytes_read", nbytes))
         self.events = ExecutionEvents()
         self.clock = ForwardClock()  # a forward in progress, for the gateway's health checks
         self._captured: dict[tuple[str, int], None] = {}  # insertion-ordered, bounded

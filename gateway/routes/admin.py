@@ -12,6 +12,7 @@ Routes:
   GET    /admin/entries/{key}            one entry
   DELETE /admin/entries/{key}?force=     drop it (409 when pinned, unless force=true)
   POST   /admin/entries/{key}/pin        pin;  DELETE on the same path unpins
+  GET    /admin/recent?limit=            the last requests that ran the model, newest first
   GET    /admin/presets                  the preset priors in use
   POST   /admin/presets                  replace them: {"keys": {key: w}, "families": {label: w}}
   POST   /admin/flush?force=             drop every entry (pinned ones only with force=true)
@@ -190,6 +191,14 @@ async def _set_pinned(request: Request, key: str, *, pinned: bool) -> dict:
             request, lambda policy, cache: _entry_body(policy, cache.set_pinned(key, pinned)))
     except UnknownEntry:
         raise EntryNotFound(key) from None
+
+
+@router.get("/recent")
+async def recent(request: Request, limit: Annotated[int, Query(ge=1, le=200)] = 50) -> dict:
+    """What the last requests that ran the model got: when, the endpoint, the status, the reuse label
+    (gateway/metrics.py), the time to the first streamed token and the whole time."""
+    kept = request.app.state.services.requests.recent
+    return {"object": "list", "data": list(reversed(kept))[:limit]}
 
 
 @router.get("/presets")

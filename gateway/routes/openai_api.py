@@ -20,7 +20,7 @@ from gateway.intake import IntakeResult
 from gateway.metrics import CLIENT_LEFT, FRAMES_SEEN, reuse_label
 from gateway.offload import off_loop
 from gateway.openai_shape import CHAT, TEXT, Shape
-from gateway.planner import Planned
+from gateway.planner import REUSE_MODES, Planned
 from gateway.protocol import parse_completion_body
 from gateway.services import Services
 from gateway.tenancy import cache_scope, namespace_for
@@ -36,6 +36,7 @@ IMAGE_KEYS_HEADER = "x-revisit-image-keys"
 REUSE_HEADER = "x-revisit-reuse"  # per image, what the worker ran (Planned.reuse_header)
 VIDEO_FRAMES_HEADER = "x-revisit-video-frames"  # per video, its sampled frames and how many were seen before
 STRATEGY_HEADER = "x-revisit-strategy"  # a request's choice of approximate strategy, where settings allow it
+REUSE_MODE_HEADER = "x-revisit-reuse-mode"  # what a request lets the planner reuse (planner.REUSE_MODES)
 # SGLang request fields the gateway owns: a client's value would name another request or another tenant's cache.
 _GATEWAY_FIELDS = frozenset({"rid", "extra_key"})
 
@@ -101,9 +102,10 @@ async def chat_completions(request: Request) -> Any:
     raw = await _read_body(request, config.max_request_bytes)
     namespace = _namespace(request, services)
     strategy = _requested_strategy(request, config.reuse.match)
+    mode = _requested_mode(request)
     intake = await services.intake.process(raw, namespace=namespace)
     headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
-    planned = await services.planner.plan(intake, strategy=strategy)
+    planned = await services.planner.plan(intake, strategy=strategy, mode=mode)
     if seen := await services.planner.frames_seen(intake):
         headers[VIDEO_FRAMES_HEADER] = ",".join(video.header() for video in seen)
         for label, count in zip(FRAMES_SEEN, (sum(v.as_image for v in seen), sum(v.in_video for v in seen),
@@ -204,6 +206,14 @@ def _requested_strategy(request: Request, settings: MatchSettings) -> str | None
         raise InvalidRequest(f"{STRATEGY_HEADER} must be one of {', '.join(SELECTORS)}, got {name[:40]!r}",
                              param=STRATEGY_HEADER, code="invalid_strategy")
     return name
+
+
+def _requested_mode(request: Request) -> str:
+    mode = request.headers.get(REUSE_MODE_HEADER, "all")
+    if mode not in REUSE_MODES:
+        raise InvalidRequest(f"{REUSE_MODE_HEADER} must be one of {', '.join(REUSE_MODES)}, got {mode[:40]!r}",
+                             param=REUSE_MODE_HEADER, code="invalid_reuse_mode")
+    return mode
 
 
 def scoped_plan(plan: RequestPlan | None, intake: IntakeResult, namespace: str) -> RequestPlan | None:

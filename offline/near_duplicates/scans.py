@@ -111,7 +111,7 @@ def scan_for(large: bool) -> _Scan:
     return _scan(4, 3200) if large else _scan(2, 1400)
 
 
-def _replace_word(image: Image.Image, box: tuple[int, int, int, int], word: str) -> Image.Image:
+def replace_word(image: Image.Image, box: tuple[int, int, int, int], word: str) -> Image.Image:
     """The image with the word in ``box`` painted over with its surrounding background and ``word`` drawn in its
     place, in the old word's ink and about its size (what an edit of the document would show)."""
     x0, y0, x1, y1 = box
@@ -150,7 +150,7 @@ def scan_edits(rng: random.Random, count: int, large: bool) -> list[Pair]:
         if not inside:
             continue
         box = rng.choice(inside)
-        edited = _replace_word(scan.image, box, rng.choice(EDIT_WORDS))
+        edited = replace_word(scan.image, box, rng.choice(EDIT_WORDS))
         a, b = window(scan.image, y, rows, cols), window(edited, y, rows, cols)
         changed = changed_exact(a, b)
         if changed.any():

@@ -35,10 +35,11 @@ def page(seed: int) -> Image.Image:
     return image
 
 
-def ask(base_url: str, api_key: str, image: Image.Image):
+def ask(base_url: str, api_key: str, image: Image.Image, mode: str | None = None):
     with openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=300) as client:
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL_ID, max_tokens=4, temperature=0,
+            extra_headers={"x-revisit-reuse-mode": mode} if mode else None,
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
                                                    {"type": "text", "text": "What is the total?"}]}])
         return raw.headers, raw.parse()
@@ -140,3 +141,32 @@ def stop(process: subprocess.Popen) -> None:
     with it."""
     process.terminate()
     assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+def test_a_request_may_ask_for_less_reuse(gateway) -> None:
+    """x-revisit-reuse-mode: ``exact`` plans a near-duplicate as a miss, ``off`` plans nothing at all (plain
+    SGLang: nothing reused, stored or counted), and the answers stay plain SGLang's."""
+    me = f"sk-{uuid.uuid4().hex}"
+    headers, _ = ask(gateway.url, me, page(11))
+    first_key = headers["x-revisit-image-keys"]
+    wait_stored(gateway, first_key)
+    headers, _ = ask(gateway.url, me, page(12), mode="exact")
+    assert headers["x-revisit-reuse"] == "miss"
+    wait_stored(gateway, headers["x-revisit-image-keys"])
+
+    before = {kind: plans_metric(gateway.url, kind) for kind in ("miss", "exact_same_prefix")}
+    events = worker_events(gateway.config.workers)
+    headers, off = ask(gateway.url, me, page(11), mode="off")  # stored, and not reused
+    assert "x-revisit-reuse" not in headers and headers["x-revisit-image-keys"] == first_key
+    headers, _ = ask(gateway.url, me, page(13), mode="off")  # new, and not stored
+    assert "x-revisit-reuse" not in headers
+    assert {kind: plans_metric(gateway.url, kind) for kind in before} == before
+    time.sleep(1.0)
+    assert worker_events(gateway.config.workers)["stored"] == events["stored"]
+    headers, again = ask(gateway.url, me, page(11))
+    assert headers["x-revisit-reuse"] == "exact_same_prefix"
+    assert off.choices[0].message.content == again.choices[0].message.content
+    assert ask(gateway.url, me, page(13))[0]["x-revisit-reuse"].split(";")[0] in ("miss", "approximate")  # not exact
+    with pytest.raises(openai.BadRequestError) as info:
+        ask(gateway.url, me, page(11), mode="some")
+    assert info.value.body["code"] == "invalid_reuse_mode"

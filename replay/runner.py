@@ -1,0 +1,261 @@
+"""Replaying a trace against a running gateway: each request sent as its tenant, at the trace's pace (or as fast
+as ``concurrency`` allows), its outcome appended to a results file as it ends.
+
+A run can be stopped and started again with the same results file: requests already there are not sent again
+(``resume``). Each result says what the gateway served (``x-revisit-reuse`` per image), how long the first token
+and the whole answer took, and the prompt and cached token counts. While it runs, the gateway's ``/admin/stats``
+are sampled (with the admin token) for the report's tier traffic and to check the counts against the headers.
+
+Tenants get API keys ``{key_prefix}{tenant}``: a fresh prefix gives a run caches of its own, so that two runs of
+one trace (reuse on and off, say) do not serve each other's images. ``mode`` is sent as ``x-revisit-reuse-mode``:
+``all`` (the gateway's default), ``exact`` (exact hits only) or ``off`` (plain SGLang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from replay.trace import ImageFiles, Trace, TraceRequest, image_parts
+
+MODES = ("all", "exact", "off")
+PLAIN = "plain"  # an image the gateway planned nothing for (reuse off, or no store): plain SGLang
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    url: str
+    model: str | None = None  # default: the first model the gateway lists
+    concurrency: int = 4
+    paced: bool = True  # at the trace's recorded times (scaled by speed); else as fast as concurrency allows
+    speed: float = 1.0
+    mode: str = "all"
+    key_prefix: str = "sk-replay-"
+    admin_token: str | None = None
+    sample_s: float = 2.0  # how often /admin/stats is sampled
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}")
+        if self.concurrency < 1 or self.speed <= 0 or self.sample_s <= 0:
+            raise ValueError("concurrency, speed and sample_s must be positive")
+
+
+@dataclass
+class Result:
+    """One replayed request."""
+
+    index: int
+    tenant: str
+    family: str
+    sent_s: float  # since the run began
+    status: int = 0  # HTTP status; 0: no answer (connection failed, timed out)
+    ttft_s: float | None = None  # to the first content (the whole answer when not streamed)
+    latency_s: float | None = None
+    reuse: list[str] = field(default_factory=list)  # per image, what ran (x-revisit-reuse's kinds; PLAIN without)
+    planned: list[str] = field(default_factory=list)  # per image, what was planned (a fallback's planned=)
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+
+@dataclass
+class Sample:
+    at_s: float
+    stats: dict[str, Any]  # the gateway's /admin/stats
+    bytes_read: int | None = None  # what the workers have read from the store (their store_bytes_read), summed
+
+
+@dataclass
+class Run:
+    settings: ReplaySettings
+    results: list[Result]
+    samples: list[Sample]
+    wall_s: float
+
+
+def read_results(path: Path) -> list[Result]:
+    if not path.exists():
+        return []
+    results = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                results.append(Result(**json.loads(line)))
+            except (ValueError, TypeError):
+                continue  # a line cut short when a run was killed: that request is sent again
+    return results
+
+
+async def replay(trace: Trace, settings: ReplaySettings, results_path: Path, *,
+                 progress: Callable[[int, int], None] | None = None) -> Run:
+    """Replay every request of the trace not yet in results_path; returns all results (earlier ones included)."""
+    done = {r.index: r for r in read_results(results_path)}
+    todo = [r for r in trace.requests if r.index not in done]
+    files = ImageFiles(trace.base_dir)
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    limits = httpx.Limits(max_connections=settings.concurrency + 2, max_keepalive_connections=settings.concurrency)
+    samples: list[Sample] = []
+    started = time.monotonic()
+    first_t = todo[0].t if todo else 0.0
+    async with httpx.AsyncClient(base_url=settings.url, timeout=settings.timeout_s, limits=limits) as client:
+        model = settings.model or await _first_model(client)
+        gate = asyncio.Semaphore(settings.concurrency)
+        workers = await _worker_urls(client)
+        sampler = asyncio.create_task(_sample(client, settings, samples, started, workers))
+        with results_path.open("a") as out:
+            if out.tell() and not results_path.read_bytes().endswith(b"\n"):
+                out.write("\n")  # after a line a killed run cut short
+            finished = len(done)
+
+            async def one(request: TraceRequest) -> None:
+                nonlocal finished
+                if settings.paced:
+                    delay = (request.t - first_t) / settings.speed - (time.monotonic() - started)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                async with gate:
+                    result = await _send(client, files, request, model, settings, started)
+                done[request.index] = result
+                out.write(json.dumps(asdict(result)) + "\n")
+                out.flush()
+                finished += 1
+                if progress is not None:
+                    progress(finished, len(trace.requests))
+
+            try:
+                await asyncio.gather(*(one(r) for r in todo))
+            finally:
+                sampler.cancel()
+                await asyncio.gather(sampler, return_exceptions=True)
+                if settings.admin_token:
+                    if (last := await _stats(client, settings)) is not None:
+                        samples.append(Sample(time.monotonic() - started, last, await _bytes_read(workers)))
+    return Run(settings=settings, results=[done[i] for i in sorted(done)], samples=samples,
+               wall_s=time.monotonic() - started)
+
+
+async def _first_model(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def _stats(client: httpx.AsyncClient, settings: ReplaySettings) -> dict[str, Any] | None:
+    try:
+        response = await client.get("/admin/stats", headers={"Authorization": f"Bearer {settings.admin_token}"})
+    except httpx.HTTPError:
+        return None
+    return response.json() if response.status_code == 200 else None
+
+
+async def _sample(client: httpx.AsyncClient, settings: ReplaySettings, samples: list[Sample],
+                  started: float, workers: list[str]) -> None:
+    if not settings.admin_token:
+        return
+    while True:
+        if (stats := await _stats(client, settings)) is not None:
+            samples.append(Sample(time.monotonic() - started, stats, await _bytes_read(workers)))
+        await asyncio.sleep(settings.sample_s)
+
+
+async def _worker_urls(client: httpx.AsyncClient) -> list[str]:
+    """The workers the gateway lists on /health (their URLs as the gateway reaches them)."""
+    try:
+        return [w["url"] for w in (await client.get("/health")).json().get("workers", [])]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return []
+
+
+async def _bytes_read(workers: list[str]) -> int | None:
+    """The store bytes every worker has read (revisit_worker_events_total{event="store_bytes_read"}), summed; None
+    when a worker cannot be reached from here (then the report has no bytes per hit)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not workers:
+        return None
+    total = 0
+    async with httpx.AsyncClient(timeout=10) as client:
+        for url in workers:
+            try:
+                text = (await client.get(url.rstrip("/") + "/metrics")).text
+            except httpx.HTTPError:
+                return None
+            total += int(sum(sample.value for family in text_string_to_metric_families(text)
+                             if family.name == "revisit_worker_events" for sample in family.samples
+                             if sample.name.endswith("_total") and sample.labels.get("event") == "store_bytes_read"))
+    return total
+
+
+async def _send(client: httpx.AsyncClient, files: ImageFiles, request: TraceRequest, model: str,
+                settings: ReplaySettings, started: float) -> Result:
+    result = Result(index=request.index, tenant=request.tenant, family=str(request.meta.get("family", "")),
+                    sent_s=time.monotonic() - started)
+    body = {**files.inline(request.body), "model": model}
+    stream = bool(body.get("stream"))
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    headers = {"Authorization": f"Bearer {settings.key_prefix}{request.tenant}", "x-revisit-reuse-mode": settings.mode}
+    begun = time.monotonic()
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+            result.status = response.status_code
+            _read_reuse(result, response.headers.get("x-revisit-reuse", ""))
+            if response.status_code == 200 and not result.reuse:
+                result.reuse = result.planned = [PLAIN] * sum(1 for _ in image_parts(request.body))
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")[:300]
+            elif stream:
+                await _read_stream(response, result, begun)
+            else:
+                payload = json.loads(await response.aread())
+                result.ttft_s = time.monotonic() - begun
+                _read_usage(result, payload.get("usage"))
+        result.latency_s = time.monotonic() - begun
+    except (httpx.HTTPError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+    return result
+
+
+async def _read_stream(response: httpx.Response, result: Result, begun: float) -> None:
+    async for line in response.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            result.error = str(chunk["error"].get("message", chunk["error"]))[:300]
+            return
+        choices = chunk.get("choices") or []
+        if result.ttft_s is None and any((c.get("delta") or {}).get("content") for c in choices):
+            result.ttft_s = time.monotonic() - begun
+        _read_usage(result, chunk.get("usage"))
+    if result.ttft_s is None:  # an answer with no content (an immediate stop): its end is its first token
+        result.ttft_s = time.monotonic() - begun
+
+
+def _read_usage(result: Result, usage: Any) -> None:
+    if isinstance(usage, dict):
+        result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        result.cached_tokens = details.get("cached_tokens", result.cached_tokens)
+
+
+def _read_reuse(result: Result, header: str) -> None:
+    """x-revisit-reuse: per image ``kind[;similarity=..][;degraded=..]`` or ``miss;planned=kind;fallback=cause``."""
+    for part in filter(None, header.split(",")):
+        fields = part.split(";")
+        planned = next((f.split("=", 1)[1] for f in fields[1:] if f.startswith("planned=")), fields[0])
+        result.reuse.append(fields[0])
+        result.planned.append(planned)

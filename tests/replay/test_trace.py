@@ -1,0 +1,135 @@
+"""Traces: made from real images, read back with clear errors, imported from image hashes; and the report's
+figures from a run's results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from replay.importer import import_hashes
+from replay.maker import FAMILIES, TraceShape, make_trace
+from replay.report import summarize, write_report
+from replay.runner import ReplaySettings, Result, Run, Sample, _read_reuse, read_results
+from replay.trace import ImageFiles, TraceError, image_parts, read_trace
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    return make_trace(tmp_path_factory.mktemp("trace"), TraceShape(requests=120, tenants=3, seed=3))
+
+
+def test_a_made_trace_reads_back_with_every_family_and_revisits(made):
+    trace = read_trace(made)
+    assert len(trace.requests) == 120 and trace.header["made_by"] == "revisit trace make"
+    assert [r.index for r in trace.requests] == list(range(120))
+    times = [r.t for r in trace.requests]
+    assert times == sorted(times) and times[0] > 0
+    assert {r.meta["family"] for r in trace.requests} == set(FAMILIES)
+    steps = [r.meta["step"] for r in trace.requests]
+    assert 0.2 < steps.count("revisit") / len(steps) < 0.5
+    urls = [part["url"] for r in trace.requests for part in image_parts(r.body)]
+    assert len(urls) == 120 and len(set(urls)) < len(urls)  # revisits name the same file
+    assert all((made.parent / url).is_file() for url in urls)
+    assert len(trace.tenants) == 3
+
+
+def test_the_same_seed_makes_the_same_trace(made, tmp_path):
+    again = make_trace(tmp_path, TraceShape(requests=120, tenants=3, seed=3))
+    assert again.read_text() == made.read_text()
+
+
+def test_images_are_inlined_when_replayed(made):
+    trace = read_trace(made)
+    files = ImageFiles(trace.base_dir)
+    body = files.inline(trace.requests[0].body)
+    url = next(image_parts(body))["url"]
+    assert url.startswith("data:image/png;base64,") and next(image_parts(trace.requests[0].body))["url"] != url
+    with pytest.raises(TraceError, match="leaves the trace's folder"):
+        files.data_url("../../etc/passwd")
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "not JSON"),
+    ('{"t": -1, "tenant": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}', "t must be"),
+    ('{"t": 1, "tenant": "", "body": {"messages": [{"role": "user", "content": "hi"}]}}', "tenant"),
+    ('{"t": 1, "tenant": "a", "body": {"messages": []}}', "messages"),
+    ('[1, 2]', "JSON object"),
+])
+def test_a_bad_line_is_named(tmp_path, line, message):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"t": 0, "tenant": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}\n' + line)
+    with pytest.raises(TraceError, match=message) as info:
+        read_trace(path)
+    assert f"{path}:2" in str(info.value)
+
+
+def test_time_never_goes_back(tmp_path):
+    body = '"tenant": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}'
+    path = tmp_path / "trace.jsonl"
+    path.write_text(f'{{"t": 5, {body}}}\n{{"t": 4, {body}}}\n')
+    with pytest.raises(TraceError, match="back in time"):
+        read_trace(path)
+
+
+def test_importing_image_hashes_keeps_the_repeats_and_the_timing(tmp_path):
+    csv = tmp_path / "log.csv"
+    csv.write_text("timestamp,user,image_hashes,prompt\n"
+                   "2026-01-01T10:00:05Z,u1,aa;bb,What is it?\n"
+                   "2026-01-01T10:00:00Z,u2,aa,\n"
+                   "2026-01-01T10:00:07Z,u1,,Hello\n"
+                   "2026-01-01T10:00:09Z,u2,cc bb,Compare them\n")
+    trace = read_trace(import_hashes(csv, tmp_path / "out"))
+    assert [r.t for r in trace.requests] == [0.0, 5.0, 7.0, 9.0] and trace.tenants == ("u2", "u1")
+    urls = [[part["url"] for part in image_parts(r.body)] for r in trace.requests]
+    assert urls[0][0] == urls[1][0] and urls[1][1] == urls[3][1]  # aa, then bb, again
+    assert len({u for us in urls for u in us}) == 3 and urls[2] == []
+    with pytest.raises(TraceError, match="no timestamp"):
+        bad = tmp_path / "bad.csv"
+        bad.write_text("when,image_hash\n1,aa\n")
+        import_hashes(bad, tmp_path / "bad")
+
+
+def test_reuse_header_and_results_file(tmp_path):
+    result = Result(index=0, tenant="a", family="doc", sent_s=0.0)
+    _read_reuse(result, "approximate;similarity=0.9731,miss;planned=exact_moved;fallback=entry_absent,miss")
+    assert result.reuse == ["approximate", "miss", "miss"] and result.planned == ["approximate", "exact_moved", "miss"]
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps(result.__dict__) + "\n" + '{"index": 1, "ten')  # the last line cut by a kill
+    assert [r.index for r in read_results(path)] == [0]
+
+
+def _result(index: int, reuse: list[str], ttft: float, family: str = "doc") -> Result:
+    return Result(index=index, tenant="a", family=family, sent_s=index * 0.1, status=200, ttft_s=ttft,
+                  latency_s=ttft + 0.05, reuse=reuse, planned=list(reuse), prompt_tokens=100, cached_tokens=10)
+
+
+def _stats(exact: int, approximate: int, miss: int) -> dict:
+    return {"plans": {"miss": miss, "exact_same_prefix": exact, "exact_moved": 0, "approximate": approximate},
+            "hits": {"exact": {"dram": exact, "lmdb": 0}, "approximate": {"dram": approximate, "lmdb": 0}},
+            "decisions": {"admit": miss, "promote": 0}, "evictions": {"dram": {"capacity": 0}},
+            "tiers": {"dram": {"entries": miss}}}
+
+
+def test_the_report_counts_what_the_headers_said(tmp_path):
+    results = [_result(i, [kind], ttft) for i, (kind, ttft) in enumerate(
+        [("miss", 1.0)] * 6 + [("exact_same_prefix", 0.1)] * 3 + [("approximate", 0.4)] * 1)]
+    results.append(Result(index=10, tenant="a", family="doc", sent_s=1.0, status=413, error="too large"))
+    run = Run(settings=ReplaySettings(url="http://x"), results=results, wall_s=2.0,
+              samples=[Sample(0.0, _stats(5, 5, 5), 1000), Sample(1.0, _stats(7, 5, 9), 3000),
+                       Sample(2.0, _stats(8, 6, 11), 9000)])
+    summary = summarize(run)
+    assert summary["requests"] == 11 and summary["ok"] == 10 and summary["failed"] == {"413": 1}
+    assert summary["hit_rate"] == {"exact": 0.3, "approximate": 0.1, "any": 0.4}
+    assert summary["ttft_s"]["exact_same_prefix"]["p50"] == pytest.approx(0.1)
+    assert summary["gateway"]["plans"] == {"miss": 6, "exact_same_prefix": 3, "exact_moved": 0, "approximate": 1}
+    assert summary["images"]["ran"]["plain"] == 0
+    assert summary["gateway"]["plans_match_headers"]
+    assert summary["gateway"]["store_bytes_read"] == 8000 and summary["gateway"]["bytes_per_hit"] == 2000
+    report = write_report([run], tmp_path, trace_name="t")
+    assert sorted(report["plots"]) == ["bytes_per_hit.png", "hit_rate.png", "tier_traffic.png", "ttft_cdf.png"]
+    for name in report["plots"]:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "hit rate: exact | 30.0%" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["runs"][0]["images"]["total"] == 10
