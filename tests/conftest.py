@@ -25,6 +25,21 @@ WORKER_READY_TIMEOUT_S = 600
 MODEL_ID = "revisit-tiny"
 
 
+def terminate(process, timeout: float = 30.0) -> int:
+    """SIGTERM a process started in a session of its own (as docker stop or systemd would), wait for it; on a
+    timeout kill its whole group and raise. Returns its exit code."""
+    import os
+    import signal
+    import subprocess
+
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 from replay.maker import TraceShape, make_trace
 from replay.runner import read_results
 from store import StoreConfig
-from tests.conftest import free_port, remove_store_memory
+from tests.conftest import free_port, remove_store_memory, terminate
 
 pytestmark = pytest.mark.sglang
 
@@ -47,12 +46,10 @@ def embedded(tmp_path_factory):
             lines.append(process.stdout.readline())
         yield f"http://127.0.0.1:{port}"
     finally:
-        process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        remove_store_memory(StoreConfig(dram_dir=dram))
+            terminate(process, timeout=90)
+        finally:
+            remove_store_memory(StoreConfig(dram_dir=dram))
 
 
 def admin_plans(url: str) -> dict[str, int]:

@@ -5,7 +5,6 @@ what an earlier run (or a worker since) left there. Real ``revisit gateway`` pro
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from store.config import StoreConfig
 from store.tiered import TieredStore, open_tier
-from tests.conftest import free_port, remove_store_memory
+from tests.conftest import free_port, remove_store_memory, terminate
 from tests.store.entries import key_for, make_entry
 
 TOKEN = "admin-token-for-tests"
@@ -65,12 +64,7 @@ class Gateway:
             return False
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            raise
+        terminate(self.process)
 
 
 def write(store: TieredStore, seed: int, tier: str | None = None) -> str:

@@ -8,7 +8,6 @@ uvicorn does by default, so a gateway on uvicorn's default closes them just when
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import httpx
 
 from gateway.config import GatewayConfig
 from gateway.services import UPSTREAM_KEEP_ALIVE_S
-from tests.conftest import free_port
+from tests.conftest import free_port, terminate
 
 REQUEST = b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\nConnection: keep-alive\r\n\r\n"
 
@@ -63,11 +62,7 @@ def test_the_gateway_keeps_an_idle_client_connection_longer_than_clients_do() ->
             sock.sendall(REQUEST)
             assert answer(sock).startswith(b"HTTP/1.1 200"), "the gateway closed an idle connection a client keeps"
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        terminate(process)
     assert GatewayConfig(model="m", workers=("http://w",)).keep_alive_s > 60
 
 
