@@ -57,6 +57,10 @@ def add_commands(commands: Any) -> None:
     make.add_argument("--tokens", default="6x9", help="image token grid, ROWSxCOLS (default 6x9)")
     make.add_argument("--max-tokens", type=int, default=4, help="max_tokens of each request (default 4)")
     make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--render-dir", type=Path, default=None, help="where rendered documentation pages are cached "
+                      "(default ~/.cache/revisit/renders)")
+    make.add_argument("--no-docs", action="store_true", help="documents from scanned pages only, no rendered "
+                      "documentation (which needs Chromium and python3.11-doc or sqlite3-doc)")
     imported = kinds.add_parser("import", help="a trace of per-request image hashes and arrival times "
                                 "(replay/importer.py)")
     imported.add_argument("csv", type=Path)
@@ -89,7 +93,8 @@ def _trace(args: argparse.Namespace) -> int:
         from replay.maker import TraceShape, make_trace
 
         shape = TraceShape(requests=args.requests, tenants=args.tenants, rate=args.rate, tokens=_grid(args.tokens),
-                           max_tokens=args.max_tokens, seed=args.seed)
+                           max_tokens=args.max_tokens, seed=args.seed, docs=not args.no_docs,
+                           **({"render_dir": args.render_dir} if args.render_dir else {}))
         with tqdm(total=shape.requests, unit="req", desc="making the trace") as bar:
             path = make_trace(args.out, shape, progress=lambda done, total: bar.update(done - bar.n))
     else:

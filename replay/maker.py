@@ -3,9 +3,11 @@ video assistant send, with the repeats and near-repeats this gateway exists for.
 
 Every request belongs to a session of one of four families:
 
-- ``doc``: screenshots of a document being read (scikit-image's scanned page.png and text.png stacked into a
-  long document, at screen scale): the first view, then scrolls down (by whole lines of tokens, now and then by a
-  few pixels), an edited word (the user typed), a look back at an earlier view;
+- ``doc``: screenshots of a document being read: documentation pages (Debian's python3.11-doc and sqlite3-doc)
+  rendered by headless Chromium where both are installed (renders cached in ``render_dir``), else scikit-image's
+  scanned page.png and text.png stacked into a long document at screen scale: the first view, then scrolls down
+  (by whole lines of tokens, now and then by a few pixels), an edited word (the user typed; a page is rendered
+  again with one word of its HTML changed), a look back at an earlier view;
 - ``video``: consecutive frames of a clip (the street camera and animations Debian's opencv-doc ships; a camera
   pan over a real photo where they are absent), a frame or two apart;
 - ``photo``: a photo uploaded, then uploaded again as JPEG at another quality (the same picture, other bytes);
@@ -27,10 +29,14 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PIL import Image
 
 from replay.trace import TraceRequest, write_trace
+
+if TYPE_CHECKING:
+    from offline.near_duplicates.docs import Renderer
 
 TOKEN = 28  # pixels per language-model token side (patch 14, merge 2)
 FAMILIES = ("doc", "video", "photo", "form")
@@ -58,6 +64,8 @@ class TraceShape:
     max_tokens: int = 4
     stream_share: float = 0.8
     seed: int = 0
+    docs: bool = True  # rendered documentation pages for doc sessions, where Chromium and the docs are installed
+    render_dir: Path = Path.home() / ".cache" / "revisit" / "renders"
 
 
 Frame = Image.Image | tuple[Image.Image, str, dict]  # an image, or one with the format and options to save it in
@@ -168,11 +176,43 @@ class _Sources:
         self.scan = scan_for(False)
         self.photos = photos()
         self.clips = _clips()
+        self.sites: list[list[Path]] = []
+        self.renderer: Renderer | None = None
+        if shape.docs:
+            self.sites, self.renderer = _doc_sites(shape.render_dir)
 
     def session(self, family: str) -> Iterator[Frame]:
         return {"doc": self._doc, "video": self._video, "photo": self._photo, "form": self._form}[family]()
 
     def _doc(self) -> Iterator[Frame]:
+        if self.renderer is not None and self.sites:
+            yield from self._rendered_doc()
+        else:
+            yield from self._scanned_doc()
+
+    def _rendered_doc(self) -> Iterator[Frame]:
+        from offline.near_duplicates.docs import edit_html
+
+        assert self.renderer is not None
+        pages = self.rng.choice(self.sites)
+        html = self.renderer.html(self.rng.choice(pages))
+        width, height = RENDER_WIDTH, RENDER_HEIGHT
+        page = self.renderer.render(html, width, height)
+        view_w, view_h = self.cols * TOKEN, self.rows * TOKEN
+        x = self.rng.randrange(0, max(1, (width - view_w) // TOKEN)) * TOKEN
+        y = 0
+        for _ in range(self.rng.randint(6, 14)):
+            yield page.crop((x, y, x + view_w, y + view_h))
+            action = self.rng.random()
+            if action < 0.55:
+                y = min(height - view_h, y + TOKEN * self.rng.randint(1, 3))
+            elif action < 0.7:
+                y = min(height - view_h, y + self.rng.randint(3, TOKEN - 3))
+            elif (edited := edit_html(html, self.rng)) is not None:
+                html = edited[0]
+                page = self.renderer.render(html, width, height)
+
+    def _scanned_doc(self) -> Iterator[Frame]:
         from offline.near_duplicates.pairs import EDIT_WORDS
         from offline.near_duplicates.scans import replace_word
 
@@ -249,6 +289,21 @@ def _fit(image: Image.Image, rows: int, cols: int) -> Image.Image:
                           Image.Resampling.BICUBIC)
     left, top = (scaled.width - width) // 2, (scaled.height - height) // 2
     return scaled.crop((left, top, left + width, top + height))
+
+
+RENDER_WIDTH, RENDER_HEIGHT = 812, 1680  # a browser window, as offline.near_duplicates renders pages
+
+
+def _doc_sites(render_dir: Path) -> tuple[list[list[Path]], Renderer | None]:
+    """The documentation sites' pages and a renderer, or nothing where Chromium or the docs are missing."""
+    from offline.near_duplicates.docs import DOC_SITES, Renderer, find_chromium, site_pages
+
+    chromium = find_chromium()
+    sites = [pages for _, root, globs in DOC_SITES if root.is_dir() and len(pages := site_pages(root, globs)) >= 4]
+    if chromium is None or not sites:
+        return [], None
+    render_dir.mkdir(parents=True, exist_ok=True)
+    return sites, Renderer(chromium, render_dir)
 
 
 def _skimage(name: str) -> Image.Image:

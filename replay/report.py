@@ -12,8 +12,9 @@ Figures per run (one per reuse mode with ``--compare``):
   tier, promotions, demotions, admissions and evictions.
 
 Plots: hit rate by kind over the run (``hit_rate.png``), TTFT CDF per kind (``ttft_cdf.png``, one panel per run),
-tier traffic over time (``tier_traffic.png``), store bytes the workers read per hit (``bytes_per_hit.png``, from
-their ``/metrics`` where the replay can reach them).
+tier traffic over time (``tier_traffic.png``: L2 and L3 hits, promotions, demotions, admissions and evictions, and
+L1, the prompt tokens SGLang's own prefix cache served), store bytes the workers read per hit
+(``bytes_per_hit.png``, from their ``/metrics`` where the replay can reach them).
 """
 
 from __future__ import annotations
@@ -250,6 +251,19 @@ def plot(runs: Sequence[Run], out_dir: Path) -> list[Path]:
             for name, read in series.items():
                 base = read(first)
                 axis.plot(times, [read(s.stats) - base for s in run.samples], label=name)
+            # L1: what SGLang's own prefix cache served, in prompt tokens, as the requests ended.
+            ended = sorted((r.sent_s + (r.latency_s or 0.0), r.cached_tokens or 0) for r in run.results if r.ok)
+            if ended:
+                tokens = axis.twinx()
+                total = 0
+                cumulative = []
+                for _, cached in ended:
+                    total += cached
+                    cumulative.append(total)
+                tokens.plot([t for t, _ in ended], cumulative, color="#444", linestyle="--",
+                            label="L1: prompt tokens from SGLang's prefix cache (right axis)")
+                tokens.set_ylabel("prompt tokens")
+                tokens.legend(fontsize=7, loc="lower right")
         axis.set_xlabel("seconds into the run")
         axis.set_ylabel("count since the start")
         axis.set_title(f"Tier traffic (mode {run.settings.mode})")

@@ -39,7 +39,7 @@ DOC_SITES = (("python", Path("/usr/share/doc/python3.11/html"), ("library/*.html
 MIN_PAGE_BYTES = 12_000  # smaller pages are mostly navigation
 
 
-def _chromium() -> str | None:
+def find_chromium() -> str | None:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         found = shutil.which(name)
         if found:
@@ -47,13 +47,13 @@ def _chromium() -> str | None:
     return None
 
 
-def _site_pages(root: Path, globs: Sequence[str]) -> list[Path]:
+def site_pages(root: Path, globs: Sequence[str]) -> list[Path]:
     pages = sorted({page for pattern in globs for page in root.glob(pattern)})
     return [page for page in pages if page.stat().st_size >= MIN_PAGE_BYTES]
 
 
 @dataclass(frozen=True)
-class _Renderer:
+class Renderer:
     """Headless Chromium screenshots of HTML, cached by content and size: a second build reads them back."""
 
     chromium: str
@@ -120,15 +120,15 @@ def rendered_pairs(rng: random.Random, counts: Counts, large: bool, render_dir: 
     if render_dir is None:
         notes.append("rendered docs: skipped (no render_dir)")
         return {}
-    chromium = _chromium()
-    sites = [(name, _site_pages(root, globs)) for name, root, globs in DOC_SITES if root.is_dir()]
+    chromium = find_chromium()
+    sites = [(name, site_pages(root, globs)) for name, root, globs in DOC_SITES if root.is_dir()]
     sites = [(name, pages) for name, pages in sites if len(pages) >= 4]
     if chromium is None or not sites:
         notes.append("rendered docs: skipped (needs chromium and python3.11-doc or sqlite3-doc: apt-get install "
                      "chromium python3.11-doc sqlite3-doc)")
         return {}
     render_dir.mkdir(parents=True, exist_ok=True)
-    renderer = _Renderer(chromium, render_dir)
+    renderer = Renderer(chromium, render_dir)
     per_source = counts.per_source if per_family is None else min(counts.per_source, per_family)
     same_site = counts.same_site if per_family is None else min(counts.same_site, per_family)
     widths, height = ((1680,), 2240) if large else ((812, 1036, 1232), 1680)

@@ -75,6 +75,7 @@ ADMIN_ROUTES = [
     ("DELETE", f"/admin/entries/{key(1)}/pin"),
     ("GET", "/admin/presets"),
     ("POST", "/admin/presets"),
+    ("GET", "/admin/recent"),
     ("POST", "/admin/flush"),
 ]
 
@@ -321,3 +322,14 @@ def test_metric_names_follow_prometheus_conventions(server):
             assert all(s.name in (family.name + "_total", family.name + "_created") for s in family.samples)
         if family.type == "histogram":
             assert family.name.endswith(("_seconds", "_bytes")), family.name
+
+
+def test_recent_lists_the_last_requests_that_ran_the_model_newest_first(server, http):
+    httpx.post(server.url + "/v1/completions", json={"model": "revisit-tiny", "prompt": "hi"}, timeout=30)
+    httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=30)
+    httpx.get(server.url + "/v1/models", timeout=30)  # runs no model: not listed
+    newest, older = http.get("/admin/recent", params={"limit": 2}).json()["data"]
+    assert (newest["endpoint"], newest["code"]) == ("/v1/chat/completions", 400)
+    assert (older["endpoint"], older["code"]) == ("/v1/completions", 503)  # no worker is up
+    assert newest["at"] >= older["at"] and newest["duration_s"] >= 0 and newest["ttft_s"] is None
+    assert_error(http.get("/admin/recent", params={"limit": 0}), 400)

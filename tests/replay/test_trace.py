@@ -17,7 +17,7 @@ from replay.trace import ImageFiles, TraceError, image_parts, read_trace
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> Path:
-    return make_trace(tmp_path_factory.mktemp("trace"), TraceShape(requests=120, tenants=3, seed=3))
+    return make_trace(tmp_path_factory.mktemp("trace"), TraceShape(requests=120, tenants=3, seed=3, docs=False))
 
 
 def test_a_made_trace_reads_back_with_every_family_and_revisits(made):
@@ -36,8 +36,28 @@ def test_a_made_trace_reads_back_with_every_family_and_revisits(made):
 
 
 def test_the_same_seed_makes_the_same_trace(made, tmp_path):
-    again = make_trace(tmp_path, TraceShape(requests=120, tenants=3, seed=3))
+    again = make_trace(tmp_path, TraceShape(requests=120, tenants=3, seed=3, docs=False))
     assert again.read_text() == made.read_text()
+
+
+def test_documentation_pages_rendered_by_chromium(tmp_path):
+    """Doc sessions over documentation pages where Chromium and Debian's docs are installed: scrolls show other
+    parts of one page, an edit re-renders it with one word changed."""
+    import random
+
+    import numpy as np
+
+    from replay.maker import RENDER_HEIGHT, RENDER_WIDTH, TOKEN, _doc_sites, _Sources
+
+    sites, renderer = _doc_sites(tmp_path / "renders")
+    if renderer is None:
+        pytest.skip("rendered documentation needs Chromium and python3.11-doc or sqlite3-doc (apt-get install "
+                    "chromium python3.11-doc): doc sessions use the scanned pages instead, tested above")
+    sources = _Sources(TraceShape(tokens=(6, 9), render_dir=tmp_path / "renders"), random.Random(4))
+    frames = [np.asarray(frame) for frame in sources._rendered_doc()]
+    assert all(frame.shape == (6 * TOKEN, 9 * TOKEN, 3) for frame in frames) and len(frames) >= 6
+    assert len({frame.tobytes() for frame in frames}) > 1
+    assert list((tmp_path / "renders").glob("*.png")) and (RENDER_WIDTH, RENDER_HEIGHT) == (812, 1680)
 
 
 def test_images_are_inlined_when_replayed(made):
