@@ -24,7 +24,7 @@ from plan import (
     RecomputeProfile,
     check_ratios,
 )
-from plan.checkpoint import UnreadableProcessorConfig, image_processor_config, text_layers
+from plan.checkpoint import UnreadableProcessorConfig, image_processor_config, text_layers, vocab_size
 from settings import PREFIX as ENV_PREFIX
 from settings import EnvReader, SettingsError
 from store.config import StoreConfig
@@ -315,6 +315,9 @@ class GatewayConfig:
     model: str
     workers: tuple[str, ...]
     processor: ProcessorSettings = field(default_factory=ProcessorSettings)
+    # The model's vocabulary size (from REVISIT_MODEL_DIR): /v1/completions token-id prompts are checked against it,
+    # since an id past it crashes an SGLang worker; unknown, such prompts are refused.
+    vocab_size: int | None = None
     images: ImageLimits = field(default_factory=ImageLimits)
     videos: VideoSettings = field(default_factory=VideoSettings)
     max_request_bytes: int = 64 * 1024 * 1024
@@ -402,6 +405,7 @@ class GatewayConfig:
             kwargs["workers"] = workers
         if (model_dir := get("MODEL_DIR", str)) is not None:
             kwargs["processor"] = ProcessorSettings.from_model_dir(model_dir)
+            kwargs["vocab_size"] = vocab_size(model_dir)
         if (namespaces := env.json(ENV_PREFIX + "NAMESPACES")) is not None:
             if not isinstance(namespaces, dict) or not all(isinstance(v, str) for v in namespaces.values()):
                 raise ConfigError(f"{ENV_PREFIX}NAMESPACES must be a JSON object of strings")

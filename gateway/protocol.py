@@ -200,13 +200,33 @@ def parse_body(raw: bytes) -> tuple[dict[str, Any], ChatCompletionParams]:
     return body, params
 
 
-def parse_completion_body(raw: bytes) -> tuple[dict[str, Any], CompletionParams]:
-    """Decode and validate a /v1/completions body, as parse_body does a chat one."""
+def parse_completion_body(raw: bytes, vocab_size: int | None = None) -> tuple[dict[str, Any], CompletionParams]:
+    """Decode and validate a /v1/completions body, as parse_body does a chat one. Token-id prompts must name ids
+    of the model's vocabulary (``vocab_size``): SGLang takes any id, and one past the embedding crashes the
+    worker's scheduler (and, retried, the next worker's)."""
     body, params = _parse(raw, CompletionParams)
     check_fields(body, "text")
     if params.prompt == "" or params.prompt == []:
         raise InvalidRequest("prompt must not be empty", param="prompt")
+    if isinstance(params.prompt, list) and any(isinstance(item, list) and not item for item in params.prompt):
+        raise InvalidRequest("prompt holds an empty list of token ids", param="prompt")
+    ids = _token_ids(params.prompt)
+    if ids:
+        if vocab_size is None:
+            raise InvalidRequest("prompts of token ids are accepted only where the gateway knows the model's "
+                                 "vocabulary (REVISIT_MODEL_DIR); send text", param="prompt",
+                                 code="unsupported_parameter")
+        if (bad := next((i for i in ids if not 0 <= i < vocab_size), None)) is not None:
+            raise InvalidRequest(f"prompt holds token id {bad}; ids must be in [0, {vocab_size})", param="prompt",
+                                 code="invalid_token_id")
     return body, params
+
+
+def _token_ids(prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
+    if isinstance(prompt, str):
+        return []
+    return [i for item in prompt for i in (item if isinstance(item, list) else [item] if isinstance(item, int)
+                                           else [])]
 
 
 def _parse(raw: bytes, model: type[P]) -> tuple[dict[str, Any], P]:

@@ -35,6 +35,17 @@ def text_layers(model_dir: Path | str) -> int | None:
     return None
 
 
+def vocab_size(model_dir: Path | str) -> int | None:
+    """The language model's vocabulary size, the rows of its token embedding (text_config, then the top level)."""
+    config = model_config(model_dir)
+    if config is None:
+        return None
+    for section in (config.get("text_config") or {}, config):
+        if isinstance(section, dict) and isinstance(section.get("vocab_size"), int):
+            return section["vocab_size"]
+    return None
+
+
 def weights_dtype(model_dir: Path | str) -> str | None:
     """The weights' dtype as config.json declares it (top level, then text_config)."""
     config = model_config(model_dir)

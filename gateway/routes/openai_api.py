@@ -141,7 +141,7 @@ async def completions(request: Request) -> Any:
     config = services.config
     raw = await _read_body(request, config.max_request_bytes)
     namespace = _namespace(request, services)
-    body, params = await off_loop(len(raw), parse_completion_body, raw)
+    body, params = await off_loop(len(raw), parse_completion_body, raw, config.vocab_size)
     if params.model != config.model:
         raise ModelNotFound(params.model)
     request.state.reuse = reuse_label(())

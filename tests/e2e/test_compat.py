@@ -133,3 +133,16 @@ def test_an_image_sent_once_with_a_uuid_is_served_by_its_uuid_alone(client, gate
         with pytest.raises(openai.BadRequestError) as raised:
             ask({"type": "image_url", "image_url": None, "uuid": uuid}, key=key)
         assert raised.value.body["code"] == "unknown_image_uuid"
+
+
+def test_a_token_id_past_the_vocabulary_is_refused_and_no_worker_falls(client, gateway):
+    """SGLang's scheduler crashes on such an id (IndexError in the embedding), and a retry took the next worker down
+    too: the fuzzer found it. The gateway now checks ids against the model's vocabulary first."""
+    vocab = gateway.config.vocab_size
+    assert vocab and vocab > 100
+    for prompt in ([vocab + 5], [[1, 2], [vocab]], [-1]):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=gateway.config.model, prompt=prompt, max_tokens=1)
+        assert raised.value.body["param"] == "prompt"
+    assert httpx.get(gateway.url + "/health", timeout=30).json()["status"] == "ok"
+    assert client.completions.create(model=gateway.config.model, prompt=[1, 2, vocab - 1], max_tokens=1).choices

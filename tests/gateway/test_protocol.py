@@ -125,3 +125,18 @@ def test_video_parts():
         with pytest.raises(InvalidRequest) as raised:
             list(iter_media_parts([{"role": "user", "content": [part]}]))
         assert raised.value.param == f"messages[0].content[0].{param}"
+
+
+def test_token_id_prompts_stay_inside_the_vocabulary():
+    """SGLang takes any id, and one past the embedding crashes its scheduler (found by tests/fuzz)."""
+    for prompt in ([1, 2, 3], [[5, 6], [7]]):
+        body, _ = parse_completion_body(json.dumps({**TEXT, "prompt": prompt}).encode(), 100)
+        assert body["prompt"] == prompt
+    for prompt, code in (([1, 100], "invalid_token_id"), ([[5], [-1]], "invalid_token_id"),
+                         ([[5], []], None), ([199_999], "invalid_token_id")):
+        with pytest.raises(InvalidRequest) as raised:
+            parse_completion_body(json.dumps({**TEXT, "prompt": prompt}).encode(), 100)
+        assert raised.value.param == "prompt" and raised.value.code == code
+    with pytest.raises(InvalidRequest, match="REVISIT_MODEL_DIR"):
+        parse_completion_body(json.dumps({**TEXT, "prompt": [1, 2]}).encode(), None)
+    parse_completion_body(json.dumps(TEXT).encode(), None)  # text needs no vocabulary
