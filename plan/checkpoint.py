@@ -26,23 +26,21 @@ def model_config(model_dir: Path | str) -> dict[str, Any] | None:
 
 def text_layers(model_dir: Path | str) -> int | None:
     """The language model's layer count (text_config for VL models, else the top level)."""
-    config = model_config(model_dir)
-    if config is None:
-        return None
-    for section in (config.get("text_config") or {}, config):
-        if isinstance(section, dict) and isinstance(section.get("num_hidden_layers"), int):
-            return section["num_hidden_layers"]
-    return None
+    return _text_int(model_dir, "num_hidden_layers")
 
 
 def vocab_size(model_dir: Path | str) -> int | None:
     """The language model's vocabulary size, the rows of its token embedding (text_config, then the top level)."""
+    return _text_int(model_dir, "vocab_size")
+
+
+def _text_int(model_dir: Path | str, name: str) -> int | None:
     config = model_config(model_dir)
     if config is None:
         return None
     for section in (config.get("text_config") or {}, config):
-        if isinstance(section, dict) and isinstance(section.get("vocab_size"), int):
-            return section["vocab_size"]
+        if isinstance(section, dict) and isinstance(section.get(name), int):
+            return section[name]
     return None
 
 
