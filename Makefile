@@ -16,7 +16,7 @@ $(INSTALLED): pyproject.toml requirements/sglang-cpu.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# SGLang's wheel declares CUDA-only packages: install its CPU-usable requirements and the project first, then
 	# SGLang alone without its declared ones (in this order pip has no unmet declaration to report).
-	$(BIN)/pip install --quiet -r requirements/sglang-cpu.txt -e '.[engine,clip,replay,test]'
+	$(BIN)/pip install --quiet -r requirements/sglang-cpu.txt -e '.[engine,clip,replay,response-cache,test]'
 	$(BIN)/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
 	@touch $@
 

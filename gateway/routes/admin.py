@@ -16,6 +16,9 @@ Routes:
   GET    /admin/presets                  the preset priors in use
   POST   /admin/presets                  replace them: {"keys": {key: w}, "families": {label: w}}
   POST   /admin/flush?force=             drop every entry (pinned ones only with force=true)
+  DELETE /admin/response-cache?namespace= drop the response cache's answers (of one namespace, when given)
+  POST   /admin/response-cache/false-hits report a wrong cached answer: {"id": "<the response's id>"}; counted
+                                         under the level that served it, and its entry dropped
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from gateway.policy import (
     decision_dict,
     is_entry_key,
 )
+from gateway.response_cache import ResponseCache
 
 MAX_PAGE = 1000
 T = TypeVar("T")
@@ -70,6 +74,22 @@ class EntryConflict(ClientError):
 
     def __init__(self, message: str):
         super().__init__(message, param="key", code="entry_pinned")
+
+
+class ResponseCacheOff(ClientError):
+    status_code = 404
+
+    def __init__(self) -> None:
+        super().__init__("The response cache is off: set REVISIT_RESPONSE_CACHE_NAMESPACES to enable it.",
+                         code="response_cache_off")
+
+
+class UnknownResponse(ClientError):
+    status_code = 404
+
+    def __init__(self, response_id: str):
+        super().__init__(f"No recent response-cache hit has the id '{response_id[:80]}'.", param="id",
+                         code="unknown_response")
 
 
 def check_admin_token(request: Request) -> None:
@@ -122,9 +142,13 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/stats")
 async def stats(request: Request) -> dict:
-    planner = request.app.state.services.planner
+    services = request.app.state.services
+    planner = services.planner
+    # The response cache lives on the event loop: read here, not on the cache thread.
+    responses = services.responses.stats() if services.responses is not None else {"enabled": False}
     return {"object": "cache.stats", **await _on_cache_thread(
-        request, lambda policy, cache: {**policy.stats().as_dict(), **planner_stats(planner)})}
+        request, lambda policy, cache: {**policy.stats().as_dict(), **planner_stats(planner)}),
+        "response_cache": responses}
 
 
 @router.get("/entries")
@@ -231,6 +255,35 @@ async def set_presets(request: Request) -> dict:
         return _presets_body(policy)
 
     return await _on_cache_thread(request, replace)
+
+
+def _responses(request: Request) -> ResponseCache:
+    responses = request.app.state.services.responses
+    if responses is None:
+        raise ResponseCacheOff()
+    return responses
+
+
+@router.delete("/response-cache")
+async def flush_responses(request: Request, namespace: str | None = None) -> dict:
+    removed = _responses(request).flush(namespace)
+    return {"object": "response_cache.flush", "removed": removed, "namespace": namespace,
+            "remaining": len(_responses(request))}
+
+
+@router.post("/response-cache/false-hits")
+async def report_false_hit(request: Request) -> dict:
+    """Body: ``{"id": "chatcmpl-..."}``, the id of a response the cache served (kept for its last 65,536 hits)."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise InvalidRequest(f"The body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("id"), str) or set(body) != {"id"}:
+        raise InvalidRequest("The body must be {\"id\": \"<the id of a response the cache served>\"}.", param="id")
+    reported = _responses(request).report_false_hit(body["id"])
+    if reported is None:
+        raise UnknownResponse(body["id"])
+    return {"object": "response_cache.false_hit", "id": body["id"], **reported}
 
 
 def _presets_body(policy: CachePolicy) -> dict:

@@ -13,15 +13,16 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.config import MatchSettings
+from gateway.config import RESPONSE_CACHE_LEVELS, RESPONSE_CACHE_OFF, MatchSettings
 from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
-from gateway.metrics import CLIENT_LEFT, FRAMES_SEEN, reuse_label
+from gateway.metrics import CLIENT_LEFT, FRAMES_SEEN, RESPONSE_CACHED, reuse_label
 from gateway.offload import off_loop
 from gateway.openai_shape import CHAT, TEXT, Shape
 from gateway.planner import REUSE_MODES, Planned
 from gateway.protocol import parse_completion_body
+from gateway.response_cache import NOT_LOOKED_UP, Answer, Asked, Found, asked, recorded, replay_stream
 from gateway.services import Services
 from gateway.tenancy import cache_scope, namespace_for
 from gateway.workers import Worker
@@ -37,6 +38,9 @@ REUSE_HEADER = "x-revisit-reuse"  # per image, what the worker ran (Planned.reus
 VIDEO_FRAMES_HEADER = "x-revisit-video-frames"  # per video, its sampled frames and how many were seen before
 STRATEGY_HEADER = "x-revisit-strategy"  # a request's choice of approximate strategy, where settings allow it
 REUSE_MODE_HEADER = "x-revisit-reuse-mode"  # what a request lets the planner reuse (planner.REUSE_MODES)
+# Request: the highest response-cache level it accepts (config.RESPONSE_CACHE_LEVELS, or off). Response: what the
+# response cache did (response_cache.Found.header).
+RESPONSE_CACHE_HEADER = "x-revisit-response-cache"
 # SGLang request fields the gateway owns: a client's value would name another request or another tenant's cache.
 _GATEWAY_FIELDS = frozenset({"rid", "extra_key"})
 
@@ -103,8 +107,19 @@ async def chat_completions(request: Request) -> Any:
     namespace = _namespace(request, services)
     strategy = _requested_strategy(request, config.reuse.match)
     mode = _requested_mode(request)
+    wanted = _requested_response_level(request)
+    level = config.responses.level_for(namespace, wanted)
     intake = await services.intake.process(raw, namespace=namespace)
     headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
+    question, found = None, NOT_LOOKED_UP
+    if services.responses is not None and level != RESPONSE_CACHE_OFF:
+        question = asked(intake, any_sampling=config.responses.any_sampling)
+        found = await services.responses.lookup(question, level, intake.images)
+        headers[RESPONSE_CACHE_HEADER] = found.header()
+        if found.entry is not None:
+            return _cached_answer(request, services, found, intake, headers)
+    elif wanted not in (None, RESPONSE_CACHE_OFF):
+        headers[RESPONSE_CACHE_HEADER] = "skipped;reason=not_enabled"
     planned = await services.planner.plan(intake, strategy=strategy, mode=mode)
     if seen := await services.planner.frames_seen(intake):
         headers[VIDEO_FRAMES_HEADER] = ",".join(video.header() for video in seen)
@@ -131,7 +146,37 @@ async def chat_completions(request: Request) -> Any:
             headers[REUSE_HEADER] = _what_ran(services, planned, request_id)
 
     return await _answer(request, services, upstream, route, stream=intake.params.stream, headers=headers,
-                         after_prefill=reuse_header)
+                         after_prefill=reuse_header, keep=_keeper(services, question, found))
+
+
+def _cached_answer(request: Request, services: Services, found: Found, intake: IntakeResult,
+                   headers: dict[str, str]) -> Response:
+    """A response-cache hit: the cached answer under a new id, streamed when the request streams."""
+    assert found.entry is not None and services.responses is not None
+    request.state.reuse = RESPONSE_CACHED
+    request.state.stream = intake.params.stream
+    public_id = f"chatcmpl-{uuid.uuid4().hex}"
+    services.responses.served(public_id, found)
+    answer = found.entry.answer
+    if intake.params.stream:
+        options = intake.params.stream_options
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(replay_stream(answer, public_id,
+                                               include_usage=bool(options and options.include_usage)),
+                                 media_type="text/event-stream", headers=headers)
+    return JSONResponse(answer.completion(public_id), headers=headers)
+
+
+def _keeper(services: Services, question: Asked | None, found: Found) -> Callable[[Answer], Awaitable[object]] | None:
+    """What keeps a missed request's answer in the response cache, when it may be kept."""
+    responses = services.responses
+    if responses is None or question is None or not question.cacheable:
+        return None
+
+    async def keep(answer: Answer) -> None:
+        await responses.remember(question, answer, found.embedding)
+
+    return keep
 
 
 @router.post("/v1/completions")
@@ -157,13 +202,17 @@ async def completions(request: Request) -> Any:
 
 
 async def _answer(request: Request, services: Services, upstream: UpstreamRequest, route: Route, *, stream: bool,
-                  headers: dict[str, str], after_prefill: Callable[[], None] | None = None) -> Response:
+                  headers: dict[str, str], after_prefill: Callable[[], None] | None = None,
+                  keep: Callable[[Answer], Awaitable[object]] | None = None) -> Response:
     """Send the request to a worker and answer the client: a stream once the worker's first event is in, or the
-    whole body. ``after_prefill`` runs once the prompt is prefilled (it may add headers)."""
+    whole body. ``after_prefill`` runs once the prompt is prefilled (it may add headers); ``keep`` gets the answer
+    once it is complete (the response cache's)."""
     if stream:
         relayed = await services.dispatcher.open_stream(upstream, route)  # returns once the prefill is done
         if after_prefill is not None:
             after_prefill()
+        if keep is not None:
+            relayed = recorded(relayed, keep)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(relayed, media_type="text/event-stream", headers=headers)
     try:
@@ -174,6 +223,8 @@ async def _answer(request: Request, services: Services, upstream: UpstreamReques
         return Response(status_code=CLIENT_LEFT)
     if after_prefill is not None:
         after_prefill()
+    if keep is not None and (answer := Answer.of(result)) is not None:
+        await keep(answer)
     return JSONResponse(result, headers=headers)
 
 
@@ -206,6 +257,18 @@ def _requested_strategy(request: Request, settings: MatchSettings) -> str | None
         raise InvalidRequest(f"{STRATEGY_HEADER} must be one of {', '.join(SELECTORS)}, got {name[:40]!r}",
                              param=STRATEGY_HEADER, code="invalid_strategy")
     return name
+
+
+def _requested_response_level(request: Request) -> str | None:
+    """The response-cache level a request names in its header, checked; None when it names none."""
+    level = request.headers.get(RESPONSE_CACHE_HEADER)
+    if level is None:
+        return None
+    if level not in (RESPONSE_CACHE_OFF, *RESPONSE_CACHE_LEVELS):
+        raise InvalidRequest(f"{RESPONSE_CACHE_HEADER} must be one of {RESPONSE_CACHE_OFF}, "
+                             f"{', '.join(RESPONSE_CACHE_LEVELS)}; got {level[:40]!r}", param=RESPONSE_CACHE_HEADER,
+                             code="invalid_response_cache_level")
+    return level
 
 
 def _requested_mode(request: Request) -> str:
