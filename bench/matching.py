@@ -229,7 +229,8 @@ def scale(extractor: Extractor, settings: MatchSettings, scales: list[int], scra
                 jitter = base.vectors.astype(np.float32) + rng.normal(0, 0.08, base.vectors.shape)
                 salted = TokenFeatures(grid=base.grid, digests=base.digests ^ np.uint64(i * 0x9E3779B97F4A7C15 % 2**64),
                                        vectors=(jitter / np.linalg.norm(jitter, axis=1, keepdims=True)).astype(
-                                           np.float16), entropy=base.entropy, shades=base.shades)
+                                           np.float16), entropy=base.entropy, shades=base.shades,
+                                           chroma=base.chroma)
                 matcher.add(key(("entry", i)), "ns", salted)
             add_s = time.perf_counter() - started
             del matcher

@@ -8,9 +8,11 @@ and more than no shift at all. New token (r, c) is then compared with cached tok
 Each new token is then
 
     same      its digest equals the aligned cached token's: the model sees the same pixels there
-    similar   not the same, but the cosine of the two descriptors is at least ``patch_threshold`` and no cell of
+    similar   not the same, but the cosine of the two descriptors is at least ``patch_threshold``, no cell of
               its shades moved by more than ``max_shade_change`` grey levels (so a glyph edited in one corner of
               a token, which a cosine over the whole token barely sees, is changed, while re-encoding noise is not)
+              and its mean colour (chroma) moved no more than that either (a swatch redrawn in another colour of
+              the same grey level: orange to pink moves no shade by more than 14 levels)
     changed   anything else, including tokens with no cached token at their aligned position (scrolled in)
 
 and the image's similarity is the mean cosine over the aligned tokens, leaving out positions that are blank in
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.matching.features import TokenFeatures, shade_change
+from gateway.matching.features import TokenFeatures, chroma_change, shade_change
 
 SAME, SIMILAR, CHANGED = 0, 1, 2
 CHANGE_CODES = "=~x"  # the change map's wire form: one character per token (plan.ImagePlan.change_map)
@@ -90,7 +92,8 @@ def align(new: TokenFeatures, alias: TokenFeatures, *, shift: tuple[int, int], p
     cosine[same] = 1.0
     changes = np.full(rows * cols, CHANGED, np.uint8)
     steady = np.zeros(rows * cols, bool)
-    steady[inside] = shade_change(new.shades[inside], alias.shades[aligned]) <= max_shade_change
+    steady[inside] = (shade_change(new.shades[inside], alias.shades[aligned]) <= max_shade_change) & \
+        (chroma_change(new.chroma[inside], alias.chroma[aligned]) <= max_shade_change)
     changes[steady & (cosine >= patch_threshold)] = SIMILAR
     changes[same] = SAME
     alias_entropy = np.zeros(rows * cols, np.float32)

@@ -12,6 +12,10 @@ of the resized image), an extractor gives
              coarse pixels, so that a match can tell an edited glyph (some cell moves by 40 grey levels or more)
              from re-encoding noise or a change of brightness, which a cosine cannot: a changed stroke in one
              corner of a token moves its descriptor less than noise spread over all of it (``shade_change``)
+    chroma   the token's mean colour apart from its brightness, as two opponent components (R - G and
+             (R + G) / 2 - B, in levels of 0-255): a swatch redrawn in another colour of the same grey level
+             (orange and pink, purple and blue) leaves the shades as they were, and moves these
+             (``chroma_change``)
 
 Digests are of the source pixels a token is resized from (its rectangle of the canonical image plus the resize
 kernel's reach), so equal digests mean the resize produced the same pixels; when the image needs no resize the
@@ -36,7 +40,9 @@ from PIL import Image
 HISTOGRAM_BINS = 32  # grey levels per entropy histogram: log2(32) = 5 bits at most
 COARSE_DIM = 64  # width of the coarse stage's regional descriptors
 _RECORD = struct.Struct("<4sHHHH")  # magic, version, rows, cols, dim
-_MAGIC, _VERSION = b"RVTF", 2  # version 1 had no shades: such records are read as damaged and dropped
+# Versions 1 (no shades) and 2 (no chroma) are read as damaged and dropped: their images cannot be aliases until seen
+# again.
+_MAGIC, _VERSION = b"RVTF", 3
 SHADE_SIDE = 7
 MIN_GAIN, MAX_GAIN = 0.8, 1.25  # the contrast changes shade_change forgives (a brightness change of +-20%)
 
@@ -50,13 +56,16 @@ class TokenFeatures:
     vectors: np.ndarray  # (n, dim) float16, each row of unit L2 norm (or zero)
     entropy: np.ndarray  # (n,) float16, bits
     shades: np.ndarray  # (n, SHADE_SIDE * SHADE_SIDE) uint8 grey levels
+    chroma: np.ndarray  # (n, 2) int16: mean R - G and (R + G) / 2 - B
 
     def __post_init__(self) -> None:
         n = self.grid[0] * self.grid[1]
         if self.digests.shape != (n,) or self.entropy.shape != (n,) or self.vectors.ndim != 2 \
-                or self.vectors.shape[0] != n or self.shades.shape != (n, SHADE_SIDE * SHADE_SIDE):
+                or self.vectors.shape[0] != n or self.shades.shape != (n, SHADE_SIDE * SHADE_SIDE) \
+                or self.chroma.shape != (n, 2):
             raise ValueError(f"features do not fit grid {self.grid}: digests {self.digests.shape}, vectors "
-                             f"{self.vectors.shape}, entropy {self.entropy.shape}, shades {self.shades.shape}")
+                             f"{self.vectors.shape}, entropy {self.entropy.shape}, shades {self.shades.shape}, "
+                             f"chroma {self.chroma.shape}")
 
     @classmethod
     def of_pixels(cls, image: Image.Image, grid: tuple[int, int], factor: int, pixels: np.ndarray,
@@ -67,7 +76,7 @@ class TokenFeatures:
         return cls(grid=grid, digests=token_digests(image, grid, factor, resized_pixels=pixels),
                    vectors=normalise(vectors).astype(np.float16),
                    entropy=token_entropy(grey(pixels) if luma is None else luma, grid).astype(np.float16),
-                   shades=token_shades(pixels, grid))
+                   shades=token_shades(pixels, grid), chroma=token_chroma(pixels, grid))
 
     @property
     def tokens(self) -> int:
@@ -79,7 +88,8 @@ class TokenFeatures:
 
     @property
     def nbytes(self) -> int:
-        return self.digests.nbytes + self.vectors.nbytes + self.entropy.nbytes + self.shades.nbytes
+        return self.digests.nbytes + self.vectors.nbytes + self.entropy.nbytes + self.shades.nbytes + \
+            self.chroma.nbytes
 
     def regional(self) -> np.ndarray:
         """(4, min(dim, COARSE_DIM)) float32: the mean of the token vectors in each quadrant of the grid (top-left,
@@ -101,7 +111,8 @@ class TokenFeatures:
     def to_bytes(self) -> bytes:
         head = _RECORD.pack(_MAGIC, _VERSION, self.grid[0], self.grid[1], self.dim)
         return b"".join((head, self.digests.astype("<u8").tobytes(), self.vectors.astype("<f2").tobytes(),
-                         self.entropy.astype("<f2").tobytes(), self.shades.astype(np.uint8).tobytes()))
+                         self.entropy.astype("<f2").tobytes(), self.shades.astype(np.uint8).tobytes(),
+                         self.chroma.astype("<i2").tobytes()))
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> TokenFeatures:
@@ -114,7 +125,7 @@ class TokenFeatures:
             raise ValueError(f"not a features record of version {_VERSION}")
         n = rows * cols
         shade_cells = SHADE_SIDE * SHADE_SIDE
-        if len(data) != _RECORD.size + n * (8 + 2 * dim + 2 + shade_cells):
+        if len(data) != _RECORD.size + n * (8 + 2 * dim + 2 + shade_cells + 4):
             raise ValueError("features record has the wrong length")
         at = _RECORD.size
         digests = np.frombuffer(data, "<u8", n, at).astype(np.uint64)
@@ -124,7 +135,10 @@ class TokenFeatures:
         entropy = np.frombuffer(data, "<f2", n, at).astype(np.float16)
         at += 2 * n
         shades = np.frombuffer(data, np.uint8, n * shade_cells, at).reshape(n, shade_cells).copy()
-        return cls(grid=(rows, cols), digests=digests, vectors=vectors, entropy=entropy, shades=shades)
+        at += n * shade_cells
+        chroma = np.frombuffer(data, "<i2", n * 2, at).reshape(n, 2).astype(np.int16)
+        return cls(grid=(rows, cols), digests=digests, vectors=vectors, entropy=entropy, shades=shades,
+                   chroma=chroma)
 
 
 @functools.cache
@@ -200,6 +214,26 @@ def token_shades(pixels: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
     side = SHADE_SIDE
     levels = np.rint(grey(cell_means(pixels, rows * side, cols * side)) * 255.0).astype(np.uint8)
     return levels.reshape(rows, side, cols, side).transpose(0, 2, 1, 3).reshape(rows * cols, side * side)
+
+
+def token_chroma(pixels: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """(n, 2) int16: each token's mean R - G and (R + G) / 2 - B, from the resized image's pixels."""
+    rows, cols = grid
+    means = cell_means(pixels, rows, cols).reshape(rows * cols, 3)
+    opponent = np.stack([means[:, 0] - means[:, 1], (means[:, 0] + means[:, 1]) / 2 - means[:, 2]], axis=1)
+    return np.rint(opponent).astype(np.int16)
+
+
+def chroma_change(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """(n,) float32: per token, how far its colour moved between two tokens' chroma (n, 2 each), in levels, once a
+    change of saturation within [MIN_GAIN, MAX_GAIN] is taken out (the brightness and contrast changes
+    shade_change forgives scale the chroma alike)."""
+    old_f, new_f = old.astype(np.float32), new.astype(np.float32)
+    norm = np.einsum("nc,nc->n", old_f, old_f)
+    gain = np.divide(np.einsum("nc,nc->n", new_f, old_f), norm, out=np.ones(len(old_f), np.float32),
+                     where=norm > 1.0)
+    gain = np.clip(gain, MIN_GAIN, MAX_GAIN)
+    return np.abs(new_f - gain[:, None] * old_f).max(axis=1, initial=0.0)
 
 
 def shade_change(new: np.ndarray, old: np.ndarray) -> np.ndarray:

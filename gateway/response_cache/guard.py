@@ -14,6 +14,10 @@ hold different values?" have a cosine of 0.98; "... in the first panel?" and "..
                above / below, left / right, top / bottom, start / end, true / false, max / min, inside / outside,
                open / closed, increase / decrease, all / some; so "identical" for "same" passes, "different" does
                not. Words too common to set polarity on their own (in, on, up, over, any, only) are left out
+    asking     the question words beyond what / which (where, when, who, why, how): what the answer is to be
+    aspect     the attribute asked about, by class: kind (type, sort), colour, size, position (row, next to),
+               count (how many), name (label), style (font, layout); "What kind of value does field K hold?" is
+               not "What value does field K hold?" (cosine 0.93)
 
 A veto costs a hit (the question runs on the model), never an answer: the guard errs on that side. It reads only
 the two questions' texts (their last user turns); everything else in a request must already be equal.
@@ -26,8 +30,8 @@ import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 
-NEGATION, NUMBER, ENTITY, CONTRAST = "negation", "number", "entity", "contrast"
-VETOES = (NEGATION, NUMBER, ENTITY, CONTRAST)
+NEGATION, NUMBER, ENTITY, CONTRAST, ASKING, ASPECT = "negation", "number", "entity", "contrast", "asking", "aspect"
+VETOES = (NEGATION, NUMBER, ENTITY, CONTRAST, ASKING, ASPECT)
 
 _NEGATIONS = frozenset({"not", "no", "never", "none", "nothing", "nobody", "nowhere", "neither", "nor", "without",
                         "except", "cannot", "unless", "lack", "lacks", "lacking", "absent", "missing"})
@@ -74,6 +78,25 @@ for _group, _words in _CONTRAST_CLASSES.items():
     for _word in _words:
         _CONTRAST[_word] = _CONTRAST.get(_word, frozenset()) | {_group}
 
+# Question words, by what they ask for. "what" and "which" ask alike (and a request may ask without one: "Read me
+# field K"); any other that one question has and the other lacks asks for something else.
+_ASKING = {"what": "what", "which": "what", "where": "where", "when": "when", "who": "who", "whom": "who",
+           "whose": "who", "why": "why", "how": "how"}
+# Words naming the attribute a question is about, by attribute: asking a field's kind of value, its colour or its
+# size is not asking its value, though "What kind of value does field K hold?" and "What value does field K hold?"
+# have a cosine of 0.93. Synonyms share a class.
+_ASPECT_CLASSES = {
+    "kind": ("kind", "kinds", "type", "types", "sort", "sorts", "category", "categories", "class", "format"),
+    "colour": ("colour", "colours", "color", "colors", "coloured", "colored", "hue", "tint"),
+    "size": ("size", "sizes", "large", "small", "big", "tall", "wide", "long", "height", "width", "length"),
+    "position": ("position", "place", "location", "located", "row", "rows", "column", "columns", "corner", "side",
+                 "next", "beside", "adjacent", "near", "neighbour", "neighbor", "further", "far"),
+    "count": ("many", "much", "count", "counts", "number", "total", "amount"),
+    "name": ("name", "label", "title"),  # not "labelled", "named": they say which field, not what is asked
+    "style": ("font", "style", "bold", "italic", "layout", "laid", "background", "border"),
+}
+_ASPECT = {word: group for group, words in _ASPECT_CLASSES.items() for word in words}
+
 _SENTENCE_END = re.compile(r"[.!?]+\s+|\n+")
 _QUOTED = re.compile(r"\"([^\"]{1,200})\"|'([^']{1,200})'|“([^”]{1,200})”|`([^`]{1,200})`")
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*", re.UNICODE)
@@ -88,6 +111,8 @@ class Salient:
     numbers: Counter[str]
     entities: Counter[str]
     contrast: frozenset[str]
+    asking: frozenset[str]  # question words other than what / which
+    aspects: frozenset[str]
 
     @classmethod
     def of(cls, text: str) -> Salient:
@@ -96,6 +121,8 @@ class Salient:
         numbers: Counter[str] = Counter()
         entities: Counter[str] = Counter(next(g for g in m.groups() if g is not None) for m in _QUOTED.finditer(text))
         contrast: set[str] = set()
+        asking: set[str] = set()
+        aspects: set[str] = set()
         for sentence in _SENTENCE_END.split(text):
             for position, word in enumerate(_WORD.findall(sentence)):
                 lower = word.lower()
@@ -114,9 +141,14 @@ class Salient:
                     entities[word] += 1
                     continue
                 contrast.update(_CONTRAST.get(lower, ()))
+                if (kind := _ASKING.get(lower)) is not None and kind != "what":
+                    asking.add(kind)
+                if (aspect := _ASPECT.get(lower)) is not None:
+                    aspects.add(aspect)
                 if _is_entity(word, position):
                     entities[word] += 1
-        return cls(negations=negations, numbers=numbers, entities=entities, contrast=frozenset(contrast))
+        return cls(negations=negations, numbers=numbers, entities=entities, contrast=frozenset(contrast),
+                   asking=frozenset(asking), aspects=frozenset(aspects))
 
 
 def _is_entity(word: str, position: int) -> bool:
@@ -141,4 +173,8 @@ def veto_salient(question: Salient, cached: Salient) -> str | None:
         return ENTITY
     if question.contrast != cached.contrast:
         return CONTRAST
+    if question.asking != cached.asking:
+        return ASKING
+    if question.aspects != cached.aspects:
+        return ASPECT
     return None
