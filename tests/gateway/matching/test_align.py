@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import random
 
 import numpy as np
@@ -9,7 +10,7 @@ import numpy as np
 from bundled.reader.panels import changed, random_panel
 from gateway.config import MatchSettings
 from gateway.matching.align import CHANGED, SAME, SIMILAR, align, find_shift
-from gateway.matching.features import shade_change
+from gateway.matching.features import chroma_change, shade_change
 from tests.gateway.matching.pairs import CELL, aligned, changed_tokens, edited, features, jpeg
 
 PATCH, BLANK = 0.9, 0.5
@@ -96,3 +97,28 @@ def test_jpeg_noise_does_not_move_the_shades_of_text() -> None:
         result = compare(panel.render(), jpeg(panel.render(), quality), shift=(0, 0),
                          patch_threshold=DEFAULTS.patch_threshold)
         assert result.count(CHANGED) == 0, quality
+
+
+def test_a_swatch_redrawn_in_a_colour_of_the_same_grey_is_changed() -> None:
+    """Orange (245, 130, 20) and pink (245, 120, 190) differ by 14 grey levels, under the shades' tolerance: the
+    token's mean colour tells them apart. JPEG noise on colour panels moves no token's colour that far."""
+    from PIL import Image
+
+    from tests.images_lib import encode
+
+    a = Image.new("RGB", (6 * CELL, 4 * CELL), (240, 240, 240))
+    a.paste((245, 130, 20), (2 * CELL + 4, CELL + 4, 3 * CELL - 4, 2 * CELL - 4))
+    b = a.copy()
+    b.paste((245, 120, 190), (2 * CELL + 4, CELL + 4, 3 * CELL - 4, 2 * CELL - 4))
+    fa, fb = features(a), features(b)
+    assert shade_change(fb.shades, fa.shades).max() <= DEFAULTS.max_shade_change  # grey alone sees nothing
+    result = align(fb, fa, shift=(0, 0), patch_threshold=DEFAULTS.patch_threshold,
+                   max_shade_change=DEFAULTS.max_shade_change, blank_entropy=BLANK)
+    assert np.flatnonzero(result.changes == CHANGED).tolist() == [1 * 6 + 2]
+    rng = random.Random(3)
+    for _ in range(30):  # colour swatches and words, re-encoded: measured, no token's colour moves 4 levels
+        panel = random_panel(rng)
+        for quality in (50, 90):
+            again = Image.open(io.BytesIO(encode(panel.render(), "JPEG", quality=quality))).convert("RGB")
+            moved = chroma_change(features(again).chroma, features(panel.render()).chroma)
+            assert moved.max() < DEFAULTS.max_shade_change / 4, quality

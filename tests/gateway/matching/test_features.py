@@ -55,6 +55,11 @@ def test_features_round_trip_and_damage_is_refused() -> None:
     back = TokenFeatures.from_bytes(f.to_bytes())
     assert back.grid == f.grid and (back.digests == f.digests).all()
     assert (back.vectors == f.vectors).all() and (back.entropy == f.entropy).all()
+    assert (back.shades == f.shades).all() and (back.chroma == f.chroma).all() and back.chroma.dtype == np.int16
+    older = bytearray(f.to_bytes())
+    older[4:6] = (2).to_bytes(2, "little")  # a record of version 2 (no chroma): dropped as damaged
+    with pytest.raises(ValueError, match="version"):
+        TokenFeatures.from_bytes(bytes(older))
     with pytest.raises(ValueError):
         TokenFeatures.from_bytes(f.to_bytes()[:-1])
     with pytest.raises(ValueError):
