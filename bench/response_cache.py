@@ -344,6 +344,7 @@ def quality(args: argparse.Namespace) -> int:
           f"{100 * prepared.truth_agreement:.1f}% of them as the panels say; {time.perf_counter() - started:.0f} s",
           flush=True)
     embedder = TextEmbedder()
+    embedder.start().result()
     timings: dict[str, list[float]] = defaultdict(list)
     results: dict[str, dict[str, Any]] = {}
 
@@ -428,9 +429,12 @@ def latency(args: argparse.Namespace) -> int:
         worker.wait_ready(900)
         env = {**store_env, "REVISIT_MODEL": model_id, "REVISIT_WORKERS": worker.url,
                "REVISIT_MODEL_DIR": str(model_path), "REVISIT_RESPONSE_CACHE_NAMESPACES": "*",
-               "REVISIT_HEALTH_INTERVAL_S": "3600"}
+               "REVISIT_HEALTH_INTERVAL_S": "3600", "REVISIT_ADMIN_TOKEN": "bench-response-cache"}
         with gateway_process(env, work / "gateway.log", timeout_s=120) as gateway, \
                 httpx.Client(base_url=gateway.url, timeout=600) as client:
+            admin = {"Authorization": "Bearer bench-response-cache"}
+            while client.get("/admin/stats", headers=admin).json()["response_cache"]["embedder"] != "ready":
+                time.sleep(0.2)  # until then the paraphrase and similar levels are skipped
 
             def timed(kind: str, image_url: str, text: str, level: str | None, expect: str) -> None:
                 body = {"model": model_id, "temperature": 0, "max_tokens": args.max_tokens,

@@ -8,6 +8,7 @@ the embedder's thread or the cache thread, and change nothing meanwhile.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import logging
@@ -180,6 +181,7 @@ class ResponseCache:
         self._contexts_of_image: dict[str, Counter[str]] = defaultdict(Counter)  # image key -> context keys
         self._served: OrderedDict[str, tuple[str, int]] = OrderedDict()  # response id -> (level, entry id)
         self.bytes = 0
+        self._pending: set[asyncio.Task[None]] = set()  # embeddings of entries kept while the embedder loaded
         self.lookups: Counter[tuple[str, str]] = Counter()  # (level, HIT / MISS / VETO)
         self.vetoes: Counter[tuple[str, str]] = Counter()  # (level, guard.VETOES)
         self.skipped: Counter[str] = Counter()  # asked.SKIP_REASONS
@@ -210,8 +212,8 @@ class ResponseCache:
         if top < 1 or self.embedder is None:
             return Found(MISS)
         started = time.perf_counter()
-        embedding = await self._embed(asked.question)
-        if embedding is None:
+        embedding = await self._embed(asked.question, wait=False)
+        if embedding is None:  # no embedder, or not loaded yet: a request never waits for it
             return Found(MISS)
         salient = Salient.of(asked.question)
         found = self._closest(PARAPHRASE, asked.context_key(), embedding, salient,
@@ -276,10 +278,11 @@ class ResponseCache:
         return Found(SIMILAR, found.entry, similarity=found.similarity, image_similarity=min(similarities),
                      reason=found.reason) if found.hit else Found(SIMILAR, reason=found.reason)
 
-    async def _embed(self, question: str) -> np.ndarray | None:
-        """The question's embedding; None without an embedder, or when it failed (logged: the paraphrase and similar
-        levels then miss, and answers are kept for the exact level alone)."""
-        if self.embedder is None:
+    async def _embed(self, question: str, *, wait: bool = True) -> np.ndarray | None:
+        """The question's embedding; None without an embedder, while it loads unless ``wait``, or when it failed
+        (logged: the paraphrase and similar levels then miss, and answers are kept for the exact level alone)."""
+        if self.embedder is None or self.embedder.state == "failed" or \
+                (not wait and self.embedder.state != "ready"):
             return None
         try:
             return await self.embedder.embed(question)
@@ -326,7 +329,7 @@ class ResponseCache:
         if not asked.cacheable:
             return None
         if embedding is None:
-            embedding = await self._embed(asked.question)
+            embedding = await self._embed(asked.question, wait=False)
         answer_bytes = len(orjson.dumps(answer.message)) + len(orjson.dumps(answer.usage))
         size = answer_bytes + 2 * len(asked.question) + (embedding.nbytes if embedding is not None else 0) + \
             _ENTRY_OVERHEAD
@@ -351,10 +354,27 @@ class ResponseCache:
             self._contexts_of_image[key][entry.context_key] += 1
         self.bytes += size
         self._event("stored", 1)
+        if embedding is None and self.embedder is not None and self.embedder.state != "failed":
+            self._embed_later(entry)
         while self.bytes > self.settings.max_bytes and self._entries:
             self._forget(next(iter(self._entries.values())))
             self._event("evicted", 1)
         return entry
+
+    def _embed_later(self, entry: Entry) -> None:
+        """Give an entry kept while the embedder was loading its embedding once it is ready (its answer is served
+        at the exact level meanwhile)."""
+
+        async def fill() -> None:
+            vector = await self._embed(entry.question)
+            if vector is not None and self._entries.get(entry.id) is entry and entry.embedding is None:
+                entry.embedding = vector
+                entry.size += vector.nbytes
+                self.bytes += vector.nbytes
+
+        task = asyncio.get_running_loop().create_task(fill())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     def _forget(self, entry: Entry) -> None:
         if self._entries.pop(entry.id, None) is None:
@@ -421,6 +441,7 @@ class ResponseCache:
                              "vetoes_by_reason": {r: self.vetoes[(level, r)] for r in VETOES},
                              "false_hits": self.false_hits[level]}
         return {"enabled": self.settings.enabled, "namespaces": list(self.settings.namespaces),
+                "embedder": self.embedder.state if self.embedder is not None else "none",
                 "entries": len(self._entries), "bytes": self.bytes, "capacity_bytes": self.settings.max_bytes,
                 "levels": levels, "skipped": dict(self.skipped),
                 **{name: self.events[name] for name in ("stored", "replaced", "evicted", "expired", "flushed",

@@ -4,10 +4,10 @@ The model is all-MiniLM-L6-v2 (384 dimensions, 22M parameters) as the ``gt-all-m
 weights included, run by sentence-transformers on the CPU; or any sentence-transformers folder named by
 ``REVISIT_RESPONSE_CACHE_EMBEDDER_PATH``. Nothing is downloaded. Both come with the ``response-cache`` extra.
 
-Encoding runs on a thread of its own, one batch at a time, never on the event loop: measured here, ~18 ms for one
-question and ~220 ms for a batch of 12 on 2 cores; loading takes seconds, so it starts with the gateway
-(``start``) and a lookup waits for it only if it comes first. Embeddings are unit vectors (cosine = dot
-product), remembered per question text (``memo`` of them).
+Encoding runs on a thread of its own, one batch at a time, never on the event loop: measured here (2 cores), 17 to
+33 ms for one new question (bench/response_cache.py). Loading takes seconds, so it starts with the gateway
+(``start``); until it is ready, lookups skip the levels that need it (a request never waits for it). Embeddings
+are unit vectors (cosine = dot product), remembered per question text (``memo`` of them).
 """
 
 from __future__ import annotations
@@ -69,6 +69,16 @@ class TextEmbedder:
         self._model = model
         log.info("response cache: sentence embedder loaded from %s (%d dimensions)", self.path, self.dimensions)
         return model
+
+    @property
+    def state(self) -> str:
+        """``idle`` (not started), ``loading``, ``ready`` or ``failed``."""
+        loading = self._loading
+        if loading is None:
+            return "idle"
+        if not loading.done():
+            return "loading"
+        return "failed" if loading.exception() is not None else "ready"
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """Unit embeddings, (len(texts), dimensions) float32; blocking (call on a thread, see ``embed``)."""

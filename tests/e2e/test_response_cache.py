@@ -46,6 +46,10 @@ def cached_gateway(workers, model_path, tmp_path_factory):
     server = run_gateway(gateway_config(model_path, [w.url for w in workers], store=store, admin_token=TOKEN,
                                         responses=ResponseCacheSettings(namespaces=("*",))))
     try:
+        deadline = time.monotonic() + 120
+        while _admin(server, "GET", "/admin/stats").json()["response_cache"]["embedder"] != "ready":
+            assert time.monotonic() < deadline, "the sentence embedder did not load"
+            time.sleep(0.2)  # until then, lookups skip the paraphrase and similar levels
         yield server
     finally:
         server.stop()

@@ -31,6 +31,7 @@ ON = ResponseCacheSettings(namespaces=("*",))
 @pytest.fixture(scope="module")
 def embedder():
     embedder = TextEmbedder()
+    embedder.start().result()  # loaded: lookups never wait for it
     yield embedder
     embedder.close()
 
@@ -283,6 +284,7 @@ def test_the_defaults_serve_no_wrong_answer_on_the_oracles_questions():
     groups = make_groups(30, seed=5)
     prepared = asyncio.run(prepare(groups, OracleAnswers()))
     embedder = TextEmbedder()
+    embedder.start().result()
     try:
         tally = asyncio.run(evaluate(prepared, ON, embedder))
     finally:
@@ -291,3 +293,30 @@ def test_the_defaults_serve_no_wrong_answer_on_the_oracles_questions():
     assert tally.hits["exact"] == len(groups)  # every repeat
     assert tally.hits["paraphrase"] > 0 and tally.hits["similar"] > 0
     assert sum(tally.wrong.values()) == 0, tally.as_dict()
+
+
+def test_nothing_waits_for_the_embedder_to_load(intake, embedder):
+    """While the embedder loads, lookups go as far as the exact level, and answers kept then get their embedding
+    once it is ready."""
+    loading = TextEmbedder(embedder.path)
+    cache = ResponseCache(ON, embedder=loading)
+    request = asked(_process(intake, _body("What animal is this?", _url(small("chelsea.png", (56, 56))))))
+    paraphrase = asked(_process(intake, _body("Which animal is this?", _url(small("chelsea.png", (56, 56))))))
+
+    async def run() -> None:
+        assert loading.state == "idle"
+        entry = await cache.remember(request, _answer("a cup"))
+        assert entry is not None and entry.embedding is None
+        assert (await cache.lookup(paraphrase, "paraphrase")).entry is None  # did not wait
+        await asyncio.wrap_future(loading.start())
+        for _ in range(200):
+            if entry.embedding is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert entry.embedding is not None and loading.state == "ready"
+        assert (await cache.lookup(paraphrase, "paraphrase")).level == "paraphrase"
+
+    try:
+        asyncio.run(run())
+    finally:
+        loading.close()
