@@ -85,12 +85,12 @@ class Services:
         cache = CacheManager(policy, store=store, on_gone=matcher.remove if matcher is not None else None)
         planner = Planner(cache, reuse, matcher)
         registry = build_registry(policy, planner)
+        response_metrics = ResponseCacheMetrics(registry)  # exported, at zero, when the response cache is off
         responses = None
         if config.responses.enabled:
             # The sentence embedder loads at start (seconds); the similar level uses the match index, if any.
             responses = ResponseCache(config.responses, embedder=TextEmbedder(config.responses.embedder_path),
-                                      matcher=planner.matcher, on_cache_thread=cache.run,
-                                      metrics=ResponseCacheMetrics(registry))
+                                      matcher=planner.matcher, on_cache_thread=cache.run, metrics=response_metrics)
         return cls(
             config=config,
             client=client,
