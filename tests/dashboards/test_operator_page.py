@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.config import ResponseCacheSettings
 from tests.conftest import gateway_config, run_gateway
 from tests.images_lib import data_url, encode, small
 
@@ -27,7 +28,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 @pytest.fixture(scope="module")
 def admin_gateway(workers, model_path, shared_store):
     server = run_gateway(gateway_config(model_path, [w.url for w in workers], store=shared_store,
-                                        admin_token=TOKEN))
+                                        admin_token=TOKEN, responses=ResponseCacheSettings(namespaces=("*",))))
     try:
         yield server
     finally:
@@ -53,8 +54,8 @@ def browser():
             shutil.rmtree(profile, ignore_errors=True)
 
 
-def ask(gateway, image: str) -> httpx.Response:
-    return httpx.post(gateway.url + "/v1/chat/completions", timeout=300, json={
+def ask(gateway, image: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(gateway.url + "/v1/chat/completions", timeout=300, headers=headers, json={
         "model": gateway.config.model, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is it?"}]}]})
 
@@ -96,6 +97,13 @@ def test_the_page_shows_live_figures_that_follow_the_requests(admin_gateway, bro
     assert "/v1/chat/completions" in recent.inner_text()
     assert page.get_by_test_id("rate-exact").inner_text().endswith("%")
     assert "up" in page.locator("#workers").inner_text()
+    # The response cache's figures: a question asked twice, the second answered from it.
+    exact = {"x-revisit-response-cache": "exact"}
+    assert [ask(admin_gateway, picture, exact).headers["x-revisit-response-cache"] for _ in range(2)] == \
+        ["miss", "exact"]
+    page.wait_for_function("/exact\\s+1\\b/.test(document.querySelector('[data-testid=responses]').innerText)",
+                           timeout=15000)
+    assert "answers held" in page.get_by_test_id("responses").inner_text()
     shot = tmp_path / "operator.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 10_000
