@@ -88,9 +88,12 @@ class Services:
         response_metrics = ResponseCacheMetrics(registry)  # exported, at zero, when the response cache is off
         responses = None
         if config.responses.enabled:
-            # The sentence embedder loads at start (seconds); the similar level uses the match index, if any.
-            responses = ResponseCache(config.responses, embedder=TextEmbedder(config.responses.embedder_path),
-                                      matcher=planner.matcher, on_cache_thread=cache.run, metrics=response_metrics)
+            # The sentence embedder (only past the exact level) loads at start, in seconds; the similar level uses
+            # the match index, if any.
+            embedder = TextEmbedder(config.responses.embedder_path) if config.responses.max_level != "exact" \
+                else None
+            responses = ResponseCache(config.responses, embedder=embedder, matcher=planner.matcher,
+                                      on_cache_thread=cache.run, metrics=response_metrics)
         return cls(
             config=config,
             client=client,

@@ -9,6 +9,8 @@ Kinds (``KINDS``, weights in ``WEIGHTS``):
     other_tenant    a panel the other tenant sent, under this tenant's key: never an exact hit (isolation)
     video           a screen recording of a panel whose fields change (a recent one again now and then), asked
                     about: it runs as plain SGLang, so its answer must be plain SGLang's
+    answered        a panel this tenant sent, asked its first field for the response cache (exact level): when
+                    answered from it (a repeat of the same question), the answer must still be plain SGLang's
     stream          a field question, streamed
     cancel          a streamed request the client leaves after its first chunk, or one it stops waiting for
     bad_input       a malformed body, a damaged or oversized image, a private URL, a bad parameter: must be a 4xx
@@ -41,9 +43,10 @@ from bundled.reader.questions import field as field_question
 from offline.reader_eval import data_url
 from soak.stack import ADMIN, MODEL_ID, TENANTS
 
-KINDS = ("text", "new_image", "repeat", "near_duplicate", "other_tenant", "video", "stream", "cancel", "bad_input",
-         "admin")
-WEIGHTS = (8, 14, 22, 10, 5, 4, 10, 6, 12, 13)
+KINDS = ("text", "new_image", "repeat", "near_duplicate", "other_tenant", "video", "answered", "stream", "cancel",
+         "bad_input", "admin")
+WEIGHTS = (8, 14, 22, 10, 5, 4, 6, 10, 6, 12, 13)
+RESPONSE_CACHE = "x-revisit-response-cache"
 OUTCOMES = ("ok", "refused", "cancelled", "error", "unexpected", "lost")
 CLIENT_TIMEOUT_S = 180.0
 WORDS = "the a cache image screen page table cell value moves stays again near far quick slow".split()
@@ -113,6 +116,7 @@ class Load:
         self.checks_skipped = 0
         self.keys: dict[str, tuple[int, Panel]] = {}  # an image's cache key (x-revisit-image-keys) -> who sent what
         self.videos: list[list[bytes]] = [[] for _ in TENANTS]  # each tenant's recent recordings
+        self.answered: list[list[Panel]] = [[] for _ in TENANTS]  # each tenant's recent "answered" panels
         self.stopping = asyncio.Event()
         self._clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0,
                                             timeout=CLIENT_TIMEOUT_S) for key in TENANTS]
@@ -238,6 +242,30 @@ class Load:
             else:
                 self.checks.append(Check(kind=record.kind, reuse="video", answer=answer, reference=reference,
                                          truth=""))
+
+    async def _answered(self, record: Record, rng: random.Random) -> None:
+        mine = self.answered[record.tenant]
+        panel = rng.choice(mine) if mine and rng.random() < 0.6 else self.seen.pick(record.tenant, rng)
+        if panel is None:
+            return await self._new_image(record, rng)
+        mine.append(panel)
+        del mine[:-8]
+        messages = _messages(panel, field_question(panel, panel.keys[0]).text)  # the same question each time
+        raw = await self._clients[record.tenant].chat.completions.with_raw_response.create(
+            model=MODEL_ID, messages=messages, max_tokens=1, temperature=0, extra_headers={RESPONSE_CACHE: "exact"})
+        answer = (raw.parse().choices[0].message.content or "").strip()
+        served = raw.headers.get(RESPONSE_CACHE, "")
+        record.reuse = "response_cache" if served == "exact" else _first_reuse(raw.headers.get("x-revisit-reuse", ""))
+        if served not in ("exact", "miss"):
+            record.outcome, record.detail = "unexpected", f"{RESPONSE_CACHE}: {served!r}"
+            return
+        if served == "exact" or rng.random() < self.check_share:  # every cached answer is checked
+            reference = await self._plain_sglang(messages, rng)
+            if reference is None:
+                self.checks_skipped += 1
+            else:
+                self.checks.append(Check(kind=record.kind, reuse=record.reuse, answer=answer, reference=reference,
+                                         truth=field_question(panel, panel.keys[0]).answer))
 
     async def _stream(self, record: Record, rng: random.Random) -> None:
         panel = self.seen.pick(record.tenant, rng) if rng.random() < 0.6 else None

@@ -165,7 +165,9 @@ class Stack:
                "REVISIT_UPSTREAM_TIMEOUT_S": str(s.upstream_timeout_s),
                "REVISIT_HEALTH_INTERVAL_S": str(s.health_interval_s),
                "REVISIT_HEALTH_TIMEOUT_S": str(s.health_timeout_s),
-               "REVISIT_BOOKS_INTERVAL_S": str(s.books_interval_s)}
+               "REVISIT_BOOKS_INTERVAL_S": str(s.books_interval_s),
+               # The response cache's exact level for the "answered" kind (no sentence embedder needed).
+               "REVISIT_RESPONSE_CACHE_NAMESPACES": "*", "REVISIT_RESPONSE_CACHE_MAX_LEVEL": "exact"}
         log = open(self.root / "logs" / f"gateway-{self.gateway_starts}.log", "wb")  # noqa: SIM115 (the child's)
         self.gateway = subprocess.Popen(
             [str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(self.gateway_port),

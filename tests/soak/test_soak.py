@@ -30,6 +30,7 @@ def test_the_short_soak_survives_every_fault(tmp_path) -> None:
     bad = report.requests.get("bad_input", {})
     assert bad.get("refused", 0) > 0 and bad.get("unexpected", 0) == 0  # errors: only a killed gateway's, explained
     assert report.requests.get("video", {}).get("ok", 0) > 0, report.requests.get("video")
+    assert report.requests.get("answered", {}).get("ok", 0) > 0, report.requests.get("answered")
     assert report.reuse.get("exact_same_prefix", 0) + report.reuse.get("exact_moved", 0) > 0, report.reuse
     assert report.store["opened"] and report.store["damaged"] == 0
     assert report.store["books_entries"] == report.store["stored_entries"]
