@@ -225,6 +225,13 @@ async def recent(request: Request, limit: Annotated[int, Query(ge=1, le=200)] = 
     return {"object": "list", "data": list(reversed(kept))[:limit]}
 
 
+async def _json_body(request: Request) -> object:
+    try:
+        return json.loads(await request.body())
+    except ValueError as exc:
+        raise InvalidRequest(f"The body is not valid JSON: {exc}") from None
+
+
 @router.get("/presets")
 async def get_presets(request: Request) -> dict:
     return await _on_cache_thread(request, lambda policy, cache: _presets_body(policy))
@@ -233,10 +240,7 @@ async def get_presets(request: Request) -> dict:
 @router.post("/presets")
 async def set_presets(request: Request) -> dict:
     """Replace the priors. Body: ``{"keys": {<key>: weight}, "families": {<label>: weight}}``, weights > 0."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError as exc:
-        raise InvalidRequest(f"The body is not valid JSON: {exc}") from None
+    body = await _json_body(request)
     if not isinstance(body, dict):
         raise InvalidRequest("The body must be a JSON object with 'keys' and/or 'families'.")
     unknown = sorted(set(body) - {"keys", "families"})
@@ -274,10 +278,7 @@ async def flush_responses(request: Request, namespace: str | None = None) -> dic
 @router.post("/response-cache/false-hits")
 async def report_false_hit(request: Request) -> dict:
     """Body: ``{"id": "chatcmpl-..."}``, the id of a response the cache served (kept for its last 65,536 hits)."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError as exc:
-        raise InvalidRequest(f"The body is not valid JSON: {exc}") from None
+    body = await _json_body(request)
     if not isinstance(body, dict) or not isinstance(body.get("id"), str) or set(body) != {"id"}:
         raise InvalidRequest("The body must be {\"id\": \"<the id of a response the cache served>\"}.", param="id")
     reported = _responses(request).report_false_hit(body["id"])
