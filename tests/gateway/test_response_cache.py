@@ -23,6 +23,7 @@ from gateway.matching.matcher import Matcher
 from gateway.response_cache import Answer, ResponseCache, StreamRecorder, TextEmbedder, asked, recorded, replay_stream
 from gateway.response_cache.guard import ASKING, ASPECT, CONTRAST, ENTITY, NEGATION, NUMBER, veto
 from tests.images_lib import encode, small
+from tests.openai_schema import assert_valid
 
 ROOT = Path(__file__).resolve().parents[2]
 ON = ResponseCacheSettings(namespaces=("*",))
@@ -235,6 +236,9 @@ def test_streams_are_recorded_only_when_they_end_well():
     assert stream[-1] == b"data: [DONE]\n\n" and {c["id"] for c in chunks} == {"chatcmpl-r"}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "two words"
     assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 30} and chunks[-1]["choices"] == []
+    for chunk in chunks:  # exactly OpenAI's shapes, as the worker's relayed chunks are
+        assert_valid(chunk, "CreateChatCompletionStreamResponse")
+    assert_valid(answer.completion("chatcmpl-c"), "CreateChatCompletionResponse")
     assert all("usage" not in orjson.loads(i[6:]) for i in asyncio.run(replayed(False))[:-1])
 
     kept: list[Answer] = []
