@@ -50,15 +50,24 @@ def until(condition, what: str, timeout: float = 60.0) -> None:
 def test_a_worker_busy_with_another_clients_long_prefill_stays_up(lone):
     worker, gateway = lone
     pool_worker = gateway.app.state.services.pool.workers[0]
-    # Another client, straight to the worker: ~23k tokens of text, a prefill of some 15 s (in chunks) on this CPU,
-    # during which SGLang's /health answers nothing.
-    text = uuid.uuid4().hex + " " + " ".join(f"w{i % 997}" for i in range(6000))
-    body = {"model": MODEL_ID, "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
+    # Other clients, straight to the worker: two prompts of ~23k tokens of text each at once (46k of the worker's
+    # 64k), prefills of some 7 to 15 s each (in chunks) on this CPU, during which SGLang's /health answers nothing.
+    # Two, so that a faster machine still holds the scheduler through the three unanswered checks.
+    bodies = [{"model": MODEL_ID, "max_tokens": 1, "messages": [{"role": "user", "content": uuid.uuid4().hex + " " +
+                                                                 " ".join(f"w{i % 997}" for i in range(6000))}]}
+              for _ in range(2)]
     done = threading.Event()
 
+    def one(body: dict) -> None:
+        httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=900).raise_for_status()
+
     def other_client() -> None:
+        threads = [threading.Thread(target=one, args=(body,)) for body in bodies]
         try:
-            httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=900).raise_for_status()
+            for started in threads:
+                started.start()
+            for started in threads:
+                started.join()
         finally:
             done.set()
 
