@@ -27,7 +27,7 @@ from plan import (
 from plan.checkpoint import UnreadableProcessorConfig, image_processor_config, text_layers, vocab_size
 from settings import PREFIX as ENV_PREFIX
 from settings import EnvReader, SettingsError
-from store.config import StoreConfig
+from store.config import StoreConfig, Tier
 from store.errors import ConfigError as StoreConfigError
 
 
@@ -329,6 +329,9 @@ class ReuseSettings:
                 object.__setattr__(self, "ratios", check_ratios(self.ratios))
             except PlanError as exc:
                 raise ConfigError(f"recompute ratios: {exc}") from None
+        if self.store is not None and len(self.store.tiers) > 2:
+            # The books (gateway/policy) keep two levels: an upper tier and a lower one.
+            raise ConfigError(f"the gateway manages one or two store tiers, got {','.join(self.store.tiers)}")
 
     @classmethod
     def for_model(cls, model_dir: str | Path | None, *, store: StoreConfig | None, enabled: bool = True,
@@ -358,12 +361,14 @@ class ReuseSettings:
 class PolicySettings:
     """Capacities and knobs of the gateway's cache policy (see :mod:`gateway.policy`).
 
-    ``preset_fraction`` of DRAM is reserved for the preset victim cache: ordinary DRAM
-    entries use the rest, preset entries only that share.
+    A capacity per store tier; the books use those of the store's tiers. ``preset_fraction`` of the upper tier
+    (DRAM, or mooncake when it is the only one) is reserved for the preset victim cache: ordinary entries there use
+    the rest, preset entries only that share.
     """
 
     dram_capacity_bytes: int = 16 * 1024**3
     lmdb_capacity_bytes: int = 256 * 1024**3
+    mooncake_capacity_bytes: int = 64 * 1024**3
     preset_fraction: float = 0.1
     max_protection_budget: int = 4
     # Online reuse signal: an entry's preset score is its prior weight plus this much
@@ -372,7 +377,7 @@ class PolicySettings:
     preset_min_score: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.dram_capacity_bytes < 0 or self.lmdb_capacity_bytes < 0:
+        if min(self.dram_capacity_bytes, self.lmdb_capacity_bytes, self.mooncake_capacity_bytes) < 0:
             raise ConfigError("tier capacities must not be negative")
         if not 0.0 <= self.preset_fraction < 1.0:
             raise ConfigError(f"preset_fraction must be in [0, 1), got {self.preset_fraction}")
@@ -383,13 +388,17 @@ class PolicySettings:
         if self.preset_min_score <= 0 or not math.isfinite(self.preset_min_score):
             raise ConfigError("preset_min_score must be a finite number > 0")
 
-    @property
-    def preset_capacity_bytes(self) -> int:
-        return int(self.dram_capacity_bytes * self.preset_fraction)
+    def capacity_bytes(self, tier: str) -> int:
+        """The books' capacity of a store tier (dram, lmdb, mooncake)."""
+        return int(getattr(self, f"{Tier(tier).value}_capacity_bytes"))
 
-    @property
-    def dram_main_capacity_bytes(self) -> int:
-        return self.dram_capacity_bytes - self.preset_capacity_bytes
+    def preset_capacity_bytes(self, tier: str = "dram") -> int:
+        """The preset share of the upper tier ``tier``."""
+        return int(self.capacity_bytes(tier) * self.preset_fraction)
+
+    def main_capacity_bytes(self, tier: str = "dram") -> int:
+        """The upper tier ``tier`` less its preset share."""
+        return self.capacity_bytes(tier) - self.preset_capacity_bytes(tier)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -516,6 +525,7 @@ class GatewayConfig:
             for key, value in (
                 ("dram_capacity_bytes", get("DRAM_CAPACITY_BYTES", int)),
                 ("lmdb_capacity_bytes", get("LMDB_CAPACITY_BYTES", int)),
+                ("mooncake_capacity_bytes", get("MOONCAKE_CAPACITY_BYTES", int)),
                 ("preset_fraction", get("PRESET_FRACTION", float)),
                 ("max_protection_budget", get("MAX_PROTECTION_BUDGET", int)),
                 ("preset_reuse_weight", get("PRESET_REUSE_WEIGHT", float)),

@@ -70,8 +70,10 @@ class Services:
             config.workers, client, interval_s=config.health_interval_s, timeout_s=config.health_timeout_s
         )
         fetcher = ImageFetcher(config.images)
-        policy = CachePolicy(config.policy)
         reuse = config.reuse
+        # The books manage the store's first two tiers (gateway/policy); without a store, the default pair.
+        policy = CachePolicy(config.policy, tiers=reuse.store.tiers[:2]) if reuse.store is not None \
+            else CachePolicy(config.policy)
         # The store the workers write: shared-memory files and LMDB on this host (see store/config.py).
         store = open_store(reuse.store) if reuse.enabled and reuse.store is not None else None
         matcher, extractor = None, None

@@ -1,32 +1,38 @@
-"""The gateway's cache policy: exact-priority LRU over DRAM and LMDB with a preset victim cache.
+"""The gateway's cache policy: exact-priority LRU over two tiers with a preset victim cache.
 
 Pure bookkeeping: no I/O, no clock, no randomness. Every mutating call applies its
 decisions to the policy's own books and returns them, in order, for the caller to carry
-out on the store.
+out on the store. Being deterministic, the books of several gateways that apply the same
+calls in the same order are the same (gateway/books replays them so).
 
-Layout. DRAM is split into a *main* region (``dram_capacity - preset``) and a reserved
-*preset* region (``preset_fraction`` of DRAM); LMDB is one region. Bytes in each region never
-exceed its capacity after a call returns.
+Tiers. The books manage the store's first two tiers, an *upper* one (L2: DRAM, or the
+shared mooncake tier across hosts) and an optional *lower* one (L3: LMDB, or mooncake);
+``tiers`` names them, fastest first, as the store does.
 
-Exact-priority LRU (main region and LMDB). Each exact hit sets the entry's protection
+Layout. The upper tier is split into a *main* region (``capacity - preset``) and a reserved
+*preset* region (``preset_fraction`` of it); the lower tier is one region. Bytes in each
+region never exceed its capacity after a call returns.
+
+Exact-priority LRU (main region and the lower tier). Each exact hit sets the entry's protection
 budget to ``min(exact_hits, max_protection_budget)``. To free space, eviction walks the
 region from its LRU end: a pinned entry is never a candidate; an entry with budget left
 loses one unit and moves to the MRU end; the first entry with no budget is the victim.
 Approximate-only entries (no exact hit) never have a budget, so they leave first; an
 exact entry that stops being hit leaves once its budget is spent.
 
-Hits. An exact hit makes the entry most recently used and, from LMDB, promotes it to DRAM
-(when it fits there next to the pinned entries). An approximate (sparse) read only counts:
-no recency change, no tier change, no promotion of the alias entry.
+Hits. An exact hit makes the entry most recently used and, from the lower tier, promotes it
+to the upper one (when it fits there next to the pinned entries). An approximate (sparse)
+read only counts: no recency change, no tier change, no promotion of the alias entry.
 
 Preset victim cache. An entry's preset score is its prior weight (uploaded priors, see
 :mod:`gateway.policy.priors`) plus ``preset_reuse_weight`` per hit of either type. A
-victim of the main region whose score reaches ``preset_min_score`` stays in DRAM's preset
-region instead of being demoted, displacing preset entries of lower (score, last access)
-if needed; displaced preset entries, and victims that do not qualify, are demoted to LMDB
-(or evicted when LMDB cannot take them). An exact hit on a preset entry keeps it there.
+victim of the main region whose score reaches ``preset_min_score`` stays in the upper tier's
+preset region instead of being demoted, displacing preset entries of lower (score, last
+access) if needed; displaced preset entries, and victims that do not qualify, are demoted
+to the lower tier (or evicted when it cannot take them). An exact hit on a preset entry
+keeps it there.
 
-Not thread-safe: call it from one thread, the gateway's event loop.
+Not thread-safe: call it from one thread, the gateway's cache thread.
 """
 
 from __future__ import annotations
@@ -43,23 +49,30 @@ from gateway.policy.priors import PresetPriors
 from gateway.policy.stats import PolicyStats, TierUsage
 
 Slot = tuple[Tier, Region]
-MAIN: Slot = (Tier.DRAM, Region.MAIN)
-PRESET: Slot = (Tier.DRAM, Region.PRESET)
-LMDB: Slot = (Tier.LMDB, Region.MAIN)
-SLOTS = (MAIN, PRESET, LMDB)
+DEFAULT_TIERS = (Tier.DRAM, Tier.LMDB)
 HIT_TYPES = ("exact", "approximate")
 DECISION_KINDS = ("admit", "reject", "promote", "demote", "reserve", "evict")
 EVICTION_REASONS = ("capacity", "removed", "flushed")
 
 
 class CachePolicy:
-    def __init__(self, settings: PolicySettings, priors: PresetPriors | None = None):
+    def __init__(self, settings: PolicySettings, priors: PresetPriors | None = None, *,
+                 tiers: tuple[Tier, ...] | tuple[str, ...] = DEFAULT_TIERS):
+        if not 1 <= len(tiers) <= 2 or len(set(tiers)) != len(tiers):
+            raise InvalidEntry(f"the books manage one or two distinct tiers, fastest first; got {tiers!r}")
         self.settings = settings
+        self.tiers = tuple(Tier(t) for t in tiers)
+        self.upper = self.tiers[0]
+        self.lower = self.tiers[1] if len(self.tiers) > 1 else None  # None: victims of the upper tier leave
+        self.main: Slot = (self.upper, Region.MAIN)
+        self.preset: Slot = (self.upper, Region.PRESET)
+        self.low: Slot | None = (self.lower, Region.MAIN) if self.lower is not None else None
+        self.slots: tuple[Slot, ...] = (self.main, self.preset) + ((self.low,) if self.low is not None else ())
         self._priors = priors or PresetPriors()
         self._entries: dict[str, CacheEntry] = {}
         # Eviction order per region, LRU first. Pinned entries are left out: they are
         # never candidates, and rejoin at the MRU end when unpinned.
-        self._order: dict[Slot, OrderedDict[str, None]] = {slot: OrderedDict() for slot in SLOTS}
+        self._order: dict[Slot, OrderedDict[str, None]] = {slot: OrderedDict() for slot in self.slots}
         self._used: Counter[Slot] = Counter()
         self._pinned: Counter[Slot] = Counter()
         self._clock = 0
@@ -97,12 +110,14 @@ class CachePolicy:
     def priors(self) -> PresetPriors:
         return self._priors
 
-    def capacity(self, slot: Slot) -> int:
-        if slot == MAIN:
-            return self.settings.dram_main_capacity_bytes
-        if slot == PRESET:
-            return self.settings.preset_capacity_bytes
-        return self.settings.lmdb_capacity_bytes
+    def capacity(self, slot: Slot | None) -> int:
+        if slot is None:
+            return 0
+        if slot == self.main:
+            return self.settings.main_capacity_bytes(self.upper)
+        if slot == self.preset:
+            return self.settings.preset_capacity_bytes(self.upper)
+        return self.settings.capacity_bytes(slot[0])
 
     def preset_score(self, entry: CacheEntry) -> float:
         return entry.prior_weight + self.settings.preset_reuse_weight * (entry.exact_hits + entry.approximate_hits)
@@ -125,12 +140,15 @@ class CachePolicy:
             )
 
         c = self._counts
+        tiers = {self.upper.value: usage(self.main, self.preset)}
+        if self.low is not None:
+            tiers[self.low[0].value] = usage(self.low)
         return PolicyStats(
-            tiers={Tier.DRAM.value: usage(MAIN, PRESET), Tier.LMDB.value: usage(LMDB)},
-            preset=usage(PRESET),
-            hits={h: {t.value: c[f"hit:{h}:{t.value}"] for t in Tier} for h in HIT_TYPES},
+            tiers=tiers,
+            preset=usage(self.preset),
+            hits={h: {t.value: c[f"hit:{h}:{t.value}"] for t in self.tiers} for h in HIT_TYPES},
             decisions={kind: c[f"decision:{kind}"] for kind in DECISION_KINDS},
-            evictions={t.value: {r: c[f"evict:{t.value}:{r}"] for r in EVICTION_REASONS} for t in Tier},
+            evictions={t.value: {r: c[f"evict:{t.value}:{r}"] for r in EVICTION_REASONS} for t in self.tiers},
             protections_used=c["protections_used"],
         )
 
@@ -139,8 +157,8 @@ class CachePolicy:
     def insert(self, key: str, size_bytes: int, *, family: str | None = None) -> list[Decision]:
         """Track a newly stored entry (after a miss). A key already tracked is left as is.
 
-        The entry enters DRAM's main region at the MRU end, or LMDB when it cannot fit in DRAM
-        next to DRAM's pinned entries, or is rejected when it cannot fit in either.
+        The entry enters the upper tier's main region at the MRU end, or the lower tier when it cannot fit in the
+        upper one next to its pinned entries, or is rejected when it cannot fit in either.
         """
         if not is_entry_key(key):
             raise InvalidEntry(f"{key!r} is not a 64-digit lowercase hex image key")
@@ -149,12 +167,12 @@ class CachePolicy:
         if key in self._entries:
             return []
         entry = CacheEntry(
-            key=key, size_bytes=size_bytes, tier=Tier.DRAM, family=family,
+            key=key, size_bytes=size_bytes, tier=self.upper, family=family,
             prior_weight=self._priors.weight(key, family), last_access=self._tick(),
         )
         out: list[Decision] = []
-        for slot in (MAIN, LMDB):
-            if self._has_room(slot, size_bytes):
+        for slot in (self.main, self.low):
+            if slot is not None and self._has_room(slot, size_bytes):
                 self._entries[key] = entry
                 self._place(entry, slot)
                 self._emit(out, Admit(key=key, tier=slot[0]))
@@ -167,9 +185,10 @@ class CachePolicy:
     def restore(self, key: str, size_bytes: int, tier: Tier, *, pinned: bool = False) -> list[Decision]:
         """Track an entry found in the store (at start, or written since the books last looked), where it is.
 
-        Unlike :meth:`insert` it does not move the entry up: one found in LMDB is booked in LMDB. It enters its
-        tier's main region at the MRU end (a pinned one stays pinned), and the region is then fitted as after an
-        insert; an entry that cannot fit next to the tier's pinned entries goes to LMDB, or is rejected.
+        Unlike :meth:`insert` it does not move the entry up: one found in the lower tier is booked there. It enters
+        its tier's main region at the MRU end (a pinned one stays pinned), and the region is then fitted as after
+        an insert; an entry that cannot fit next to the tier's pinned entries goes to the lower tier, or is
+        rejected. A tier the books do not manage counts as the lower one.
         """
         if not is_entry_key(key):
             raise InvalidEntry(f"{key!r} is not a 64-digit lowercase hex image key")
@@ -178,13 +197,13 @@ class CachePolicy:
         entry = CacheEntry(key=key, size_bytes=size_bytes, tier=tier, pinned=pinned,
                            prior_weight=self._priors.weight(key, None), last_access=self._tick())
         out: list[Decision] = []
-        slots = (MAIN, LMDB) if tier is Tier.DRAM else (LMDB,)
+        slots = (self.main, self.low) if tier is self.upper else (self.low,)
         for slot in slots:
-            if self._has_room(slot, size_bytes):
+            if slot is not None and self._has_room(slot, size_bytes):
                 self._entries[key] = entry
                 self._place(entry, slot)
                 if slot[0] is not tier:
-                    self._emit(out, Demote(key=key))
+                    self._emit(out, Demote(key=key, source=tier, target=slot[0]))
                 self._fit(slot, out, keep=key)
                 break
         else:
@@ -192,7 +211,7 @@ class CachePolicy:
         return out
 
     def record_exact_hit(self, key: str) -> list[Decision]:
-        """An exact hit read the whole entry: refresh its budget, make it MRU, promote from LMDB."""
+        """An exact hit read the whole entry: refresh its budget, make it MRU, promote from the lower tier."""
         entry = self._entry(key)
         self._counts[f"hit:exact:{entry.tier.value}"] += 1
         entry.exact_hits += 1
@@ -200,11 +219,11 @@ class CachePolicy:
         entry.last_access = self._tick()
         out: list[Decision] = []
         slot = (entry.tier, entry.region)
-        if slot == LMDB and self._has_room(MAIN, entry.size_bytes):
+        if slot == self.low and self._has_room(self.main, entry.size_bytes):
             self._unplace(entry)
-            self._place(entry, MAIN)
-            self._emit(out, Promote(key=key))
-            self._fit(MAIN, out, keep=key)
+            self._place(entry, self.main)
+            self._emit(out, Promote(key=key, source=slot[0], target=self.upper))
+            self._fit(self.main, out, keep=key)
         elif not entry.pinned:
             self._order[slot].move_to_end(key)
         return out
@@ -279,9 +298,9 @@ class CachePolicy:
         if isinstance(decision, Evict):
             self._counts[f"evict:{decision.tier.value}:{decision.reason}"] += 1
 
-    def _has_room(self, slot: Slot, size_bytes: int) -> bool:
+    def _has_room(self, slot: Slot | None, size_bytes: int) -> bool:
         """Whether ``size_bytes`` fits in ``slot`` once every unpinned entry there has left."""
-        return size_bytes <= self.capacity(slot) - self._pinned[slot]
+        return slot is not None and size_bytes <= self.capacity(slot) - self._pinned[slot]
 
     def _place(self, entry: CacheEntry, slot: Slot) -> None:
         entry.tier, entry.region = slot
@@ -305,15 +324,15 @@ class CachePolicy:
         self._emit(out, Evict(key=entry.key, tier=entry.tier, reason=reason))
 
     def _fit(self, slot: Slot, out: list[Decision], *, keep: str) -> None:
-        """Free space in ``slot`` (main or LMDB) until it is within capacity; ``keep`` stays."""
+        """Free space in ``slot`` (main or the lower tier) until it is within capacity; ``keep`` stays."""
         while self._used[slot] > self.capacity(slot):
             victim = self._next_victim(slot, keep)
             assert victim is not None, "callers check _has_room before placing"
-            if slot == MAIN and self._make_preset_room(victim, out):
+            if slot == self.main and self._make_preset_room(victim, out):
                 self._unplace(victim)
-                self._place(victim, PRESET)
+                self._place(victim, self.preset)
                 self._emit(out, Reserve(key=victim.key))
-            elif slot == MAIN:
+            elif slot == self.main:
                 self._demote(victim, out)
             else:
                 self._drop(victim, out, reason="capacity")
@@ -333,25 +352,25 @@ class CachePolicy:
         return None
 
     def _demote(self, entry: CacheEntry, out: list[Decision]) -> None:
-        """An DRAM entry leaves DRAM: to LMDB when it can fit there, else out of the cache."""
-        if not self._has_room(LMDB, entry.size_bytes):
+        """An entry leaves the upper tier: to the lower one when it can fit there, else out of the cache."""
+        if self.low is None or not self._has_room(self.low, entry.size_bytes):
             self._drop(entry, out, reason="capacity")
             return
         self._unplace(entry)
-        self._place(entry, LMDB)
-        self._emit(out, Demote(key=entry.key))
-        self._fit(LMDB, out, keep=entry.key)
+        self._place(entry, self.low)
+        self._emit(out, Demote(key=entry.key, source=self.upper, target=self.low[0]))
+        self._fit(self.low, out, keep=entry.key)
 
     def _make_preset_room(self, victim: CacheEntry, out: list[Decision]) -> bool:
         """Whether ``victim`` may stay in the preset region; demotes the preset entries it displaces."""
         score = self.preset_score(victim)
-        if score < self.settings.preset_min_score or not self._has_room(PRESET, victim.size_bytes):
+        if score < self.settings.preset_min_score or not self._has_room(self.preset, victim.size_bytes):
             return False
-        need = self._used[PRESET] + victim.size_bytes - self.capacity(PRESET)
+        need = self._used[self.preset] + victim.size_bytes - self.capacity(self.preset)
         displaced: list[CacheEntry] = []
         rank = (score, victim.last_access)
         candidates = sorted(
-            (self._entries[k] for k in self._order[PRESET]), key=lambda e: (self.preset_score(e), e.last_access)
+            (self._entries[k] for k in self._order[self.preset]), key=lambda e: (self.preset_score(e), e.last_access)
         )
         for candidate in candidates:
             if need <= 0:

@@ -156,7 +156,7 @@ async def list_entries(
     request: Request,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     cursor: str | None = None,
-    tier: Literal["dram", "lmdb"] | None = None,
+    tier: Literal["dram", "lmdb", "mooncake"] | None = None,
 ) -> dict:
     """Entries sorted by key; pass the answer's ``next_cursor`` as ``cursor`` for the next page."""
     if cursor is not None:

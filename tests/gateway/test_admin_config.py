@@ -32,7 +32,7 @@ def test_policy_and_admin_settings_from_env():
         dram_capacity_bytes=1000, lmdb_capacity_bytes=5000, preset_fraction=0.25, max_protection_budget=2,
         preset_reuse_weight=0.5, preset_min_score=2.0,
     )
-    assert (config.policy.preset_capacity_bytes, config.policy.dram_main_capacity_bytes) == (250, 750)
+    assert (config.policy.preset_capacity_bytes(), config.policy.main_capacity_bytes()) == (250, 750)
 
 
 @pytest.mark.parametrize(

@@ -10,15 +10,17 @@ def key(i: int) -> str:
     return f"{i:064x}"
 
 
-def make_policy(**settings) -> CachePolicy:
-    defaults = {"dram_capacity_bytes": 100, "lmdb_capacity_bytes": 100, "preset_fraction": 0.0}
-    return CachePolicy(PolicySettings(**{**defaults, **settings}))
+def make_policy(*, tiers: tuple[str, ...] = ("dram", "lmdb"), **settings) -> CachePolicy:
+    defaults = {"dram_capacity_bytes": 100, "lmdb_capacity_bytes": 100, "mooncake_capacity_bytes": 100,
+                "preset_fraction": 0.0}
+    return CachePolicy(PolicySettings(**{**defaults, **settings}), tiers=tiers)
 
 
 class ReplayStore:
     """Where each entry would be if a store applied the decisions, in order; checks each is legal."""
 
-    def __init__(self) -> None:
+    def __init__(self, upper: Tier = Tier.DRAM) -> None:
+        self.upper = upper
         self.tiers: dict[str, Tier] = {}
 
     def apply(self, decisions: list[Decision]) -> None:
@@ -33,7 +35,7 @@ class ReplayStore:
                     assert self.tiers.get(d.key) is d.source, d
                     self.tiers[d.key] = d.target
                 case Reserve():
-                    assert self.tiers.get(d.key) is Tier.DRAM, d
+                    assert self.tiers.get(d.key) is self.upper, d
                 case Evict():
                     assert self.tiers.pop(d.key, None) is d.tier, d
 

@@ -65,8 +65,8 @@ def step(policy: CachePolicy, op: tuple, store: ReplayStore) -> list:
 def check(policy: CachePolicy, store: ReplayStore, budget: int) -> None:
     s = policy.settings
     used = tier_bytes(policy)
-    assert used.get(("dram", "main"), 0) <= s.dram_main_capacity_bytes
-    assert used.get(("dram", "preset"), 0) <= s.preset_capacity_bytes
+    assert used.get(("dram", "main"), 0) <= s.main_capacity_bytes()
+    assert used.get(("dram", "preset"), 0) <= s.preset_capacity_bytes()
     assert used.get(("lmdb", "main"), 0) <= s.lmdb_capacity_bytes
     stats = policy.stats()
     assert stats.tiers["dram"].bytes == used.get(("dram", "main"), 0) + used.get(("dram", "preset"), 0)
