@@ -37,7 +37,13 @@ $(CHROMIUM):
 serve: $(INSTALLED)
 	$(BIN)/revisit serve $(ARGS)
 
-test: $(INSTALLED) $(CHROMIUM)
+# Debian's Redis server, for the tests of books shared by gateway replicas (tests start it on loopback themselves).
+REDIS_SERVER ?= /usr/bin/redis-server
+$(REDIS_SERVER):
+	@echo "[setup] installing Debian's redis-server for the shared-books tests (needs root: apt-get)"
+	apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+
+test: $(INSTALLED) $(CHROMIUM) $(REDIS_SERVER)
 	$(BIN)/ruff check gateway engine_ext store dashboards plan settings launcher bundled offline soak replay tests bench
 	$(BIN)/mypy
 	REVISIT_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest $(ARGS)

@@ -15,6 +15,7 @@ the books and the store never disagree half-way through a decision.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -27,6 +28,7 @@ from typing import TypeVar
 from gateway.policy import CachePolicy
 from gateway.policy.decisions import Admit, Decision, Demote, Evict, Promote, Reject
 from gateway.policy.entry import Tier, is_entry_key
+from gateway.policy.errors import UnknownEntry
 from store.dram import DramTier
 from store.errors import StoreError
 from store.tiered import TieredStore
@@ -109,9 +111,8 @@ class CacheManager:
         store = self.store
         assert store is not None
         key = decision.key
-        if key not in self.policy:
+        if not self._unbook(key):  # its Evict decisions name the tier it never reached: not applied
             return
-        self.policy.remove(key, force=True)  # its Evict decisions name the tier it never reached: not applied
         try:
             store.remove(key, force=True)
         except StoreError as exc:
@@ -144,13 +145,34 @@ class CacheManager:
         return self.apply(self.policy.insert(key, size_bytes, family=family))
 
     def record_exact_hit(self, key: str) -> list[Decision]:
-        return self.apply(self.policy.record_exact_hit(key))
+        """An exact hit on a booked entry (none when the entry left the books since it was looked up: another
+        gateway sharing them evicted it meanwhile)."""
+        try:
+            return self.apply(self.policy.record_exact_hit(key))
+        except UnknownEntry:
+            return []
 
     def record_approximate_hit(self, key: str) -> None:
-        self.policy.record_approximate_hit(key)  # a sparse read of the alias moves nothing
+        with contextlib.suppress(UnknownEntry):
+            self.policy.record_approximate_hit(key)  # a sparse read of the alias moves nothing
 
     def remove(self, key: str, *, force: bool = False) -> list[Decision]:
         return self.apply(self.policy.remove(key, force=force))
+
+    def drop(self, key: str) -> None:
+        """The store lost the entry (damaged, or removed outside the gateway): out of the books, if still there
+        (and so out of the match index)."""
+        with contextlib.suppress(UnknownEntry):
+            self.apply(self.policy.remove(key, force=True))
+
+    def _unbook(self, key: str) -> bool:
+        """Remove from the books without touching the store; False when the books did not hold it (or no longer:
+        shared books may have let it go through another gateway)."""
+        try:
+            self.policy.remove(key, force=True)
+        except UnknownEntry:
+            return False
+        return True
 
     def flush(self, *, force: bool = False) -> list[Decision]:
         """Every entry out of the books and the store (pinned ones only with ``force``), those the books had not
@@ -213,7 +235,7 @@ class CacheManager:
             return 0
         lost = [e.key for e in self.policy.entries() if e.key not in listed and not store.contains(e.key)]
         for key in lost:
-            self.apply(self.policy.remove(key, force=True))
+            self.drop(key)
         if lost:
             log.warning("%d entries left the store outside the gateway; taken out of the books", len(lost))
         return len(lost)

@@ -431,6 +431,11 @@ class GatewayConfig:
     # How often the cache books are reconciled with the store (entries workers wrote, entries lost; and at start
     # every entry a previous run left, see Services.start).
     books_interval_s: float = 10.0
+    # Books shared by several gateway replicas (gateway/books): the Redis or Valkey server that holds them
+    # (redis://host:6379/0); None keeps them in this gateway. Each replica applies the others' changes at least
+    # every books_follow_interval_s.
+    books_url: str | None = None
+    books_follow_interval_s: float = 0.1
     # API key -> cache namespace. Keys not listed get a namespace of their own derived
     # from the key; requests without a key share the default namespace.
     namespaces: Mapping[str, str] = field(default_factory=dict)
@@ -463,11 +468,13 @@ class GatewayConfig:
             raise ConfigError(f"image_memo_bytes must not be negative, got {self.image_memo_bytes}")
         for name in ("max_request_bytes", "health_interval_s", "health_timeout_s",
                      "connect_timeout_s", "upstream_timeout_s", "keep_alive_s", "max_connections",
-                     "loop_lag_interval_s", "books_interval_s"):
+                     "loop_lag_interval_s", "books_interval_s", "books_follow_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ConfigError("admin_token must be at least 8 characters")
+        if self.books_url is not None and not self.books_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"books_url must be a redis://, rediss:// or unix:// URL, got {self.books_url!r}")
         if self.metrics_require_token and not self.admin_token:
             raise ConfigError("metrics_require_token needs an admin_token")
 
@@ -545,6 +552,8 @@ class GatewayConfig:
             ("health_interval_s", "HEALTH_INTERVAL_S", float),
             ("health_timeout_s", "HEALTH_TIMEOUT_S", float),
             ("books_interval_s", "BOOKS_INTERVAL_S", float),
+            ("books_url", "BOOKS_URL", str),
+            ("books_follow_interval_s", "BOOKS_FOLLOW_INTERVAL_S", float),
             ("keep_alive_s", "KEEP_ALIVE_S", float),
         ):
             if (value := get(name, cast)) is not None:

@@ -39,6 +39,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gateway.books.errors import BooksError
 from gateway.cache import CacheManager
 from gateway.config import ReuseSettings
 from gateway.images import CanonicalImage
@@ -48,6 +49,7 @@ from gateway.matching.plans import approximate_plan
 from gateway.videos import FrameBook, FramesSeen
 from plan import EXACT, MISS, ImagePlan, RequestPlan
 from plan.outcome import EVERY_IMAGE, PLANNED, Outcome
+from store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,8 @@ KINDS = ("miss", "exact_same_prefix", "exact_moved", "approximate")  # what each
 # nothing (plain SGLang; nothing is stored). A client can only ask for less than the gateway's settings allow.
 REUSE_MODES = ("all", "exact", "off")
 # Also counted: "admitted" (entries found in the store and taken into the books), "near_miss" (candidates compared
-# but none similar enough), "guard_fallback" (a match planned as a miss: too much changed).
+# but none similar enough), "guard_fallback" (a match planned as a miss: too much changed), "store_unavailable"
+# (requests planned nothing because the store or the shared books did not answer).
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,15 @@ class Planner:
         if not self.enabled or not intake.images or mode == "off":
             # A video is not planned for (it runs as plain SGLang): it keeps to the worker that served it last.
             return Planned(None, self._video_holder(intake), ())
-        plans, kinds, similarities = await self.cache.run(self._plan_images, intake,
-                                                          strategy or self.settings.match.strategy, mode == "all")
+        try:
+            plans, kinds, similarities = await self.cache.run(self._plan_images, intake,
+                                                              strategy or self.settings.match.strategy, mode == "all")
+        except (StoreError, BooksError) as exc:
+            # The shared tier or the shared books did not answer: the request runs as in plain SGLang (nothing
+            # reused, nothing stored) rather than not at all.
+            self.counts["store_unavailable"] += 1
+            log.warning("planned nothing for a request: %s", exc)
+            return Planned(None, self._video_holder(intake), ())
         prefer = next((self._holder[image.key] for image, kind in zip(intake.images, kinds, strict=True)
                        if kind != "miss" and image.key in self._holder), None) or self._video_holder(intake)
         return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds), tuple(similarities))
@@ -222,7 +232,7 @@ class Planner:
         header = store.get_sparse(key, [], (0, 1))  # reads and verifies the header only
         if header is None:
             if in_books:  # the store lost it (damaged, removed outside the gateway): the books follow
-                self.cache.remove(key, force=True)
+                self.cache.drop(key)
             return None
         with header:
             stored_digest = header.header.prefix_digest

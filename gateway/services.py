@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry
 
+from gateway.books import BookLog, BooksError, SharedBooks, SharedFeatureStore
 from gateway.cache import CacheManager
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
@@ -18,7 +19,7 @@ from gateway.image_fetch import ImageFetcher
 from gateway.intake import Intake
 from gateway.loop_lag import LoopLag
 from gateway.matching import extractor_for, scope
-from gateway.matching.matcher import Matcher
+from gateway.matching.matcher import FeatureRecords, Matcher
 from gateway.metrics import RequestMetrics, ResponseCacheMetrics, build_registry
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
@@ -53,6 +54,7 @@ class Services:
     started_at: int = field(default_factory=lambda: int(time.time()))
     _rebuild: asyncio.Task[None] | None = None
     _books: asyncio.Task[None] | None = None
+    _follow: asyncio.Task[None] | None = None
 
     @classmethod
     def build(cls, config: GatewayConfig) -> Services:
@@ -71,19 +73,33 @@ class Services:
         )
         fetcher = ImageFetcher(config.images)
         reuse = config.reuse
-        # The books manage the store's first two tiers (gateway/policy); without a store, the default pair.
-        policy = CachePolicy(config.policy, tiers=reuse.store.tiers[:2]) if reuse.store is not None \
-            else CachePolicy(config.policy)
-        # The store the workers write: shared-memory files and LMDB on this host (see store/config.py).
+        # The store the workers write: shared-memory files and LMDB on this host, and/or the mooncake tier every host
+        # shares (see store/config.py).
         store = open_store(reuse.store) if reuse.enabled and reuse.store is not None else None
+        shared = config.books_url is not None and store is not None and reuse.store is not None
+        policy: CachePolicy
+        if shared and reuse.store is not None and config.books_url is not None:
+            # Books shared with other replicas (gateway/books): the policy's changes and the match index's go
+            # through one log in the books' server.
+            policy = SharedBooks(config.policy, BookLog(config.books_url, name=reuse.store.name),
+                                 tiers=reuse.store.tiers[:2])
+        else:
+            # The books manage the store's first two tiers (gateway/policy).
+            policy = CachePolicy(config.policy, tiers=reuse.store.tiers[:2]) if reuse.store is not None \
+                else CachePolicy(config.policy)
         matcher, extractor = None, None
         if store is not None and reuse.store is not None and reuse.match.enabled:
-            # Approximate matching: every new image gets per-token features; they persist beside the store.
+            # Approximate matching: every new image gets per-token features; they persist beside the store (in the
+            # books' server when the books are shared). Not synced at each commit: a crash may lose the last
+            # records, which only means those images cannot be aliases; a synced write per miss would hold up the
+            # cache thread.
             extractor = extractor_for(reuse.match)
-            matcher = Matcher(reuse.match, scope=scope(config.model, config.processor, extractor),
-                              # Not synced at each commit: a crash may lose the last records, which only means those
-                              # images cannot be aliases; a synced write per miss would hold up the cache thread.
-                              features=FeatureStore(reuse.store.features_path, sync=False))
+            features: FeatureRecords = SharedFeatureStore(config.books_url, name=reuse.store.name) \
+                if shared and config.books_url is not None else FeatureStore(reuse.store.features_path, sync=False)
+            matcher = Matcher(reuse.match, scope=scope(config.model, config.processor, extractor), features=features)
+            if isinstance(policy, SharedBooks):
+                matcher.on_indexed, matcher.on_forgotten = policy.announce_indexed, policy.announce_forgotten
+                policy.learn, policy.forget = matcher.learn, matcher.forget
         cache = CacheManager(policy, store=store, on_gone=matcher.remove if matcher is not None else None)
         planner = Planner(cache, reuse, matcher)
         registry = build_registry(policy, planner)
@@ -123,6 +139,14 @@ class Services:
         await self.pool.start()
         matcher, store = self.planner.matcher, self.cache.store
         loop = asyncio.get_running_loop()
+        if isinstance(self.policy, SharedBooks):
+            # Join the shared books before serving: their snapshot and every event since (a BooksError here stops
+            # the start, as a store that cannot be opened does).
+            started = time.perf_counter()
+            await self.cache.run(self.policy.load)
+            log.info("joined the shared books at %s: %d entries, %d events applied, in %.2f s",
+                     self.policy.log.prefix, len(self.policy), self.policy.applied, time.perf_counter() - started)
+            self._follow = loop.create_task(self._follow_books(self.policy))
         if store is not None:
             self._books = loop.create_task(self._keep_books(store))
         if matcher is not None and store is not None:
@@ -154,6 +178,18 @@ class Services:
                 log.exception("reconciling the cache books with the store failed")
             await asyncio.sleep(self.config.books_interval_s)
 
+    async def _follow_books(self, books: SharedBooks) -> None:
+        """Apply the other replicas' changes to this one's books every books_follow_interval_s."""
+        while True:
+            try:
+                await self.cache.run(books.catch_up)
+            except asyncio.CancelledError:
+                raise
+            except BooksError as exc:  # the server is away: serve on the books as they are, and try again
+                log.warning("could not follow the shared books: %s", exc)
+                await asyncio.sleep(1.0)
+            await asyncio.sleep(self.config.books_follow_interval_s)
+
     async def _rebuild_index(self, matcher: Matcher, store: TieredStore) -> None:
         """The match index from the features beside the store, in chunks on the cache thread, so that requests
         are planned in between (a 100k-image index takes tens of seconds: bench/matching.py); until it is done a
@@ -166,7 +202,7 @@ class Services:
                  time.perf_counter() - started)
 
     async def aclose(self) -> None:
-        for task in (self._rebuild, self._books):
+        for task in (self._rebuild, self._books, self._follow):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -178,5 +214,7 @@ class Services:
         await asyncio.to_thread(self.cache.close)
         if self.planner.matcher is not None and self.planner.matcher.features is not None:
             self.planner.matcher.features.close()
+        if isinstance(self.policy, SharedBooks):
+            self.policy.log.close()
         await self.fetcher.aclose()
         await self.client.aclose()

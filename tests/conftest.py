@@ -92,6 +92,37 @@ def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory):
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis server on loopback (Debian's redis-server), for books shared by gateways; its URL."""
+    import subprocess
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (make test installs Debian's)")
+    port, folder = free_port(), tmp_path_factory.mktemp("redis")
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                "no", "--dir", str(folder)], stdout=open(folder / "redis.log", "wb"),  # noqa: SIM115
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            raise RuntimeError(f"redis-server did not start; see {folder / 'redis.log'}")
+        time.sleep(0.05)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        terminate(process)
+
+
 # The store the session's workers and gateway share (REVISIT_STORE_* for workers), set by the shared_store fixture.
 STORE_ENV: dict[str, str] = {}
 

@@ -6,7 +6,9 @@ new image (gateway.matching.align: a whole-token shift from the digests, then a 
 similarity reaches ``match_threshold``, best first. A lookup whose candidates all fall short is a near miss.
 
 ``Matcher.add`` indexes a new image and persists its features beside the store, so ``Matcher.rebuild`` can restore
-the index after a restart from the records whose KV entry the store still holds.
+the index after a restart from the records whose KV entry the store still holds. With books shared by several
+gateways (gateway/books) the features live in the books' server, ``on_indexed`` and ``on_forgotten`` tell the
+other replicas, and they ``learn`` and ``forget`` what this one announced.
 
 Threading: the cache thread's (called from the planner and from CacheManager's removals), like the policy.
 """
@@ -16,16 +18,28 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.config import MatchSettings
 from gateway.matching.align import Alignment, align, find_shift
 from gateway.matching.features import TokenFeatures
 from gateway.matching.index import IndexRecord, MatchIndex
-from store import FeatureStore, StoreError
+from store import StoreError
 
 log = logging.getLogger(__name__)
+
+
+class FeatureRecords(Protocol):
+    """Where features persist: store.FeatureStore beside one gateway's store, or gateway.books.SharedFeatureStore."""
+
+    def put(self, key: str, index_record: bytes, tokens: bytes) -> None: ...
+    def tokens(self, key: str) -> bytes | None: ...
+    def index_record(self, key: str) -> bytes | None: ...
+    def remove(self, key: str) -> bool: ...
+    def index_records(self) -> Iterator[tuple[str, bytes]]: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,10 +61,12 @@ class Lookup:
 
 
 class Matcher:
-    def __init__(self, settings: MatchSettings, *, scope: str, features: FeatureStore | None) -> None:
+    def __init__(self, settings: MatchSettings, *, scope: str, features: FeatureRecords | None) -> None:
         self.settings = settings
         self.scope = scope
         self.features = features
+        self.on_indexed: Callable[[str], None] | None = None  # told of each image this matcher indexes
+        self.on_forgotten: Callable[[str], None] | None = None  # told of each image it forgets
         self.index = MatchIndex(coarse_threshold=settings.coarse_threshold, candidates=settings.candidates,
                                 scan_limit=settings.scan_limit)
         self._cache: OrderedDict[str, TokenFeatures] = OrderedDict()
@@ -70,18 +86,40 @@ class Matcher:
                 log.warning("could not persist the features of %s: %s", key[:16], exc)
         self.index.add(record)
         self._remember(key, features)
+        if self.on_indexed is not None:
+            self.on_indexed(key)
 
     def remove(self, key: str) -> None:
         """Forget an image: its entry left the store."""
-        self.index.remove(key)
-        cached = self._cache.pop(key, None)
-        if cached is not None:
-            self._cache_bytes -= cached.nbytes
+        self.forget(key)
         if self.features is not None:
             try:
                 self.features.remove(key)
             except StoreError as exc:
                 log.warning("could not drop the features of %s: %s", key[:16], exc)
+        if self.on_forgotten is not None:
+            self.on_forgotten(key)
+
+    def forget(self, key: str) -> None:
+        """Take an image out of this matcher's index (its features stay where they persist)."""
+        self.index.remove(key)
+        cached = self._cache.pop(key, None)
+        if cached is not None:
+            self._cache_bytes -= cached.nbytes
+
+    def learn(self, key: str) -> None:
+        """Index an image another gateway indexed, from its persisted record (skipped when gone since, or when
+        this matcher has it already)."""
+        if self.features is None or key in self.index:
+            return
+        try:
+            data = self.features.index_record(key)
+            record = IndexRecord.from_bytes(key, data) if data is not None else None
+        except (StoreError, ValueError) as exc:
+            log.warning("could not learn the features of %s: %s", key[:16], exc)
+            return
+        if record is not None and record.scope == self.scope:
+            self.index.add(record)
 
     def lookup(self, namespace: str, key: str, features: TokenFeatures) -> Lookup:
         query = self.record(key, namespace, features)

@@ -280,6 +280,41 @@ class CachePolicy:
         for entry in self._entries.values():
             entry.prior_weight = priors.weight(entry.key, entry.family)
 
+    # ---- the books as data (gateway/books: snapshots of shared books) -----------------
+
+    def state(self) -> dict:
+        """Everything the books hold, JSON-ready: entries, each region's eviction order, the clock, the counters and
+        the priors. ``load_state`` of it gives books that decide exactly as these do."""
+        return {
+            "tiers": [t.value for t in self.tiers],
+            "entries": [entry.as_dict() for entry in self._entries.values()],
+            "order": [[slot[0].value, slot[1].value, list(self._order[slot])] for slot in self.slots],
+            "clock": self._clock,
+            "counts": dict(self._counts),
+            "priors": self._priors.as_dict(),
+        }
+
+    def load_state(self, state: dict) -> None:
+        """Replace the books with ``state`` (from :meth:`state` of books over the same tiers)."""
+        if [t.value for t in self.tiers] != state["tiers"]:
+            raise InvalidEntry(f"books over {state['tiers']} cannot be loaded into books over "
+                               f"{[t.value for t in self.tiers]}")
+        self._priors = PresetPriors(**state["priors"])
+        self._entries = {}
+        self._used, self._pinned = Counter(), Counter()
+        self._order = {slot: OrderedDict() for slot in self.slots}
+        for fields in state["entries"]:
+            entry = CacheEntry(**{**fields, "tier": Tier(fields["tier"]), "region": Region(fields["region"])})
+            slot = (entry.tier, entry.region)
+            self._entries[entry.key] = entry
+            self._used[slot] += entry.size_bytes
+            if entry.pinned:
+                self._pinned[slot] += entry.size_bytes
+        for tier, region, keys in state["order"]:
+            self._order[(Tier(tier), Region(region))] = OrderedDict.fromkeys(keys)
+        self._clock = state["clock"]
+        self._counts = Counter(state["counts"])
+
     # ---- internals -----------------------------------------------------------------
 
     def _entry(self, key: str) -> CacheEntry:
