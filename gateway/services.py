@@ -25,7 +25,7 @@ from gateway.planner import Planner
 from gateway.policy import CachePolicy
 from gateway.response_cache import ResponseCache, TextEmbedder
 from gateway.workers import WorkerPool
-from plan.outcome import OutcomeBox
+from plan.outcome import Outcomes, outcome_box
 from store import FeatureStore, TieredStore, open_store
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Services:
     metrics: CollectorRegistry
     requests: RequestMetrics
     loop_lag: LoopLag
-    outcomes: OutcomeBox | None = None  # what workers ran, per request (plan.outcome); None without a store
+    outcomes: Outcomes | None = None  # what workers ran, per request (plan.outcome); None without a store
     responses: ResponseCache | None = None  # answers served without the model; None when off everywhere
     started_at: int = field(default_factory=lambda: int(time.time()))
     _rebuild: asyncio.Task[None] | None = None
@@ -124,7 +124,8 @@ class Services:
             metrics=registry,
             requests=RequestMetrics(registry),
             loop_lag=LoopLag(registry, config.loop_lag_interval_s),
-            outcomes=OutcomeBox(reuse.store.outcomes_path) if store is not None and reuse.store is not None else None,
+            outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_url, name=reuse.store.name)
+            if store is not None and reuse.store is not None else None,
             responses=responses,
         )
 

@@ -18,6 +18,11 @@ Per image, ``ran`` is one of
 
 Files are a few hundred bytes, written atomically (a temporary name, then a rename); a gateway that died before
 taking its outcomes leaves them to ``sweep``.
+
+Across hosts (a gateway in front of workers on other hosts) the folder cannot be shared: ``SharedOutcomeBox`` keeps
+the same records in a Redis or Valkey server instead (``REVISIT_STORE_OUTCOMES_URL``, the server of the gateways'
+shared books), each with an expiry that does what ``sweep`` does for files. ``outcome_box`` picks one by the store
+settings.
 """
 
 from __future__ import annotations
@@ -103,6 +108,46 @@ class OutcomeBox:
             except OSError:
                 continue
         return removed
+
+
+class SharedOutcomeBox:
+    """Outcomes in a Redis or Valkey server: ``outcome:<request id>`` under the store's prefix, expiring after
+    ``expire_s``. The same interface as OutcomeBox; one round trip per call."""
+
+    def __init__(self, url: str, *, name: str, expire_s: int = 600, timeout_s: float = 2.0) -> None:
+        import redis  # only where outcomes cross hosts
+
+        self.prefix = f"revisit:{name}:outcome:"
+        self.expire_s = expire_s
+        self._errors = (redis.RedisError,)
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    def put(self, request_id: str, outcomes: dict[int, Outcome]) -> None:
+        body = json.dumps({str(i): [o.ran, o.cause] for i, o in sorted(outcomes.items())})
+        try:
+            self._redis.set(self.prefix + _name(request_id), body, ex=self.expire_s)
+        except self._errors as exc:
+            raise OSError(f"could not leave the outcome of {request_id}: {exc}") from exc
+
+    def take(self, request_id: str) -> dict[int, Outcome] | None:
+        try:
+            text = self._redis.getdel(self.prefix + _name(request_id))
+            return None if text is None else {int(i): Outcome(ran, cause)
+                                              for i, (ran, cause) in json.loads(text).items()}
+        except (*self._errors, ValueError, TypeError):
+            return None
+
+    def sweep(self, older_than_s: float = 600.0) -> int:
+        """Nothing to do: records expire on their own."""
+        return 0
+
+
+Outcomes = OutcomeBox | SharedOutcomeBox  # either box: the same interface
+
+
+def outcome_box(outcomes_path: Path, outcomes_url: str = "", *, name: str = "default") -> Outcomes:
+    """The box the store settings name: a Redis server when ``outcomes_url`` is set, else the host's folder."""
+    return SharedOutcomeBox(outcomes_url, name=name) if outcomes_url else OutcomeBox(outcomes_path)
 
 
 def _name(request_id: str) -> str:

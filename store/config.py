@@ -48,6 +48,8 @@ class StoreConfig:
     lmdb_sync: bool = True  # fsync on commit; False trades crash durability of recent puts for write speed
     features_dir: Path | None = None  # None: beside the LMDB tier, <lmdb dir>-features (store/features.py)
     outcomes_dir: Path | None = None  # None: beside the DRAM tier, <dram dir>-outcomes (plan/outcome.py)
+    # Outcomes through a Redis or Valkey server instead (redis://...), for gateways in front of other hosts' workers.
+    outcomes_url: str = ""
     # The mooncake tier: the cluster's master (host:port), its metadata server and admin endpoint (defaults: the
     # master's own, http://<master host>:8080/metadata and http://<master host>:9003), and this process's address
     # as its peers reach it (default: the local address on the route to the master).
@@ -75,6 +77,8 @@ class StoreConfig:
             raise ConfigError("lmdb_max_readers must be >= 1 and lmdb_grow_wait_s >= 0")
         if Tier.MOONCAKE in self.tiers and not _ADDRESS_RE.match(self.mooncake_master):
             raise ConfigError(f"the mooncake tier needs mooncake_master as host:port, got {self.mooncake_master!r}")
+        if self.outcomes_url and not self.outcomes_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"outcomes_url must be a redis://, rediss:// or unix:// URL, got {self.outcomes_url!r}")
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
 

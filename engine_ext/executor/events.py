@@ -17,7 +17,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from plan import RequestPlan
-from plan.outcome import CAUSES, FORWARD_ENDED, FORWARD_STARTED, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, OutcomeBox
+from plan.outcome import CAUSES, FORWARD_ENDED, FORWARD_STARTED, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, Outcomes
 
 log = logging.getLogger(__name__)
 _RANK = {PLANNED: 0, FULL_PREFILL: 2, UNPLANNED: 3}
@@ -125,9 +125,9 @@ class OutcomeLog:
     outcome wins: a full prefill over a degraded plan over a plan as written), and left for the gateway in the
     OutcomeBox at the end of each forward (plan.outcome)."""
 
-    def __init__(self, box: Callable[[], OutcomeBox], events: ExecutionEvents) -> None:
+    def __init__(self, box: Callable[[], Outcomes], events: ExecutionEvents) -> None:
         self._box_factory = box
-        self._box: OutcomeBox | None = None
+        self._box: Outcomes | None = None
         self._events = events
         self._by_rid: OrderedDict[str, dict[int, Outcome]] = OrderedDict()  # bounded
         self._touched: set[str] = set()

@@ -46,7 +46,7 @@ from engine_ext.executor.exact import ReusedKV, ReuseSpan
 from engine_ext.executor.rows import ImageRows, locate
 from engine_ext.rope import inv_freq
 from plan import APPROXIMATE, EXACT, MISS, ImagePlan, PlanError, RequestPlan
-from plan.outcome import EVERY_IMAGE, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, OutcomeBox
+from plan.outcome import EVERY_IMAGE, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, Outcomes, outcome_box
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class PlanExecutor:
     """One per model instance (one per worker process); see the module docstring."""
 
     def __init__(self, model, *, model_id: str, store_factory: Callable[[], object] | None = None,
-                 outcomes_factory: Callable[[], OutcomeBox] | None = None) -> None:
+                 outcomes_factory: Callable[[], Outcomes] | None = None) -> None:
         self.model = model
         self.layers = model.model.layers
         self.model_id = model_id
@@ -357,7 +357,8 @@ def _open_store():
     return open_store(StoreConfig.from_env())
 
 
-def _open_outcomes() -> OutcomeBox:
+def _open_outcomes() -> Outcomes:
     from store import StoreConfig
 
-    return OutcomeBox(StoreConfig.from_env().outcomes_path)
+    config = StoreConfig.from_env()
+    return outcome_box(config.outcomes_path, config.outcomes_url, name=config.name)

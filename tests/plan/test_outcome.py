@@ -63,3 +63,24 @@ def test_the_reuse_header_says_what_ran() -> None:
     assert planned.fallbacks(ran) == [("exact_same_prefix", ran[0]), ("approximate", ran[1])]
     refused = {EVERY_IMAGE: Outcome(UNPLANNED, "plan_refused")}
     assert planned.reuse_header(refused).count("fallback=plan_refused") == 3
+
+
+def test_across_hosts_outcomes_go_through_the_books_server_and_expire(redis_server, tmp_path) -> None:
+    import redis
+
+    from plan.outcome import SharedOutcomeBox, outcome_box
+
+    box = outcome_box(tmp_path / "unused", redis_server, name="outcomes-test")
+    assert isinstance(box, SharedOutcomeBox) and isinstance(outcome_box(tmp_path / "o"), OutcomeBox)
+    other_host = SharedOutcomeBox(redis_server, name="outcomes-test", expire_s=1)  # a worker elsewhere
+    other_host.put("r1", {0: Outcome(PLANNED), 1: Outcome(FULL_PREFILL, "entry_missing")})
+    assert box.take("r1") == {0: Outcome(PLANNED), 1: Outcome(FULL_PREFILL, "entry_missing")}
+    assert box.take("r1") is None  # taken once
+    other_host.put("r2", {0: Outcome(PLANNED)})
+    assert 0 < redis.Redis.from_url(redis_server).ttl(box.prefix + "r2") <= 1  # what nobody takes expires
+    with pytest.raises(ValueError):
+        box.put("../escape", {0: Outcome(PLANNED)})
+    unreachable = SharedOutcomeBox("redis://127.0.0.1:1/0", name="x", timeout_s=0.2)
+    assert unreachable.take("r1") is None  # unreported, not an error for the request
+    with pytest.raises(OSError):
+        unreachable.put("r1", {0: Outcome(PLANNED)})

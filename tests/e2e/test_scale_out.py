@@ -1,0 +1,244 @@
+"""Beyond one host: two "hosts" (each a worker and a gateway process with local folders of their own) share the
+mooncake tier of a real Mooncake cluster (a master and a storage node per host) and the books of a real Redis server.
+
+An image stored through worker A behind gateway 1 is an exact hit through worker B behind gateway 2, with the same
+answer; killing gateway 1 mid-run loses no entry (gateway 2 serves them all, and gateway 1 comes back with the same
+books); a damaged entry in the cluster falls back to a full prefill with the same answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from launcher.mooncake import MooncakeCluster
+from store import StoreConfig, open_tier
+from tests.conftest import MODEL_ID, WORKER_READY_TIMEOUT_S, free_port, terminate, worker_events
+from tests.images_lib import data_url, encode, noise_image, small
+
+pytestmark = pytest.mark.sglang
+
+ADMIN_TOKEN = "scale-out-admin"
+QUESTION = "What is in this image?"
+
+
+@dataclass
+class Host:
+    """One stand-in host: its store settings (the shared tier, and local folders of its own), its worker, and a
+    gateway process in front of that worker."""
+
+    name: str
+    env: dict[str, str]
+    folder: Path
+    worker: object | None = None
+    gateway: subprocess.Popen[bytes] | None = None
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_gateway(self, model_path: Path, books_url: str) -> None:
+        self.port = self.port or free_port()
+        env = {**os.environ, **self.env, "REVISIT_MODEL": MODEL_ID, "REVISIT_MODEL_DIR": str(model_path),
+               "REVISIT_WORKERS": self.worker.url, "REVISIT_BOOKS_URL": books_url,  # type: ignore[attr-defined]
+               "REVISIT_ADMIN_TOKEN": ADMIN_TOKEN, "REVISIT_BOOKS_INTERVAL_S": "1",
+               "REVISIT_HEALTH_INTERVAL_S": "0.5", "REVISIT_MOONCAKE_CAPACITY_BYTES": str(256 << 20)}
+        log = open(self.folder / f"gateway-{time.time():.0f}.log", "wb")  # noqa: SIM115 (the child's)
+        self.gateway = subprocess.Popen([str(Path(sys.executable).parent / "revisit"), "gateway", "--port",
+                                         str(self.port), "--log-level", "info"], env=env, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.gateway.poll() is None, f"gateway {self.name} exited; see {self.folder}"
+            try:
+                health = httpx.get(self.url + "/health", timeout=5)
+                if health.status_code == 200 and all(w["healthy"] for w in health.json()["workers"]):
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"gateway {self.name} did not become ready; see {self.folder}"
+            time.sleep(0.2)
+
+    def kill_gateway(self) -> None:
+        assert self.gateway is not None
+        os.killpg(self.gateway.pid, signal.SIGKILL)
+        self.gateway.wait(timeout=30)
+
+    def admin(self, path: str) -> dict:
+        response = httpx.get(self.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+@pytest.fixture(scope="module")
+def scale_out(model_path, redis_server, tmp_path_factory):
+    """Two hosts sharing a Mooncake cluster (a storage node each) and the books; the store named for this module."""
+    root = tmp_path_factory.mktemp("scale-out")
+    name = f"scale-out-{uuid.uuid4().hex[:8]}"
+    cluster = MooncakeCluster.start(root / "mooncake", segment_bytes=384 << 20, nodes=2)
+    hosts = []
+    try:
+        for index in (1, 2):
+            folder = root / f"host-{index}"
+            folder.mkdir()
+            shm = Path(tempfile.mkdtemp(prefix=f"revisit-test-host-{index}-", dir="/dev/shm"))
+            env = {**cluster.store_settings(), "REVISIT_STORE_NAME": name, "REVISIT_STORE_TIERS": "mooncake",
+                   # what stays local to a host: its shared-memory folder (the outcomes box beside it) and its disk
+                   "REVISIT_STORE_DRAM_DIR": str(shm), "REVISIT_STORE_LMDB_DIR": str(folder / "lmdb")}
+            hosts.append(Host(name=f"host-{index}", env=env, folder=folder))
+        for host in hosts:
+            host.worker = start_worker_with(model_path, host)
+        asyncio.run(_wait_workers([h.worker for h in hosts]))
+        for host in hosts:
+            host.start_gateway(model_path, redis_server)
+        yield cluster, hosts
+    finally:
+        for host in hosts:
+            if host.gateway is not None and host.gateway.poll() is None:
+                terminate(host.gateway)
+            if host.worker is not None:
+                host.worker.stop()  # type: ignore[attr-defined]
+            config = StoreConfig.from_env(host.env)
+            for path in (config.dram_path, config.outcomes_path):
+                shutil.rmtree(path, ignore_errors=True)
+        cluster.stop()
+
+
+def start_worker_with(model_path: Path, host: Host):
+    from launcher import WorkerSpec
+    from launcher import start_worker as launch
+
+    port = free_port()
+    return launch(WorkerSpec(model_path=model_path, port=port, served_model_name=MODEL_ID,
+                             log_file=host.folder / f"worker-{port}.log", env=host.env))
+
+
+async def _wait_workers(workers) -> None:
+    await asyncio.gather(*(w.wait_ready_async(WORKER_READY_TIMEOUT_S) for w in workers))
+
+
+def ask(host: Host, picture: str, *, tokens: int = 10) -> tuple[str, dict[str, str]]:
+    """The answer and the response headers, through the official openai client."""
+    with openai.OpenAI(base_url=host.url + "/v1", api_key="sk-scale-out", max_retries=0, timeout=300) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL_ID, max_tokens=tokens, temperature=0,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
+                                                   {"type": "text", "text": QUESTION}]}])
+        return raw.parse().choices[0].message.content or "", dict(raw.headers)
+
+
+def wait_until(check, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return found
+
+
+def booked(host: Host) -> set[str]:
+    return {entry["key"] for entry in host.admin("/admin/entries?limit=1000")["data"]}
+
+
+def test_an_image_stored_through_one_host_is_an_exact_hit_through_the_other(scale_out):
+    cluster, (one, two) = scale_out
+    picture = data_url(encode(small("coffee.png", (168, 168))))
+    first, headers = ask(one, picture)
+    key = headers["x-revisit-image-keys"]
+    assert headers["x-revisit-reuse"] == "miss"
+    wait_until(lambda: key in booked(two), "gateway 2 to book the entry worker A wrote")
+    before = worker_events([two.worker.url])  # type: ignore[attr-defined]
+    second, headers = ask(two, picture)
+    assert headers["x-revisit-reuse"] == "exact_same_prefix"
+    assert second == first
+    done = worker_events([two.worker.url])  # type: ignore[attr-defined]
+    done.subtract(before)
+    assert done["exact_executed"] == 1 and done["vision_images"] == 0  # worker B read the KV from the cluster
+    # One set of books: both gateways count the hit on the shared tier.
+    wait_until(lambda: one.admin("/admin/stats")["hits"]["exact"]["mooncake"] >= 1, "gateway 1 to see the hit")
+    assert two.admin("/admin/stats")["tiers"]["mooncake"]["entries"] >= 1
+
+
+def test_killing_a_gateway_mid_run_loses_no_entry(scale_out, model_path, redis_server):
+    cluster, (one, two) = scale_out
+    pictures = [data_url(encode(noise_image(112, 112, seed=100 + i))) for i in range(8)]
+    answers: dict[str, str] = {}
+
+    async def through_one() -> None:
+        async with openai.AsyncOpenAI(base_url=one.url + "/v1", api_key="sk-scale-out", max_retries=0,
+                                      timeout=300) as client:
+            async def one_request(picture: str) -> None:
+                try:
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model=MODEL_ID, max_tokens=6, temperature=0,
+                        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
+                                                               {"type": "text", "text": QUESTION}]}])
+                    answers[raw.headers["x-revisit-image-keys"]] = raw.parse().choices[0].message.content or ""
+                except openai.APIConnectionError:
+                    pass  # cut off by the kill
+
+            tasks = [asyncio.create_task(one_request(p)) for p in pictures]
+            deadline = time.monotonic() + 300
+            while len(answers) < 4:
+                assert time.monotonic() < deadline and not all(t.done() for t in tasks), "no answers came"
+                await asyncio.sleep(0.05)
+            one.kill_gateway()  # mid-run: the other requests are in flight or not yet sent
+            await asyncio.gather(*tasks)
+
+    asyncio.run(through_one())
+    assert len(answers) >= 4
+    # Every entry the workers stored is in gateway 2's books (it reconciles the shared store every second), those
+    # of the requests the kill cut off included ...
+    tier = open_tier("mooncake", StoreConfig.from_env(two.env))
+    try:
+        time.sleep(2.0)  # the requests cut off may still be finishing on worker A, and storing
+        stored = set(tier.keys())
+    finally:
+        tier.close()
+    assert set(answers) <= stored
+    wait_until(lambda: stored <= booked(two), "gateway 2 to book every entry stored through gateway 1")
+    # ... and an exact hit through host 2, with the answer host 1 gave.
+    for picture in pictures:
+        answer, headers = ask(two, picture, tokens=6)
+        if headers["x-revisit-image-keys"] in answers:
+            assert headers["x-revisit-reuse"] == "exact_same_prefix"
+            assert answer == answers[headers["x-revisit-image-keys"]]
+    # Gateway 1 comes back with the same books.
+    one.start_gateway(model_path, redis_server)
+    wait_until(lambda: booked(one) == booked(two), "the restarted gateway to hold the same books")
+    stats_one, stats_two = one.admin("/admin/stats"), two.admin("/admin/stats")
+    assert stats_one["tiers"] == stats_two["tiers"] and stats_one["hits"] == stats_two["hits"]
+
+
+def test_a_damaged_entry_in_the_cluster_falls_back_to_a_full_prefill(scale_out):
+    cluster, (one, two) = scale_out
+    picture = data_url(encode(small("astronaut.png", (140, 140))))
+    first, headers = ask(one, picture)
+    key = headers["x-revisit-image-keys"]
+    tier = open_tier("mooncake", StoreConfig.from_env(one.env))
+    try:
+        wait_until(lambda: tier.contains(key), "worker A to store the entry")
+        with tier.get(key) as view:
+            data = bytearray(view.buffer)
+            offset = view.header.kv_offset + 5
+        data[offset] ^= 0x40
+        tier.put(key, bytes(data))  # the header is intact: only the full read's checksums can tell
+    finally:
+        tier.close()
+    answer, headers = ask(two, picture)
+    assert headers["x-revisit-reuse"] == "miss;planned=exact_same_prefix;fallback=entry_damaged"
+    assert answer == first
