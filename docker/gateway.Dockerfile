@@ -13,7 +13,10 @@ COPY replay ./replay
 ARG EXTRAS=""
 ARG TORCH_INDEX=""
 COPY requirements/response-cache.txt ./requirements/
-RUN if [ -n "$TORCH_INDEX" ]; then pip install --no-cache-dir --index-url "$TORCH_INDEX" torch; fi && \
+# EXTRAS=scale-out for the shared tier's Mooncake client (it links libibverbs; compose.scale-out.yaml)
+RUN case "$EXTRAS" in *scale-out*) apt-get update && apt-get install -y --no-install-recommends libibverbs1 && \
+        rm -rf /var/lib/apt/lists/*;; esac && \
+    if [ -n "$TORCH_INDEX" ]; then pip install --no-cache-dir --index-url "$TORCH_INDEX" torch; fi && \
     pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" && \
     case "$EXTRAS" in *response-cache*) pip install --no-cache-dir --no-deps -r requirements/response-cache.txt;; esac
 EXPOSE 8000

@@ -33,8 +33,8 @@ def interpolated(value: Any, env: dict[str, str]) -> Any:
     return value
 
 
-def compose_file(env: dict[str, str] | None = None) -> dict:
-    return interpolated(yaml.safe_load((ROOT / "compose.yaml").read_text()), env or {})
+def compose_file(env: dict[str, str] | None = None, name: str = "compose.yaml") -> dict:
+    return interpolated(yaml.safe_load((ROOT / name).read_text()), env or {})
 
 
 def compose_schema() -> dict:
@@ -91,6 +91,44 @@ def test_the_monitoring_profile_scrapes_the_gateway_into_grafana_with_the_dashbo
         assert (ROOT / path).exists(), path
 
 
+SCALE_OUT = "compose.scale-out.yaml"
+
+
+def test_the_scale_out_example_follows_the_specification_and_names_one_shared_store_and_books():
+    schema = compose_schema()
+    env = {"SHARED_HOST": "10.0.0.5", "HOST_ADDRESS": "10.0.0.11", "WORKERS": "http://10.0.0.11:30000"}
+    config = compose_file(env, SCALE_OUT)
+    jsonschema.validators.validator_for(schema)(schema).validate(config)
+    services = config["services"]
+    roles = {name: tuple(service["profiles"]) for name, service in services.items()}
+    assert {n for n, r in roles.items() if r == ("shared",)} == {"mooncake-master", "valkey", "gateway-1",
+                                                                   "gateway-2", "load-balancer"}
+    assert {n for n, r in roles.items() if r == ("gpu-host",)} == {"mooncake-store", "worker-0", "worker-1"}
+    stores = {}
+    for name in ("gateway-1", "gateway-2", "worker-0", "worker-1"):
+        environment = {k: str(v) for k, v in services[name]["environment"].items() if k.startswith("REVISIT_STORE_")}
+        stores[name] = StoreConfig.from_env(environment)
+    assert {s.tiers for s in stores.values()} == {("mooncake",)}
+    assert {(s.name, s.mooncake_master, s.mooncake_metadata_url, s.mooncake_admin, s.outcomes_url)
+            for s in stores.values()} == {("default", "10.0.0.5:50051", "http://10.0.0.5:8080/metadata",
+                                           "http://10.0.0.5:9003", "redis://10.0.0.5:6379/0")}
+    assert stores["worker-0"].mooncake_local_hostname == "10.0.0.11"
+    # The master listens where the store names it; the storage node joins it there.
+    master = " ".join(services["mooncake-master"]["command"])
+    assert "--rpc_port=50051" in master and "--http_metadata_server_port=8080" in master
+    assert "--metrics_port=9003" in master and "50051:50051" in services["mooncake-master"]["ports"]
+    node = " ".join(services["mooncake-store"]["command"])
+    assert "--master_server_address=10.0.0.5:50051" in node and "--host=10.0.0.11" in node
+    # Both gateways share one set of books, on the Valkey service, and sit behind the load balancer.
+    gateways = [services[f"gateway-{i}"]["environment"] for i in (1, 2)]
+    assert gateways[0] == gateways[1] and gateways[0]["REVISIT_BOOKS_URL"] == "redis://10.0.0.5:6379/0"
+    assert gateways[0]["REVISIT_WORKERS"] == "http://10.0.0.11:30000"
+    nginx = (ROOT / "docker/gateways.nginx.conf").read_text()
+    assert "server gateway-1:8000" in nginx and "server gateway-2:8000" in nginx
+    assert services["load-balancer"]["volumes"][0].startswith("./docker/gateways.nginx.conf:")
+    assert services["gateway-1"]["build"]["args"]["EXTRAS"] == "scale-out"
+
+
 def test_an_installed_compose_tool_reads_the_file_the_same_way():
     """A second opinion where a Compose tool is installed (`.ci/run` installs docker-compose); on a machine without
     one the schema test above is the check."""
@@ -99,11 +137,13 @@ def test_an_installed_compose_tool_reads_the_file_the_same_way():
         else ["docker-compose"] if shutil.which("docker-compose") else None)
     if tool is None:
         pytest.skip("no Compose tool installed: nothing to compare with")
-    result = subprocess.run([*tool, "-f", str(ROOT / "compose.yaml"), "--profile", "monitoring", "config"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert result.returncode == 0, result.stderr
-    theirs, ours = yaml.safe_load(result.stdout)["services"], compose_file()["services"]
-    assert set(theirs) == set(ours)
-    for name, service in ours.items():
-        assert {k: str(v) for k, v in theirs[name].get("environment", {}).items()} == {
-            k: str(v) for k, v in service.get("environment", {}).items()}
+    for name, profiles in (("compose.yaml", ["monitoring"]), (SCALE_OUT, ["shared", "gpu-host"])):
+        flags = [flag for profile in profiles for flag in ("--profile", profile)]
+        result = subprocess.run([*tool, "-f", str(ROOT / name), *flags, "config"],
+                                capture_output=True, text=True, cwd=ROOT, timeout=120, env={"PATH": "/usr/bin:/bin"})
+        assert result.returncode == 0, result.stderr
+        theirs, ours = yaml.safe_load(result.stdout)["services"], compose_file(name=name)["services"]
+        assert set(theirs) == set(ours)
+        for service_name, service in ours.items():
+            assert {k: str(v) for k, v in theirs[service_name].get("environment", {}).items()} == {
+                k: str(v) for k, v in service.get("environment", {}).items()}

@@ -98,7 +98,9 @@ def scale_out(model_path, redis_server, tmp_path_factory):
             folder.mkdir()
             shm = Path(tempfile.mkdtemp(prefix=f"revisit-test-host-{index}-", dir="/dev/shm"))
             env = {**cluster.store_settings(), "REVISIT_STORE_NAME": name, "REVISIT_STORE_TIERS": "mooncake",
-                   # what stays local to a host: its shared-memory folder (the outcomes box beside it) and its disk
+                   # what the workers ran reaches the gateways through the books' server, as across real hosts
+                   "REVISIT_STORE_OUTCOMES_URL": redis_server,
+                   # what stays local to a host: its shared-memory folder and its disk
                    "REVISIT_STORE_DRAM_DIR": str(shm), "REVISIT_STORE_LMDB_DIR": str(folder / "lmdb")}
             hosts.append(Host(name=f"host-{index}", env=env, folder=folder))
         for host in hosts:
