@@ -122,9 +122,9 @@ def percentiles(samples: list[float]) -> str:
 
 def bench_lookup(cluster: MooncakeCluster, redis_url: str, operations: int, shm: Path) -> None:
     print(f"\n== lookup: {operations} exact hits per side, each a header probe and a hit in the books")
-    entry = build_entry(256)
+    entry = build_entry(64)  # the probe reads the header only: the entry's size hardly matters
     settings = PolicySettings(dram_capacity_bytes=1 << 40, mooncake_capacity_bytes=1 << 40)
-    keys = [f"{i:064x}" for i in range(64)]
+    keys = [f"{i:064x}" for i in range(32)]
     local_store = DramTier(shm / "lookup", pin_host_memory=False)
     shared_store = MooncakeTier(master=cluster.master_address, metadata_server=cluster.metadata_server,
                                 admin_url=cluster.admin_url, store_name=f"bench-{uuid.uuid4().hex[:8]}")
@@ -214,7 +214,7 @@ def start_redis(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
         raise SystemExit("redis-server is not installed (Debian: apt-get install redis-server)")
     port = free_port()
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                "no", "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                "no", "--dir", str(folder), "--logfile", str(folder / "redis.log")])
     time.sleep(0.5)
     return process, f"redis://127.0.0.1:{port}/0"
 

@@ -59,6 +59,7 @@ class StoreConfig:
     mooncake_local_hostname: str = ""
     mooncake_protocol: str = "tcp"  # or "rdma" (with mooncake_device_names)
     mooncake_device_names: str = ""
+    mooncake_read_buffer_bytes: int = 1 << 30  # per process: read buffers kept for later reads (0: none)
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -79,6 +80,8 @@ class StoreConfig:
             raise ConfigError(f"the mooncake tier needs mooncake_master as host:port, got {self.mooncake_master!r}")
         if self.outcomes_url and not self.outcomes_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"outcomes_url must be a redis://, rediss:// or unix:// URL, got {self.outcomes_url!r}")
+        if self.mooncake_read_buffer_bytes < 0:
+            raise ConfigError("mooncake_read_buffer_bytes must be >= 0")
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
 

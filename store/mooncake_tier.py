@@ -11,7 +11,8 @@ Object names, under ``revisit/<store name>/`` so that several stores can share a
                  only once complete (readers see the old object, the new one, or none)
     pin/<key>    one byte; present while the entry is pinned
 
-Reads. ``get`` copies the whole entry into an anonymous mapping of this process and verifies it like any tier.
+Reads. ``get`` copies the whole entry into an anonymous mapping of this process (kept for later reads, see
+_ReadBuffers) and verifies it like any tier.
 ``get_sparse`` reads only the header (two small ranged reads: the fixed prefix tells how long the header is), then
 exactly the requested blocks (and the encoder output when asked) in one ranged read, into a mapping the size of the
 entry whose other pages are never touched (so never allocated). Every block read is verified against the header's
@@ -33,6 +34,7 @@ evictions. An entry evicted by the cluster anyway reads as absent, and the books
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import mmap
 import socket
@@ -65,20 +67,21 @@ def _address(buffer: Any) -> int:
 
 
 class _ReadBuffer:
-    """An anonymous private mapping registered with the Mooncake client as a transfer target; pages the transfer
-    does not write are never allocated. Released by the read handle's close."""
+    """An anonymous private mapping registered with the Mooncake client as a transfer target; pages no transfer
+    writes are never allocated. ``view`` is its first ``size`` bytes, for the read in progress."""
 
-    def __init__(self, client: Any, size: int) -> None:
+    def __init__(self, client: Any, capacity: int) -> None:
         self._client = client
-        self.map = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.view = memoryview(self.map)[:size]
+        self.capacity = capacity
+        self.map = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-        if client.register_buffer(self.address, max(size, 1)) != 0:
-            self.close()
+        self.view = memoryview(self.map)[:0]
+        if client.register_buffer(self.address, capacity) != 0:
+            self.free()
             raise StoreError("the Mooncake client refused to register a read buffer")
         self._registered = True
 
-    def close(self) -> None:
+    def free(self) -> None:
         if getattr(self, "_registered", False):
             self._registered = False
             self._client.unregister_buffer(self.address)
@@ -87,6 +90,60 @@ class _ReadBuffer:
             self.map.close()
         except BufferError:  # an array made from a view handed out is still alive: the GC frees the mapping later
             pass
+
+
+class _ReadBuffers:
+    """Read buffers kept for later reads, up to ``limit_bytes`` idle (per process): a buffer a read has touched
+    needs no page faults (nor the kernel's zeroing) the next time, which halves a whole read of a large entry
+    (bench/scale_out.py). A later read overwrites exactly the bytes it then verifies and hands out, so what an
+    earlier read left elsewhere in the buffer is never seen."""
+
+    GRAIN = 1 << 20
+
+    def __init__(self, client: Any, limit_bytes: int) -> None:
+        self._client = client
+        self.limit_bytes = limit_bytes
+        self._idle: list[_ReadBuffer] = []
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def take(self, size: int) -> _ReadBuffer:
+        """A registered buffer of at least ``size`` bytes (reused when one of up to twice that size is idle)."""
+        with self._lock:
+            fits = [b for b in self._idle if size <= b.capacity <= 2 * size + self.GRAIN]
+            if fits:
+                buffer = min(fits, key=lambda b: b.capacity)
+                self._idle.remove(buffer)
+                self._idle_bytes -= buffer.capacity
+                buffer.view = memoryview(buffer.map)[:size]
+                return buffer
+        buffer = _ReadBuffer(self._client, max(self.GRAIN, -(-size // self.GRAIN) * self.GRAIN))
+        buffer.view = memoryview(buffer.map)[:size]
+        return buffer
+
+    def give(self, buffer: _ReadBuffer) -> None:
+        """Back from a closed handle: kept for the next read, or freed."""
+        try:
+            buffer.view.release()
+        except BufferError:  # still exported by the caller's arrays: never reuse it
+            buffer.free()
+            return
+        with self._lock:
+            if not self.closed and self._idle_bytes + buffer.capacity <= self.limit_bytes:
+                self._idle.append(buffer)
+                self._idle_bytes += buffer.capacity
+                return
+            if self.closed:
+                buffer._registered = False  # the client is gone, and its registrations with it
+        buffer.free()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            idle, self._idle, self._idle_bytes = self._idle, [], 0
+        for buffer in idle:
+            buffer.free()
 
 
 class MooncakeTier(KVStore):
@@ -100,7 +157,8 @@ class MooncakeTier(KVStore):
 
     def __init__(self, *, master: str, metadata_server: str, admin_url: str, store_name: str = "default",
                  local_hostname: str = "", protocol: str = "tcp", device_names: str = "",
-                 local_buffer_bytes: int = 16 << 20, connect_timeout_s: float = 5.0) -> None:
+                 local_buffer_bytes: int = 16 << 20, read_buffer_bytes: int = 1 << 30,
+                 connect_timeout_s: float = 5.0) -> None:
         self.master = master
         self.admin_url = admin_url.rstrip("/")
         self.prefix = f"revisit/{store_name}/"
@@ -119,6 +177,7 @@ class MooncakeTier(KVStore):
         if status != 0:
             raise StoreError(f"cannot join the Mooncake cluster at {master} (metadata {metadata_server}): {status}")
         self._replicas = ReplicateConfig()
+        self._buffers = _ReadBuffers(self._client, read_buffer_bytes)
 
     # --- names ---
 
@@ -154,19 +213,20 @@ class MooncakeTier(KVStore):
         if size < 0:
             self._check_absent(size, key)
             return None
-        buffer = _ReadBuffer(self._client, size)
+        buffer = self._buffers.take(size)
+        release = functools.partial(self._buffers.give, buffer)
         try:
             copied = self._client.get_into(name, buffer.address, size)
             if copied != size:  # gone, or replaced by an entry of another size, since get_size
-                buffer.close()
+                release()
                 return None
-            return open_full(self.name, buffer.view, buffer.close)
+            return open_full(self.name, buffer.view, release)
         except DamagedEntryError:
-            buffer.close()
+            release()
             self._count_damaged()
             return None
         except BaseException:
-            buffer.close()
+            release()
             raise
 
     def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
@@ -176,7 +236,8 @@ class MooncakeTier(KVStore):
         if size < 0:
             self._check_absent(size, key)
             return None
-        buffer = _ReadBuffer(self._client, size)
+        buffer = self._buffers.take(size)
+        release = functools.partial(self._buffers.give, buffer)
         try:
             if size < PREFIX.size or not self._read_ranges(name, buffer, [ByteRange(0, min(size, FIRST_READ))]):
                 raise DamagedEntryError("shorter than the prefix, or gone")
@@ -192,14 +253,14 @@ class MooncakeTier(KVStore):
             ranges += [header.token_layers_range(token, layer_start, layer_stop) for token in tokens]
             if not self._read_ranges(name, buffer, _coalesce(ranges)):
                 raise DamagedEntryError("gone while its blocks were read")
-            return open_sparse(self.name, buffer.view, tokens, (layer_start, layer_stop), buffer.close,
+            return open_sparse(self.name, buffer.view, tokens, (layer_start, layer_stop), release,
                                with_encoder=with_encoder)
         except DamagedEntryError:
-            buffer.close()
+            release()
             self._count_damaged()
             return None
         except BaseException:
-            buffer.close()
+            release()
             raise
 
     def _read_ranges(self, name: str, buffer: _ReadBuffer, ranges: list[ByteRange]) -> bool:
@@ -307,6 +368,7 @@ class MooncakeTier(KVStore):
             if self._closed:
                 return
             self._closed = True
+        self._buffers.close()
         self._client.close()
 
 

@@ -145,7 +145,8 @@ def open_tier(name: str, config: StoreConfig) -> KVStore:
         return MooncakeTier(master=config.mooncake_master, metadata_server=config.mooncake_metadata_url,
                             admin_url=config.mooncake_admin, store_name=config.name,
                             local_hostname=config.mooncake_local_hostname, protocol=config.mooncake_protocol,
-                            device_names=config.mooncake_device_names)
+                            device_names=config.mooncake_device_names,
+                            read_buffer_bytes=config.mooncake_read_buffer_bytes)
     raise UnknownTierError(f"no tier {name!r}")
 
 

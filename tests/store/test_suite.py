@@ -163,3 +163,30 @@ def test_get_sparse_with_the_encoder_output_and_gathered_into_a_buffer(store, to
             read.gather_into(np.empty(read.shape, dtype=np.float32))
     with store.get_sparse(key, tokens, layers) as read, pytest.raises(InvalidReadError):
         read.encoder_array()  # not asked for, not read
+
+
+def test_a_handle_outlives_the_store(store):
+    entry, k, v, _ = make_entry(6)
+    key = key_for("outlive-close")
+    store.put(key, entry)
+    view = store.get(key)
+    sparse = store.get_sparse(key, [3], (0, 2))
+    store.close()
+    assert bytes(view.buffer) == entry.data and sparse.gather() == expected_sparse(k, v, [3], 0, 2)
+    view.close()
+    sparse.close()
+
+
+def test_reads_after_reads_see_only_their_own_entry(store):
+    """Read buffers may be reused (the mooncake tier keeps them): each read shows its own entry's bytes, whole or
+    sparse, whatever an earlier read of another entry left."""
+    entries = [make_entry(seed) for seed in (11, 12, 13)]
+    keys = [key_for(f"reuse-{i}") for i in range(3)]
+    for key, (entry, *_rest) in zip(keys, entries, strict=True):
+        store.put(key, entry)
+    for _ in range(2):
+        for key, (entry, k, v, _encoder) in zip(keys, entries, strict=True):
+            with store.get(key) as view:
+                assert bytes(view.buffer) == entry.data
+            with store.get_sparse(key, [0, 7], (1, 3)) as read:
+                assert read.gather() == expected_sparse(k, v, [0, 7], 1, 3)
