@@ -91,7 +91,7 @@ class PlannerCollector(Collector):
 
 def planner_stats(planner: Planner) -> dict:
     """The planner's counts and the match index's size (call on the cache thread, where they change)."""
-    plans = {kind: 0 for kind in (*KINDS, "near_miss", "guard_fallback")}
+    plans = {kind: 0 for kind in (*KINDS, "near_miss", "guard_fallback", "store_unavailable")}
     plans.update(planner.counts)
     matcher = planner.matcher
     return {"plans": plans, "matching": {"enabled": matcher is not None,

@@ -3,7 +3,7 @@
 The shared tier (store/mooncake_tier.py) needs a running cluster: a ``mooncake_master`` (which here also serves the
 transfer metadata over HTTP) and one or more storage nodes, ``mooncake_client`` processes that lend memory
 segments to the cluster. On GPU hosts compose runs them as services (compose.yaml's scale-out example); this module
-runs them for ``revisit serve --mooncake``, the tests and the benches, from the binaries the
+runs them for the tests and the benches, from the binaries the
 ``mooncake-transfer-engine`` package installs.
 """
 

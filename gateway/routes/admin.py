@@ -32,6 +32,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.books import SharedBooks
 from gateway.cache import CacheManager
 from gateway.errors import ClientError, InvalidRequest, Unauthorized
 from gateway.metrics import exposition, planner_stats
@@ -147,8 +148,14 @@ async def stats(request: Request) -> dict:
     # The response cache lives on the event loop: read here, not on the cache thread.
     responses = services.responses.stats() if services.responses is not None else {"enabled": False}
     return {"object": "cache.stats", **await _on_cache_thread(
-        request, lambda policy, cache: {**policy.stats().as_dict(), **planner_stats(planner)}),
+        request, lambda policy, cache: {**policy.stats().as_dict(), **planner_stats(planner),
+                                        "books": books_status(policy)}),
         "response_cache": responses}
+
+
+def books_status(policy: CachePolicy) -> dict:
+    """Whether the books are shared with other replicas and, when they are, this replica's place in their log."""
+    return policy.status() if isinstance(policy, SharedBooks) else {"shared": False}
 
 
 @router.get("/entries")

@@ -27,7 +27,7 @@ import pytest
 from launcher.mooncake import MooncakeCluster
 from store import StoreConfig, open_tier
 from tests.conftest import MODEL_ID, WORKER_READY_TIMEOUT_S, free_port, terminate, worker_events
-from tests.images_lib import data_url, encode, noise_image, small
+from tests.images_lib import data_url, encode, noise_image, png_data_url, small
 
 pytestmark = pytest.mark.sglang
 
@@ -172,7 +172,8 @@ def test_an_image_stored_through_one_host_is_an_exact_hit_through_the_other(scal
     assert done["exact_executed"] == 1 and done["vision_images"] == 0  # worker B read the KV from the cluster
     # One set of books: both gateways count the hit on the shared tier.
     wait_until(lambda: one.admin("/admin/stats")["hits"]["exact"]["mooncake"] >= 1, "gateway 1 to see the hit")
-    assert two.admin("/admin/stats")["tiers"]["mooncake"]["entries"] >= 1
+    stats = two.admin("/admin/stats")
+    assert stats["tiers"]["mooncake"]["entries"] >= 1 and stats["books"]["shared"] is True
 
 
 def test_killing_a_gateway_mid_run_loses_no_entry(scale_out, model_path, redis_server):
@@ -250,3 +251,25 @@ def test_a_damaged_entry_in_the_cluster_falls_back_to_computing_it(scale_out, wh
     answer, headers = ask(two, picture)
     assert headers["x-revisit-reuse"] == header
     assert answer == first  # never a wrong answer
+
+
+def test_a_near_duplicate_of_an_image_another_gateway_saw_is_approximate(scale_out):
+    from tests.e2e.test_approximate import page
+
+    cluster, (one, two) = scale_out
+    first, headers = ask(one, png_data_url(page(11)))
+    key = headers["x-revisit-image-keys"]
+    assert headers["x-revisit-reuse"] == "miss"
+    wait_until(lambda: key in booked(two), "gateway 2 to book the entry")
+    before = worker_events([two.worker.url])  # type: ignore[attr-defined]
+    answer, headers = ask(two, png_data_url(page(12)))  # the same page with one number changed
+    kind, _, similarity = headers["x-revisit-reuse"].partition(";similarity=")
+    assert kind == "approximate" and 0.9 <= float(similarity) < 1.0  # found by gateway 2 in the shared index
+    done = worker_events([two.worker.url])  # type: ignore[attr-defined]
+    done.subtract(before)
+    # worker B read the alias' K/V (sparse) and encoder output from the cluster: written by worker A
+    assert done["approximate_executed"] == 1 and done["approximate_fallback"] == 0
+    assert done["approximate_rows_reused"] > 0
+    entry = wait_until(lambda: [e for e in one.admin("/admin/entries?limit=1000")["data"]
+                                if e["key"] == key and e["approximate_hits"] == 1], "gateway 1 to book the hit")
+    assert entry[0]["tier"] == "mooncake"

@@ -289,6 +289,7 @@ def test_stats_and_metrics_count_plans_and_the_match_index(http, server):
         stats["plans"])
     assert stats["plans"]["approximate"] >= 3 and stats["plans"]["guard_fallback"] >= 1
     assert stats["matching"] == {"enabled": False, "indexed": 0, "damaged_records": 0}  # this gateway has no store
+    assert stats["books"] == {"shared": False} and stats["plans"]["store_unavailable"] == 0
     samples = _samples(httpx.get(server.url + "/metrics").text)
     for kind, count in stats["plans"].items():
         assert samples[("revisit_plans_total", (("kind", kind),))] == count
