@@ -80,6 +80,13 @@ class NoHealthyWorker(GatewayError):
     error_type = "service_unavailable"
 
 
+class StoreUnavailable(GatewayError):
+    """The store or the shared books did not answer (a Mooncake cluster or a Redis server away)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
 class UpstreamError(GatewayError):
     """A worker failed, or answered with something the gateway cannot relay."""
 

@@ -26,6 +26,10 @@ Listing and sizes. ``keys()`` and ``stats()`` ask the master's admin HTTP endpoi
 ``/batch_query_keys``), which the client library does not offer; they are for the gateway's books and the operator,
 not for the request path.
 
+Failures. When the cluster fails a call (its master gone: the client library takes about 4 s to say so), the tier
+raises StoreError, and so does every call for the next RETRY_AFTER_S without asking: the gateway plans requests as
+plain SGLang meanwhile and workers compute what they would have read, instead of each waiting seconds.
+
 Capacity. The cluster evicts objects on its own when its memory passes a high watermark: give it more memory than
 the gateway's books allow this tier (``REVISIT_MOONCAKE_CAPACITY_BYTES``), and the books only ever see their own
 evictions. An entry evicted by the cluster anyway reads as absent, and the books let it go at their next pass.
@@ -39,11 +43,12 @@ import json
 import mmap
 import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -59,6 +64,7 @@ NO_AVAILABLE_HANDLE = -200  # no segment has room for the object
 FIRST_READ = 64 << 10  # bytes read first by a sparse read: the prefix, and the whole header of most entries
 ADMIN_TIMEOUT_S = 10.0
 QUERY_BATCH = 256  # keys per /batch_query_keys call
+RETRY_AFTER_S = 5.0  # after the cluster failed a call, how long calls fail at once
 
 
 def _address(buffer: Any) -> int:
@@ -170,6 +176,7 @@ class MooncakeTier(KVStore):
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as exc:  # the package, or a system library it links (libibverbs)
             raise StoreError(f"the mooncake tier needs the mooncake-transfer-engine package: {exc}") from exc
+        self._down_until = 0.0  # after a failure, calls fail at once until then (see _failed)
         self._client = MooncakeDistributedStore()
         # No global segment: this process lends no memory to the cluster; storage nodes do.
         status = self._client.setup(local_hostname or _local_address(master), metadata_server, 0,
@@ -183,7 +190,17 @@ class MooncakeTier(KVStore):
 
     def _entry_name(self, key: str) -> str:
         self._check_open()
-        return self.prefix + "kv/" + validate_key(key)
+        name = self.prefix + "kv/" + validate_key(key)
+        if time.monotonic() < self._down_until:
+            raise StoreError(f"the Mooncake cluster at {self.master} did not answer lately; next try in "
+                             f"{self._down_until - time.monotonic():.1f} s")
+        return name
+
+    def _failed(self, message: str) -> NoReturn:
+        """A call the cluster failed (its master gone, say: the client takes seconds to say so). Later calls fail
+        at once for RETRY_AFTER_S, so that no request waits on a cluster that is away; then one tries again."""
+        self._down_until = time.monotonic() + RETRY_AFTER_S
+        raise StoreError(message)
 
     def _pin_name(self, key: str) -> str:
         return self.prefix + "pin/" + key
@@ -195,7 +212,10 @@ class MooncakeTier(KVStore):
     # --- KVStore ---
 
     def contains(self, key: str) -> bool:
-        return self._client.is_exist(self._entry_name(key)) == 1
+        status = self._client.is_exist(self._entry_name(key))
+        if status < 0:
+            self._failed(f"Mooncake could not tell whether {key} is stored: {status}")
+        return status == 1
 
     def put(self, key: str, entry: EntryLike) -> int:
         name = self._entry_name(key)
@@ -204,7 +224,7 @@ class MooncakeTier(KVStore):
         if status == NO_AVAILABLE_HANDLE:
             raise StoreFullError(f"the Mooncake cluster has no room for {data.nbytes} bytes")
         if status != 0:
-            raise StoreError(f"Mooncake upsert of {key} failed: {status}")
+            self._failed(f"Mooncake upsert of {key} failed: {status}")
         return data.nbytes
 
     def get(self, key: str) -> EntryView | None:
@@ -277,13 +297,13 @@ class MooncakeTier(KVStore):
             return True
         failures = {c for c in copied if c < 0}
         if failures - {OBJECT_NOT_FOUND} and not any(c >= 0 for c in copied):
-            raise StoreError(f"Mooncake ranged read of {name} failed: {sorted(failures)}")
+            self._failed(f"Mooncake ranged read of {name} failed: {sorted(failures)}")
         return False
 
     def _check_absent(self, status: int, key: str) -> None:
         """A negative status from a lookup: the entry is absent (OBJECT_NOT_FOUND) or the cluster failed."""
         if status != OBJECT_NOT_FOUND:
-            raise StoreError(f"Mooncake could not look up {key}: {status}")
+            self._failed(f"Mooncake could not look up {key}: {status}")
 
     def _count_damaged(self) -> None:
         with self._lock:
@@ -298,7 +318,7 @@ class MooncakeTier(KVStore):
         if status == OBJECT_NOT_FOUND:
             return False
         if status != 0:
-            raise StoreError(f"Mooncake remove of {key} failed: {status}")
+            self._failed(f"Mooncake remove of {key} failed: {status}")
         return True
 
     def pin(self, key: str) -> bool:
@@ -307,7 +327,7 @@ class MooncakeTier(KVStore):
         marker = b"\x01"
         status = self._client.upsert_from(self._pin_name(key), _address(marker), 1, self._replicas)
         if status != 0:
-            raise StoreError(f"Mooncake could not pin {key}: {status}")
+            self._failed(f"Mooncake could not pin {key}: {status}")
         return True
 
     def unpin(self, key: str) -> bool:
@@ -361,7 +381,7 @@ class MooncakeTier(KVStore):
             with urllib.request.urlopen(self.admin_url + path, timeout=ADMIN_TIMEOUT_S) as response:
                 return response.read().decode()
         except (OSError, urllib.error.URLError) as exc:
-            raise StoreError(f"the Mooncake master's admin endpoint {self.admin_url} did not answer: {exc}") from exc
+            self._failed(f"the Mooncake master's admin endpoint {self.admin_url} did not answer: {exc}")
 
     def close(self) -> None:
         with self._lock:

@@ -32,9 +32,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.books import SharedBooks
+from gateway.books import BooksError, SharedBooks
 from gateway.cache import CacheManager
-from gateway.errors import ClientError, InvalidRequest, Unauthorized
+from gateway.errors import ClientError, InvalidRequest, StoreUnavailable, Unauthorized
 from gateway.metrics import exposition, planner_stats
 from gateway.policy import (
     CacheEntry,
@@ -48,6 +48,7 @@ from gateway.policy import (
     is_entry_key,
 )
 from gateway.response_cache import ResponseCache
+from store import StoreError
 
 MAX_PAGE = 1000
 T = TypeVar("T")
@@ -119,9 +120,14 @@ def _cache(request: Request) -> CacheManager:
 
 
 async def _on_cache_thread(request: Request, work: Callable[[CachePolicy, CacheManager], T]) -> T:
-    """Run ``work(policy, cache)`` where the books live: on the cache thread, never on the event loop."""
+    """Run ``work(policy, cache)`` where the books live: on the cache thread, never on the event loop. The store
+    or the shared books away is a 503."""
     cache = _cache(request)
-    return await cache.run(work, cache.policy, cache)
+    try:
+        return await cache.run(work, cache.policy, cache)
+    except (StoreError, BooksError) as exc:
+        raise StoreUnavailable(f"the cache's store or books did not answer: {exc}", code="store_unavailable") \
+            from exc
 
 
 def _checked_key(key: str) -> str:

@@ -143,3 +143,51 @@ def test_an_unreachable_server_is_books_unavailable(name):
         books.load()
     with pytest.raises(BooksUnavailable):
         books.insert(key(1), 10)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the start that must fail
+def test_a_gateway_joins_the_books_at_start_and_answers_503_when_their_server_goes(tmp_path, model_path, name):
+    """A real gateway app over a DRAM store with shared books: a second replica sees the first one's entry; with
+    the server gone, an admin change is a 503 and the gateway stays up; a gateway cannot start without it."""
+    import subprocess
+    import time
+
+    import httpx
+
+    from gateway.config import GatewayConfig
+    from store import StoreConfig
+    from tests.conftest import gateway_config, run_gateway, terminate
+
+    port = free_port()
+    redis_process = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+                                      "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, start_new_session=True)
+    time.sleep(0.5)
+    url = f"redis://127.0.0.1:{port}/0"
+    store = StoreConfig(name=name, tiers=("dram",), dram_dir=tmp_path / "dram", pin_host_memory=False)
+
+    def replica(books_url: str) -> GatewayConfig:
+        return gateway_config(model_path, ["http://127.0.0.1:9"], store=store, admin_token="admin-token-books",
+                              books_url=books_url, books_follow_interval_s=0.05)
+
+    auth = {"Authorization": "Bearer admin-token-books"}
+    one, two = run_gateway(replica(url)), run_gateway(replica(url))
+    try:
+        cache = one.app.state.services.cache  # an entry taken in as the planner does: on one replica's cache thread
+        cache._thread.submit(cache.policy.insert, key(1), 100).result()
+        deadline = time.monotonic() + 10
+        while httpx.get(two.url + "/admin/entries", headers=auth).json()["data"] == []:
+            assert time.monotonic() < deadline, "the second replica never saw the entry"
+            time.sleep(0.05)
+        stats = httpx.get(two.url + "/admin/stats", headers=auth).json()
+        assert stats["books"]["shared"] is True and stats["tiers"]["dram"]["entries"] == 1
+        terminate(redis_process)
+        gone = httpx.delete(two.url + f"/admin/entries/{key(1)}", headers=auth)
+        assert gone.status_code == 503 and gone.json()["error"]["code"] == "store_unavailable"
+        assert httpx.get(two.url + "/admin/stats", headers=auth).status_code == 200  # reads its own books
+    finally:
+        one.stop()
+        two.stop()
+        if redis_process.poll() is None:
+            terminate(redis_process)
+    with pytest.raises(RuntimeError, match="did not start"):
+        run_gateway(replica(url))

@@ -34,7 +34,7 @@ from plan import (
 )
 from store import Entry, FeatureStore, StoreConfig
 from store.tiered import TieredStore, open_tier
-from tests.conftest import remove_store_memory
+from tests.conftest import free_port, remove_store_memory
 from tests.gateway.matching.pairs import CELL, EXTRACTOR, aligned, edited, encode_png, features, jpeg
 
 SETTINGS = MatchSettings()
@@ -218,3 +218,41 @@ def test_the_vision_pass_setting_reaches_approximate_plans() -> None:
     assert plan_for(a, b)[0].vision == PARTIAL_PASS
     with pytest.raises(ConfigError, match="vision_pass"):
         MatchSettings.from_env({"REVISIT_MATCH_VISION_PASS": "half"})
+
+
+def test_with_the_cluster_or_the_books_away_requests_are_planned_nothing_at_once(tmp_path: Path, redis_server) -> None:
+    """Either shared part gone: the request runs as plain SGLang (no plan), counted, and the next one does not wait
+    for the cluster's client to give up again."""
+    import os
+    import signal
+    import time
+
+    from gateway.books import BookLog, SharedBooks
+    from launcher.mooncake import MooncakeCluster
+
+    cluster = MooncakeCluster.start(tmp_path / "mooncake", segment_bytes=64 << 20)
+    name = f"away-{uuid.uuid4().hex[:8]}"
+    config = StoreConfig(name=name, tiers=("mooncake",), mooncake_master=cluster.master_address,
+                         mooncake_metadata_server=cluster.metadata_server, mooncake_admin_url=cluster.admin_url)
+    books = SharedBooks(PolicySettings(), BookLog(redis_server, name=name), tiers=("mooncake",))
+    books.load()
+    manager = CacheManager(books, TieredStore([open_tier("mooncake", config)]))
+    planner = Planner(manager, ReuseSettings(store=config, layers=8))
+    try:
+        image = aligned("chelsea.png", 4, 4)
+        assert plan(planner, image, "t").kinds == ("miss",)
+        os.killpg(cluster.master.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        planned = plan(planner, image, "t")
+        assert planned.plan is None and planned.kinds == () and planner.counts["store_unavailable"] == 1
+        started = time.monotonic()
+        assert plan(planner, image, "t").plan is None and time.monotonic() - started < 1.0
+        assert planner.counts["store_unavailable"] == 2
+        # Now a store that answers, and books whose server is gone: an entry found in the store cannot be booked.
+        manager.store.close()  # type: ignore[union-attr]
+        manager.store = TieredStore([open_tier("dram", StoreConfig(name=name, dram_dir=tmp_path / "dram"))])
+        books.log = BookLog(f"redis://127.0.0.1:{free_port()}/0", name=name, timeout_s=0.5)
+        store_like_a_worker(manager, intake(image, "t").images[0].key, (4, 4))
+        assert plan(planner, image, "t").plan is None and planner.counts["store_unavailable"] == 3
+    finally:
+        manager.close()
+        cluster.stop()
