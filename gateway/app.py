@@ -21,8 +21,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         services = Services.build(config)
         app.state.services = services
-        await services.start()
         try:
+            await services.start()  # a start that fails (the shared books away, say) still closes what it opened
             yield
         finally:
             await services.aclose()

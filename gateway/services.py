@@ -137,8 +137,6 @@ class Services:
         self.loop_lag.start()
         if self.responses is not None and self.responses.embedder is not None:
             self.responses.embedder.start()
-        await self.pool.start()
-        matcher, store = self.planner.matcher, self.cache.store
         loop = asyncio.get_running_loop()
         if isinstance(self.policy, SharedBooks):
             # Join the shared books before serving: their snapshot and every event since (a BooksError here stops
@@ -148,6 +146,8 @@ class Services:
             log.info("joined the shared books at %s: %d entries, %d events applied, in %.2f s",
                      self.policy.log.prefix, len(self.policy), self.policy.applied, time.perf_counter() - started)
             self._follow = loop.create_task(self._follow_books(self.policy))
+        await self.pool.start()
+        matcher, store = self.planner.matcher, self.cache.store
         if store is not None:
             self._books = loop.create_task(self._keep_books(store))
         if matcher is not None and store is not None:
