@@ -36,7 +36,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.store_reads import SPARSE_LAYERS, SPARSE_SHARE, build_entry, mb, side_by_side  # noqa: E402
+from bench.store_reads import (  # noqa: E402
+    SPARSE_LAYERS,
+    SPARSE_SHARE,
+    build_entry,
+    copy_segments,
+    mb,
+    side_by_side,
+)
 from gateway.books import BookLog, SharedBooks  # noqa: E402
 from gateway.config import PolicySettings  # noqa: E402
 from gateway.policy import CachePolicy  # noqa: E402
@@ -82,11 +89,7 @@ def bench_reads(cluster: MooncakeCluster, tokens: int, repeats: int, shm: Path, 
             part = tier.get_sparse(KEY, chosen, SPARSE_LAYERS)
             assert part is not None
             with part:
-                at = 0
-                for segment in part.segments:
-                    n = segment.data.nbytes
-                    out[at : at + n] = np.frombuffer(segment.data, np.uint8)
-                    at += n
+                copy_segments(part, out)
         return read
 
     def header(tier: KVStore) -> Callable[[], None]:

@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from store import DramTier, Entry, LmdbTier  # noqa: E402
+from store import DramTier, Entry, LmdbTier, SparseRead  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 36, 8, 128, 4096
 SPARSE_SHARE, SPARSE_LAYERS = 0.10, (3, 36)
@@ -49,6 +49,15 @@ def build_entry(tokens: int) -> Entry:
     positions = np.stack([np.zeros(tokens, np.int64), np.arange(tokens) // width, np.arange(tokens) % width], 1) + 7
     return Entry.from_arrays(model_id="qwen3-vl-8b-shaped", grid=grid, positions=positions, encoder_output=encoder,
                              k=k, v=v, kv_dtype="bfloat16", encoder_dtype="bfloat16")
+
+
+def copy_segments(part: SparseRead, out: np.ndarray) -> None:
+    """A sparse read's segments, one after another, into ``out`` (what an engine does before a device copy)."""
+    at = 0
+    for segment in part.segments:
+        n = segment.data.nbytes
+        out[at : at + n] = np.frombuffer(segment.data, np.uint8)
+        at += n
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -129,11 +138,7 @@ def bench_tokens(tokens: int, repeats: int, shm_root: Path, disk_root: Path) -> 
     def sparse_read(tier) -> Callable[[], None]:
         def read() -> None:
             with tier.get_sparse(KEY, chosen, SPARSE_LAYERS) as part:
-                at = 0
-                for segment in part.segments:
-                    n = segment.data.nbytes
-                    out[at : at + n] = np.frombuffer(segment.data, np.uint8)
-                    at += n
+                copy_segments(part, out)
         return read
 
     sparse = dram.get_sparse(KEY, chosen, SPARSE_LAYERS)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from store.entry import Entry, parse_header
 from store.errors import DamagedEntryError, EntryFormatError, InvalidKeyError
 from store.views import EntryView, SparseRead, open_full, open_sparse
 
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+T = TypeVar("T")
 
 
 def validate_key(key: str) -> str:
@@ -131,6 +133,20 @@ class BufferTier(KVStore):
 
     @abstractmethod
     def _read(self, key: str, opener): ...
+
+
+def opened(read: Callable[[], T], release: Callable[[], None], on_damaged: Callable[[], None]) -> T | None:
+    """What ``read()`` returns (a handle over a read it verified); a damaged entry releases the read, is counted
+    (``on_damaged``) and reads as None; any other error releases the read and propagates. Every tier's reads."""
+    try:
+        return read()
+    except DamagedEntryError:
+        release()
+        on_damaged()
+        return None
+    except BaseException:
+        release()
+        raise
 
 
 def entry_bytes(entry: EntryLike) -> memoryview:

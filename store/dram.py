@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, validate_key
-from store.errors import DamagedEntryError, EntryPinnedError, StoreClosedError, StoreError, StoreFullError
+from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, opened, validate_key
+from store.errors import EntryPinnedError, StoreClosedError, StoreError, StoreFullError
 from store.views import release_view
 
 ENTRY_SUFFIX = ".kv"
@@ -178,15 +178,7 @@ class DramTier(BufferTier):
         if mapped is None:
             return None
         view, release = mapped
-        try:
-            return opener(view, release)
-        except DamagedEntryError:
-            release()
-            self._count_damaged()
-            return None
-        except BaseException:
-            release()
-            raise
+        return opened(lambda: opener(view, release), release, self._count_damaged)
 
     def _count_damaged(self) -> None:
         with self._lock:

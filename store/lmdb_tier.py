@@ -9,8 +9,8 @@ from typing import TypeVar
 
 import lmdb
 
-from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, validate_key
-from store.errors import DamagedEntryError, EntryPinnedError, StoreClosedError, StoreError, StoreFullError
+from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, opened, validate_key
+from store.errors import EntryPinnedError, StoreClosedError, StoreError, StoreFullError
 
 T = TypeVar("T")
 
@@ -167,20 +167,19 @@ class LmdbTier(BufferTier):
     def _read(self, key, opener):
         key_b = validate_key(key).encode()
         txn, release = self._begin_read()
-        try:
+
+        def read():
             value = txn.get(key_b, db=self._entries)
             if value is None:
                 release()
                 return None
             return opener(memoryview(value), release)
-        except DamagedEntryError:
-            release()
-            with self._cond:
-                self._damaged += 1
-            return None
-        except BaseException:
-            release()
-            raise
+
+        return opened(read, release, self._count_damaged)
+
+    def _count_damaged(self) -> None:
+        with self._cond:
+            self._damaged += 1
 
     def remove(self, key: str, *, force: bool = False) -> bool:
         key_b = validate_key(key).encode()

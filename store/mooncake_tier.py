@@ -47,12 +47,12 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
-from store.base import EntryLike, KVStore, StoreStats, entry_bytes, validate_key
+from store.base import EntryLike, KVStore, StoreStats, entry_bytes, opened, validate_key
 from store.entry import PREFIX, ByteRange, parse_header
 from store.errors import DamagedEntryError, EntryPinnedError, StoreClosedError, StoreError, StoreFullError
 from store.views import EntryView, SparseRead, check_sparse_request, open_full, open_sparse
@@ -64,6 +64,7 @@ NO_AVAILABLE_HANDLE = -200  # no segment has room for the object
 FIRST_READ = 64 << 10  # bytes read first by a sparse read: the prefix, and the whole header of most entries
 ADMIN_TIMEOUT_S = 10.0
 QUERY_BATCH = 256  # keys per /batch_query_keys call
+T = TypeVar("T")
 RETRY_AFTER_S = 5.0  # after the cluster failed a call, how long calls fail at once
 
 
@@ -228,37 +229,14 @@ class MooncakeTier(KVStore):
         return data.nbytes
 
     def get(self, key: str) -> EntryView | None:
-        name = self._entry_name(key)
-        size = self._client.get_size(name)
-        if size < 0:
-            self._check_absent(size, key)
-            return None
-        buffer = self._buffers.take(size)
-        release = functools.partial(self._buffers.give, buffer)
-        try:
-            copied = self._client.get_into(name, buffer.address, size)
-            if copied != size:  # gone, or replaced by an entry of another size, since get_size
-                release()
-                return None
-            return open_full(self.name, buffer.view, release)
-        except DamagedEntryError:
-            release()
-            self._count_damaged()
-            return None
-        except BaseException:
-            release()
-            raise
+        def whole(name: str, buffer: _ReadBuffer, size: int) -> bool:
+            return bool(self._client.get_into(name, buffer.address, size) == size)  # else gone, or replaced
+
+        return self._read(key, whole, lambda view, release: open_full(self.name, view, release))
 
     def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
                    with_encoder: bool = False) -> SparseRead | None:
-        name = self._entry_name(key)
-        size = self._client.get_size(name)
-        if size < 0:
-            self._check_absent(size, key)
-            return None
-        buffer = self._buffers.take(size)
-        release = functools.partial(self._buffers.give, buffer)
-        try:
+        def blocks(name: str, buffer: _ReadBuffer, size: int) -> bool:
             if size < PREFIX.size or not self._read_ranges(name, buffer, [ByteRange(0, min(size, FIRST_READ))]):
                 raise DamagedEntryError("shorter than the prefix, or gone")
             header_nbytes = PREFIX.unpack_from(buffer.view, 0)[4]
@@ -273,15 +251,30 @@ class MooncakeTier(KVStore):
             ranges += [header.token_layers_range(token, layer_start, layer_stop) for token in tokens]
             if not self._read_ranges(name, buffer, _coalesce(ranges)):
                 raise DamagedEntryError("gone while its blocks were read")
-            return open_sparse(self.name, buffer.view, tokens, (layer_start, layer_stop), release,
-                               with_encoder=with_encoder)
-        except DamagedEntryError:
-            release()
-            self._count_damaged()
+            return True
+
+        return self._read(key, blocks, lambda view, release: open_sparse(
+            self.name, view, token_indices, layer_range, release, with_encoder=with_encoder))
+
+    def _read(self, key: str, fill: Callable[[str, _ReadBuffer, int], bool],
+              opener: Callable[[memoryview, Callable[[], None]], T]) -> T | None:
+        """Copy what ``fill`` reads of the entry into a read buffer (False: the entry is gone), then ``opener``
+        verifies it; None when absent or damaged."""
+        name = self._entry_name(key)
+        size = self._client.get_size(name)
+        if size < 0:
+            self._check_absent(size, key)
             return None
-        except BaseException:
-            release()
-            raise
+        buffer = self._buffers.take(size)
+        release = functools.partial(self._buffers.give, buffer)
+
+        def read() -> T | None:
+            if not fill(name, buffer, size):
+                release()
+                return None
+            return opener(buffer.view, release)
+
+        return opened(read, release, self._count_damaged)
 
     def _read_ranges(self, name: str, buffer: _ReadBuffer, ranges: list[ByteRange]) -> bool:
         """Copy byte ranges of the object into the same offsets of buffer, in one request. False when the object
