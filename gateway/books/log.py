@@ -68,6 +68,9 @@ class BookLog:
         trimmed = _answer(lambda: self._redis.get(self._key("trimmed")))
         return trimmed is not None and id_after(_text(trimmed), cursor)
 
+    def has_snapshot(self) -> bool:
+        return bool(_answer(lambda: self._redis.exists(self._key("snapshot"))))
+
     def snapshot(self) -> tuple[str, dict[str, Any]] | None:
         """(cursor, state) of the last snapshot, or None."""
         data = _answer(lambda: self._redis.get(self._key("snapshot")))

@@ -139,6 +139,13 @@ class SharedBooks(CachePolicy):
         self._follow(until=None)
         if self._since_snapshot >= SNAPSHOT_EVERY:
             self.save_snapshot()
+        elif self.cursor != START and not self.log.has_snapshot():
+            # Books under way and no snapshot: the first events, or a server that lost its data (restarted without
+            # its append-only file). Either way this replica's books are the best there are: a snapshot of them
+            # lets replicas that join later start where the others are. (Events after a lost log have later ids
+            # than this cursor, so they still follow it.)
+            self.log.check_settings(settings_fingerprint(self.settings, self.tiers))
+            self.save_snapshot()
         return self.applied - before
 
     def save_snapshot(self) -> bool:
