@@ -182,15 +182,20 @@ def test_killing_a_gateway_mid_run_loses_no_entry(scale_out, model_path, redis_s
     answers: dict[str, str] = {}
 
     async def through_one() -> None:
+        # Two clients' worth of requests at a time, one after another, so that the kill finds some answered, some
+        # in flight and some not yet sent.
+        slots = asyncio.Semaphore(2)
         async with openai.AsyncOpenAI(base_url=one.url + "/v1", api_key="sk-scale-out", max_retries=0,
                                       timeout=300) as client:
             async def one_request(picture: str) -> None:
                 try:
-                    raw = await client.chat.completions.with_raw_response.create(
-                        model=MODEL_ID, max_tokens=6, temperature=0,
-                        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
-                                                               {"type": "text", "text": QUESTION}]}])
-                    answers[raw.headers["x-revisit-image-keys"]] = raw.parse().choices[0].message.content or ""
+                    async with slots:
+                        raw = await client.chat.completions.with_raw_response.create(
+                            model=MODEL_ID, max_tokens=6, temperature=0,
+                            messages=[{"role": "user", "content": [
+                                {"type": "image_url", "image_url": {"url": picture}},
+                                {"type": "text", "text": QUESTION}]}])
+                        answers[raw.headers["x-revisit-image-keys"]] = raw.parse().choices[0].message.content or ""
                 except openai.APIConnectionError:
                     pass  # cut off by the kill
 
