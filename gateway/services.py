@@ -23,6 +23,7 @@ from gateway.matching.matcher import FeatureRecords, Matcher
 from gateway.metrics import RequestMetrics, ResponseCacheMetrics, build_registry
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
+from gateway.policy.policy import DEFAULT_TIERS
 from gateway.response_cache import ResponseCache, TextEmbedder
 from gateway.workers import WorkerPool
 from plan.outcome import Outcomes, outcome_box
@@ -75,27 +76,26 @@ class Services:
         reuse = config.reuse
         # The store the workers write: shared-memory files and LMDB on this host, and/or the mooncake tier every host
         # shares (see store/config.py).
-        store = open_store(reuse.store) if reuse.enabled and reuse.store is not None else None
-        shared = config.books_url is not None and store is not None and reuse.store is not None
+        store_config = reuse.store if reuse.enabled else None
+        store = open_store(store_config) if store_config is not None else None
+        tiers = reuse.store.tiers if reuse.store is not None else DEFAULT_TIERS  # the books manage these
         policy: CachePolicy
-        if shared and reuse.store is not None and config.books_url is not None:
+        if store_config is not None and config.books_url is not None:
             # Books shared with other replicas (gateway/books): the policy's changes and the match index's go
             # through one log in the books' server.
-            policy = SharedBooks(config.policy, BookLog(config.books_url, name=reuse.store.name),
-                                 tiers=reuse.store.tiers[:2])
+            policy = SharedBooks(config.policy, BookLog(config.books_url, name=store_config.name), tiers=tiers)
         else:
-            # The books manage the store's first two tiers (gateway/policy).
-            policy = CachePolicy(config.policy, tiers=reuse.store.tiers[:2]) if reuse.store is not None \
-                else CachePolicy(config.policy)
+            policy = CachePolicy(config.policy, tiers=tiers)
         matcher, extractor = None, None
-        if store is not None and reuse.store is not None and reuse.match.enabled:
+        if store_config is not None and reuse.match.enabled:
             # Approximate matching: every new image gets per-token features; they persist beside the store (in the
             # books' server when the books are shared). Not synced at each commit: a crash may lose the last
             # records, which only means those images cannot be aliases; a synced write per miss would hold up the
             # cache thread.
             extractor = extractor_for(reuse.match)
-            features: FeatureRecords = SharedFeatureStore(config.books_url, name=reuse.store.name) \
-                if shared and config.books_url is not None else FeatureStore(reuse.store.features_path, sync=False)
+            features: FeatureRecords = SharedFeatureStore(config.books_url, name=store_config.name) \
+                if isinstance(policy, SharedBooks) and config.books_url is not None \
+                else FeatureStore(store_config.features_path, sync=False)
             matcher = Matcher(reuse.match, scope=scope(config.model, config.processor, extractor), features=features)
             if isinstance(policy, SharedBooks):
                 matcher.on_indexed, matcher.on_forgotten = policy.announce_indexed, policy.announce_forgotten

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -27,6 +27,12 @@ from gateway.books.errors import BooksMismatch, BooksUnavailable
 READ_BATCH = 1000  # events per read
 LOCK_MS = 30_000
 START = "0-0"
+
+
+class LogRead(NamedTuple):
+    trimmed: bool  # events after the cursor were trimmed away
+    snapshot: bool  # a snapshot is stored
+    events: list[tuple[str, dict[str, Any]]]  # (id, event) after the cursor, in log order
 
 
 def id_after(a: str, b: str) -> bool:
@@ -50,26 +56,21 @@ class BookLog:
         body = json.dumps(event, separators=(",", ":"))
         return _text(_answer(lambda: self._redis.xadd(self._key("log"), {"event": body})))
 
-    def after(self, cursor: str, count: int = READ_BATCH) -> tuple[bool, list[tuple[str, dict[str, Any]]]]:
-        """(whether events after ``cursor`` were trimmed away, up to ``count`` events after it in log order), in one
-        round trip. A replica that far behind must load the snapshot and read on from its cursor."""
+    def after(self, cursor: str, count: int = READ_BATCH) -> LogRead:
+        """Up to ``count`` events after ``cursor`` in log order, whether events after it were trimmed away (a
+        replica that far behind must load the snapshot and read on from its cursor) and whether a snapshot is
+        there, in one round trip."""
         def read() -> list[Any]:
-            with self._redis.pipeline(transaction=False) as both:
-                both.get(self._key("trimmed"))
-                both.xrange(self._key("log"), min=f"({cursor}", max="+", count=count)
-                return list(both.execute())
+            with self._redis.pipeline(transaction=False) as all_three:
+                all_three.get(self._key("trimmed"))
+                all_three.exists(self._key("snapshot"))
+                all_three.xrange(self._key("log"), min=f"({cursor}", max="+", count=count)
+                return list(all_three.execute())
 
-        trimmed, found = _answer(read)
+        trimmed, snapshot, found = _answer(read)
         events = [(_text(event_id), json.loads(fields[b"event"])) for event_id, fields in found]
-        return trimmed is not None and id_after(_text(trimmed), cursor), events
-
-    def trimmed_past(self, cursor: str) -> bool:
-        """Whether events after ``cursor`` were trimmed away."""
-        trimmed = _answer(lambda: self._redis.get(self._key("trimmed")))
-        return trimmed is not None and id_after(_text(trimmed), cursor)
-
-    def has_snapshot(self) -> bool:
-        return bool(_answer(lambda: self._redis.exists(self._key("snapshot"))))
+        return LogRead(trimmed=trimmed is not None and id_after(_text(trimmed), cursor), snapshot=bool(snapshot),
+                       events=events)
 
     def snapshot(self) -> tuple[str, dict[str, Any]] | None:
         """(cursor, state) of the last snapshot, or None."""

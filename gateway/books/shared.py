@@ -45,8 +45,8 @@ def settings_fingerprint(settings: PolicySettings, tiers: tuple[Tier, ...]) -> s
 
 
 class SharedBooks(CachePolicy):
-    """CachePolicy whose changes go through the shared log. Also applies index events to ``index`` (a Matcher's
-    learn/forget), when set."""
+    """CachePolicy whose changes go through the shared log. Index events go to ``learn`` and ``forget`` (a
+    Matcher's), when set."""
 
     def __init__(self, settings: PolicySettings, log: BookLog, *, tiers: tuple[Tier, ...] | tuple[str, ...]) -> None:
         super().__init__(settings, tiers=tiers)
@@ -57,6 +57,7 @@ class SharedBooks(CachePolicy):
         self.learn: Callable[[str], None] | None = None  # index an image another replica indexed
         self.forget: Callable[[str], None] | None = None  # forget an image another replica's index dropped
         self._reloads = 0
+        self._snapshot_seen = False  # whether the last read of the log found a snapshot stored
 
     # ---- start ------------------------------------------------------------------------
 
@@ -139,13 +140,13 @@ class SharedBooks(CachePolicy):
         self._follow(until=None)
         if self._since_snapshot >= SNAPSHOT_EVERY:
             self.save_snapshot()
-        elif self.cursor != START and not self.log.has_snapshot():
+        elif self.cursor != START and not self._snapshot_seen:
             # Books under way and no snapshot: the first events, or a server that lost its data (restarted without
             # its append-only file). Either way this replica's books are the best there are: a snapshot of them
             # lets replicas that join later start where the others are. (Events after a lost log have later ids
             # than this cursor, so they still follow it.)
             self.log.check_settings(settings_fingerprint(self.settings, self.tiers))
-            self.save_snapshot()
+            self._snapshot_seen = self.save_snapshot()
         return self.applied - before
 
     def save_snapshot(self) -> bool:
@@ -156,7 +157,7 @@ class SharedBooks(CachePolicy):
     def _follow(self, until: str | None) -> tuple[Any, PolicyError | None] | None:
         found = None
         while True:
-            trimmed, events = self.log.after(self.cursor)
+            trimmed, self._snapshot_seen, events = self.log.after(self.cursor)
             if trimmed:
                 log.warning("the shared books' log was trimmed past this replica's place (%s): reloading the "
                             "snapshot", self.cursor)

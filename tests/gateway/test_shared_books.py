@@ -61,7 +61,7 @@ def test_replicas_end_with_the_books_of_one_policy_replaying_the_log(redis_serve
     # One plain policy fed the same calls in log order decides exactly the same (read before a catch-up snapshots
     # the books and trims the log).
     reference = CachePolicy(SETTINGS, tiers=("dram", "lmdb"))
-    for _, event in BookLog(redis_server, name=name).after("0-0", count=10_000)[1]:
+    for _, event in BookLog(redis_server, name=name).after("0-0", count=10_000).events:
         try:
             SharedBooks._apply(reference, event)  # type: ignore[arg-type]
         except (UnknownEntry, EntryPinned):
@@ -105,7 +105,7 @@ def test_a_replica_left_behind_by_a_trim_reloads_the_snapshot(redis_server, name
     a, behind = replica(redis_server, name), replica(redis_server, name)
     random_calls([a], random.Random(5), 80)
     a.catch_up()
-    assert a.log.trimmed_past(behind.cursor)
+    assert a.log.after(behind.cursor).trimmed  # events it has not applied were trimmed away
     behind.catch_up()
     assert behind.state() == a.state() and behind.status()["snapshot_reloads"] == 2
 
@@ -207,7 +207,7 @@ def test_books_outlive_a_server_that_lost_its_data(redis_server, name):
     for found in server.scan_iter(match=f"revisit:{name}:*"):
         server.delete(found)  # what a restart without persistence leaves
     a.catch_up()
-    assert a.log.has_snapshot()
+    assert a.log.snapshot() is not None
     b.insert(key(99), 10)
     a.catch_up()
     late = replica(redis_server, name)

@@ -1,0 +1,20 @@
+"""The gateway's configuration: :class:`GatewayConfig` and the settings it holds, one concern a module.
+
+- :mod:`gateway.config.gateway_config`: ``GatewayConfig``, the one object, and where ``REVISIT_*`` is read.
+- :mod:`gateway.config.media`: the model's image processing, image and video limits.
+- :mod:`gateway.config.reuse`: approximate matching, reuse planning, the cache policy's capacities and knobs.
+- :mod:`gateway.config.responses`: the response cache.
+- :mod:`gateway.config.errors`: ``ConfigError``.
+"""
+
+from gateway.config.errors import ConfigError
+from gateway.config.gateway_config import GatewayConfig
+from gateway.config.media import ImageLimits, ProcessorSettings, VideoSettings
+from gateway.config.responses import RESPONSE_CACHE_LEVELS, RESPONSE_CACHE_OFF, ResponseCacheSettings
+from gateway.config.reuse import EXTRACTORS, MatchSettings, PolicySettings, ReuseSettings
+
+__all__ = [
+    "EXTRACTORS", "RESPONSE_CACHE_LEVELS", "RESPONSE_CACHE_OFF", "ConfigError", "GatewayConfig", "ImageLimits",
+    "MatchSettings", "PolicySettings", "ProcessorSettings", "ResponseCacheSettings", "ReuseSettings",
+    "VideoSettings",
+]
