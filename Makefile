@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 SGLANG_VERSION := 0.5.23
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test install bench clean
+.PHONY: serve test install bench clean compose-tool
 
 $(INSTALLED): pyproject.toml requirements/sglang-cpu.txt requirements/response-cache.txt
 	@echo "[setup] creating $(VENV) and installing SGLang $(SGLANG_VERSION) (CPU) and the project; a few minutes on first run"
@@ -43,7 +43,14 @@ $(REDIS_SERVER):
 	@echo "[setup] installing Debian's redis-server for the shared-books tests (needs root: apt-get)"
 	apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
 
-test: $(INSTALLED) $(CHROMIUM) $(REDIS_SERVER)
+# A Compose tool reads compose.yaml and compose.scale-out.yaml as a second opinion to the schema (tests/test_compose.py):
+# Debian's docker-compose where neither it nor the docker compose plugin is installed.
+compose-tool:
+	@docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || { \
+		echo "[setup] installing Debian's docker-compose for the compose tests (needs root: apt-get)"; \
+		(apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null) || echo "docker-compose unavailable"; }
+
+test: $(INSTALLED) $(CHROMIUM) $(REDIS_SERVER) compose-tool
 	$(BIN)/ruff check gateway engine_ext store dashboards plan settings launcher bundled offline soak replay tests bench
 	$(BIN)/mypy
 	REVISIT_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest $(ARGS)
