@@ -130,7 +130,7 @@ def test_the_scale_out_example_follows_the_specification_and_names_one_shared_st
 
 
 def test_an_installed_compose_tool_reads_the_file_the_same_way():
-    """A second opinion where a Compose tool is installed (`.ci/run` installs docker-compose); on a machine without
+    """A second opinion where a Compose tool is installed (`make test` installs docker-compose); on a machine without
     one the schema test above is the check."""
     tool = (["docker", "compose"] if shutil.which("docker") and subprocess.run(
         ["docker", "compose", "version"], capture_output=True).returncode == 0
