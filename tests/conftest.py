@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import tempfile
@@ -28,7 +29,6 @@ MODEL_ID = "revisit-tiny"
 def terminate(process, timeout: float = 30.0) -> int:
     """SIGTERM a process started in a session of its own (as docker stop or systemd would), wait for it; on a
     timeout kill its whole group and raise. Returns its exit code."""
-    import os
     import signal
     import subprocess
 
@@ -38,6 +38,31 @@ def terminate(process, timeout: float = 30.0) -> int:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         raise
+
+
+def start_gateway_process(env: dict[str, str], port: int, *, log_file: Path | None = None, path: str = "/health",
+                          ready=lambda response: response.status_code == 200, timeout: float = 60.0):
+    """A real ``revisit gateway`` process on ``port``, with ``env`` over this process's environment, in a session of
+    its own (stop it with ``terminate``); returns once GET ``path`` answers what ``ready`` accepts."""
+    import subprocess
+    import sys
+
+    log = open(log_file, "wb") if log_file is not None else None  # noqa: SIM115 (the child's)
+    process = subprocess.Popen([str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(port),
+                                "--log-level", "info"], env={**os.environ, **env}, stdout=log,
+                               stderr=subprocess.STDOUT if log is not None else None, start_new_session=True)
+    if log is not None:
+        log.close()
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, f"the gateway exited ({process.returncode}); see {log_file}"
+        try:
+            if ready(httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5)):
+                return process
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the gateway did not become ready; see {log_file}"
+        time.sleep(0.2)
 
 
 def free_port() -> int:

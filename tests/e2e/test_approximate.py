@@ -5,10 +5,8 @@ process over the same store) still finds the alias."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
@@ -17,7 +15,7 @@ import openai
 import pytest
 from PIL import Image, ImageDraw
 
-from tests.conftest import MODEL_ID, STORE_ENV, free_port, worker_events
+from tests.conftest import MODEL_ID, STORE_ENV, free_port, start_gateway_process, worker_events
 from tests.e2e.test_reuse import executed, wait_stored
 from tests.images_lib import load, png_data_url
 
@@ -86,7 +84,7 @@ def test_a_near_duplicate_is_approximate_for_its_tenant_only(gateway) -> None:
 def test_a_restarted_gateway_still_finds_the_alias(gateway, model_path, tmp_path) -> None:
     tenant = f"sk-{uuid.uuid4().hex}"
     port = free_port()
-    env = {**os.environ, **STORE_ENV, "REVISIT_MODEL": MODEL_ID, "REVISIT_MODEL_DIR": str(model_path),
+    env = {**STORE_ENV, "REVISIT_MODEL": MODEL_ID, "REVISIT_MODEL_DIR": str(model_path),
            "REVISIT_WORKERS": ",".join(gateway.config.workers), "REVISIT_HEALTH_INTERVAL_S": "0.5",
            "REVISIT_ADMIN_TOKEN": "admin-token-for-tests"}
     url = f"http://127.0.0.1:{port}"
@@ -95,19 +93,7 @@ def test_a_restarted_gateway_still_finds_the_alias(gateway, model_path, tmp_path
 
     def start() -> subprocess.Popen:
         logs.append(tmp_path / f"gateway-{len(logs)}.log")
-        with open(logs[-1], "wb") as log:
-            process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--port", str(port)],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, "the gateway exited"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return process
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the gateway did not become healthy"
-            time.sleep(0.2)
+        return start_gateway_process(env, port, log_file=logs[-1])
 
     process = start()
     try:

@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -26,7 +25,14 @@ import pytest
 
 from launcher.mooncake import MooncakeCluster
 from store import StoreConfig, open_tier
-from tests.conftest import MODEL_ID, WORKER_READY_TIMEOUT_S, free_port, terminate, worker_events
+from tests.conftest import (
+    MODEL_ID,
+    WORKER_READY_TIMEOUT_S,
+    free_port,
+    start_gateway_process,
+    terminate,
+    worker_events,
+)
 from tests.images_lib import data_url, encode, noise_image, png_data_url, small
 
 pytestmark = pytest.mark.sglang
@@ -53,26 +59,13 @@ class Host:
 
     def start_gateway(self, model_path: Path, books_url: str) -> None:
         self.port = self.port or free_port()
-        env = {**os.environ, **self.env, "REVISIT_MODEL": MODEL_ID, "REVISIT_MODEL_DIR": str(model_path),
+        env = {**self.env, "REVISIT_MODEL": MODEL_ID, "REVISIT_MODEL_DIR": str(model_path),
                "REVISIT_WORKERS": self.worker.url, "REVISIT_BOOKS_URL": books_url,  # type: ignore[attr-defined]
                "REVISIT_ADMIN_TOKEN": ADMIN_TOKEN, "REVISIT_BOOKS_INTERVAL_S": "1",
                "REVISIT_HEALTH_INTERVAL_S": "0.5", "REVISIT_MOONCAKE_CAPACITY_BYTES": str(256 << 20)}
-        log = open(self.folder / f"gateway-{time.time():.0f}.log", "wb")  # noqa: SIM115 (the child's)
-        self.gateway = subprocess.Popen([str(Path(sys.executable).parent / "revisit"), "gateway", "--port",
-                                         str(self.port), "--log-level", "info"], env=env, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.gateway.poll() is None, f"gateway {self.name} exited; see {self.folder}"
-            try:
-                health = httpx.get(self.url + "/health", timeout=5)
-                if health.status_code == 200 and all(w["healthy"] for w in health.json()["workers"]):
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"gateway {self.name} did not become ready; see {self.folder}"
-            time.sleep(0.2)
+        self.gateway = start_gateway_process(
+            env, self.port, log_file=self.folder / f"gateway-{time.time():.0f}.log", timeout=120,
+            ready=lambda r: r.status_code == 200 and all(w["healthy"] for w in r.json()["workers"]))
 
     def kill_gateway(self) -> None:
         assert self.gateway is not None

@@ -4,9 +4,6 @@ what an earlier run (or a worker since) left there. Real ``revisit gateway`` pro
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from store.config import StoreConfig
 from store.tiered import TieredStore, open_tier
-from tests.conftest import free_port, remove_store_memory, terminate
+from tests.conftest import free_port, remove_store_memory, start_gateway_process, terminate
 from tests.store.entries import key_for, make_entry
 
 TOKEN = "admin-token-for-tests"
@@ -47,21 +44,13 @@ class Gateway:
 
     def __init__(self, store: StoreConfig) -> None:
         self.url = f"http://127.0.0.1:{(port := free_port())}"
-        env = {**os.environ, "REVISIT_MODEL": "revisit-tiny", "REVISIT_WORKERS": "http://127.0.0.1:9",
+        env = {"REVISIT_MODEL": "revisit-tiny", "REVISIT_WORKERS": "http://127.0.0.1:9",
                "REVISIT_ADMIN_TOKEN": TOKEN, "REVISIT_BOOKS_INTERVAL_S": "0.2", "REVISIT_HEALTH_INTERVAL_S": "30",
                "REVISIT_STORE_NAME": store.name, "REVISIT_STORE_DRAM_DIR": str(store.dram_path),
                "REVISIT_STORE_LMDB_DIR": str(store.lmdb_path), "REVISIT_STORE_LMDB_MAP_SIZE": str(16 << 20),
                "REVISIT_STORE_PIN_HOST_MEMORY": "0", "REVISIT_STORE_LMDB_SYNC": "0"}
-        self.process = subprocess.Popen([str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(port),
-                                         "--log-level", "warning"], env=env, start_new_session=True)
-        until(self.up, "the gateway did not start")
-
-    def up(self) -> bool:
-        assert self.process.poll() is None, "the gateway exited"
-        try:
-            return httpx.get(self.url + "/v1/models", timeout=2).status_code < 500
-        except httpx.TransportError:
-            return False
+        self.process = start_gateway_process(env, port, path="/v1/models", ready=lambda r: r.status_code < 500,
+                                             timeout=30)
 
     def stop(self) -> None:
         terminate(self.process)

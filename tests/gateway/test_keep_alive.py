@@ -7,18 +7,12 @@ uvicorn does by default, so a gateway on uvicorn's default closes them just when
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
-
-import httpx
 
 from gateway.config import GatewayConfig
 from gateway.services import UPSTREAM_KEEP_ALIVE_S
-from tests.conftest import free_port, terminate
+from tests.conftest import free_port, start_gateway_process, terminate
 
 REQUEST = b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\nConnection: keep-alive\r\n\r\n"
 
@@ -41,20 +35,10 @@ def answer(sock: socket.socket) -> bytes:
 
 def test_the_gateway_keeps_an_idle_client_connection_longer_than_clients_do() -> None:
     port = free_port()
-    env = {**os.environ, "REVISIT_MODEL": "revisit-tiny", "REVISIT_WORKERS": "http://127.0.0.1:9",
-           "REVISIT_REUSE": "0", "REVISIT_HEALTH_INTERVAL_S": "30"}
-    process = subprocess.Popen([str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(port),
-                                "--log-level", "warning"], env=env, start_new_session=True)
+    env = {"REVISIT_MODEL": "revisit-tiny", "REVISIT_WORKERS": "http://127.0.0.1:9", "REVISIT_REUSE": "0",
+           "REVISIT_HEALTH_INTERVAL_S": "30"}
+    process = start_gateway_process(env, port, path="/v1/models", ready=lambda r: True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, "the gateway exited"
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the gateway did not start"
-                time.sleep(0.2)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(REQUEST)
             assert answer(sock).startswith(b"HTTP/1.1 200")
