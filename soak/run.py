@@ -172,6 +172,20 @@ class Soak:
         stats = await self.stats()
         return sum(tier["entries"] for tier in stats["tiers"].values())
 
+    async def booked_keys(self) -> set[str]:
+        """The keys the gateway's books hold, once a books pass has run since now (/admin/entries, page by page)."""
+        await asyncio.sleep(self.stack.settings.books_interval_s * 1.5)
+        keys: set[str] = set()
+        cursor = None
+        async with httpx.AsyncClient(timeout=30) as http:
+            while True:
+                page = (await http.get(self.stack.url + "/admin/entries", headers=ADMIN,
+                                       params={"limit": 1000, **({"cursor": cursor} if cursor else {})})).json()
+                keys.update(entry["key"] for entry in page["data"])
+                if not page["has_more"]:
+                    return keys
+                cursor = page["next_cursor"]
+
     async def read_loop_lag(self) -> None:
         """Add the running gateway's event-loop lag histogram (revisit_event_loop_lag_seconds) to the tally."""
         from prometheus_client.parser import text_string_to_metric_families
