@@ -7,6 +7,7 @@
                        (settings from REVISIT_* variables, see GatewayConfig.from_env)
     revisit replay     replay a trace against a running gateway: report and plots (replay/)
     revisit trace      make a trace from real images, or import one of image hashes (replay/)
+    revisit keys new   make an API key for a namespace, and its line for REVISIT_API_KEYS_FILE
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = commands.add_parser("gateway", help="run the gateway alone (workers from REVISIT_WORKERS)")
     _add_server_args(gateway)
 
+    keys = commands.add_parser("keys", help="API keys for REVISIT_API_KEYS_FILE")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    new_key = key_commands.add_parser("new", help="make a new API key for a namespace")
+    new_key.add_argument("namespace", help="the cache namespace the key's requests belong to")
+    new_key.add_argument("--append", metavar="FILE", default=None,
+                         help="add the key's line (its digest, not the key) to this key file, created 0600")
+
     from replay.cli import add_commands
 
     add_commands(commands)
@@ -80,8 +88,35 @@ def _run_gateway(
         raise SystemExit(f"revisit: the gateway could not start on {host}:{port}")
 
 
+def _new_key(namespace: str, append: str | None) -> int:
+    """Print a new API key and its key-file line; with ``append``, add the line to that file."""
+    import os
+    import secrets
+
+    from gateway.config import TenantSettings, key_digest
+
+    key = "sk-revisit-" + secrets.token_urlsafe(32)
+    try:
+        TenantSettings.with_keys({key: namespace})
+    except ConfigError as exc:
+        print(f"revisit: {exc}", file=sys.stderr)
+        return 2
+    line = f"{namespace} sha256:{key_digest(key)}"
+    if append is not None:
+        fd = os.open(append, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as file:
+            file.write(line + "\n")
+        print(f"added to {append}: {line}", file=sys.stderr)
+    else:
+        print(f"line for REVISIT_API_KEYS_FILE: {line}", file=sys.stderr)
+    print(key)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "keys":
+        return _new_key(args.namespace, args.append)
     if args.command in ("replay", "trace"):
         from replay.cli import run_command
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.config import GatewayConfig
+from gateway.config import OPEN, GatewayConfig
 
 
 def say(message: str) -> None:
@@ -89,9 +89,13 @@ def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -
         # from it, as REVISIT_MODEL_DIR would give them to `revisit gateway`.
         config = GatewayConfig.from_env(
             {**os.environ, "REVISIT_MODEL_DIR": str(model_path)},
+            open_by_default=True,  # a laptop's gateway; listed keys (REVISIT_API_KEYS_FILE) turn keys mode on
             model=model_id,
             workers=tuple(w.url for w in workers),
         )
+        if config.tenants.mode == OPEN:
+            say("open mode: any API key is served (each its own cache namespace); for more than one user, list "
+                "keys in REVISIT_API_KEYS_FILE (`revisit keys new NAMESPACE`)")
         elapsed = time.monotonic() - started
 
         def ready() -> None:

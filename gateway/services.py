@@ -25,6 +25,7 @@ from gateway.planner import Planner
 from gateway.policy import CachePolicy
 from gateway.policy.policy import DEFAULT_TIERS
 from gateway.response_cache import ResponseCache, TextEmbedder
+from gateway.tenancy import Tenants
 from gateway.workers import WorkerPool
 from plan.outcome import Outcomes, outcome_box
 from store import FeatureStore, TieredStore, open_store
@@ -50,6 +51,7 @@ class Services:
     metrics: CollectorRegistry
     requests: RequestMetrics
     loop_lag: LoopLag
+    tenants: Tenants
     outcomes: Outcomes | None = None  # what workers ran, per request (plan.outcome); None without a store
     responses: ResponseCache | None = None  # answers served without the model; None when off everywhere
     started_at: int = field(default_factory=lambda: int(time.time()))
@@ -124,6 +126,7 @@ class Services:
             metrics=registry,
             requests=RequestMetrics(registry),
             loop_lag=LoopLag(registry, config.loop_lag_interval_s),
+            tenants=Tenants(config.tenants),
             outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_url, name=reuse.store.name)
             if store is not None and reuse.store is not None else None,
             responses=responses,
@@ -134,6 +137,10 @@ class Services:
         return self.cache.policy
 
     async def start(self) -> None:
+        if self.tenants.open:
+            log.warning("open mode: any API key is served, each in a namespace of its own, and requests without "
+                        "one share the namespace %r; anyone who reaches this gateway is a tenant (list keys in "
+                        "REVISIT_API_KEYS_FILE to serve only them)", self.config.tenants.default_namespace)
         self.loop_lag.start()
         if self.responses is not None and self.responses.embedder is not None:
             self.responses.embedder.start()

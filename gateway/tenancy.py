@@ -1,29 +1,76 @@
-"""Which cache namespace a request belongs to.
+"""Who is calling, and which cache namespace their request belongs to.
 
-The namespace is derived from the caller's credentials, never from anything the caller
-can simply claim: a request header naming a namespace would let one tenant read
-another's cached images. An operator shares a namespace by mapping several API keys to
-it (``GatewayConfig.namespaces``).
+The namespace is derived from the caller's API key, never from anything the caller can simply claim: a request
+header naming a namespace would let one tenant read another's cached images. An operator lists the keys served
+and shares a namespace by mapping several keys to it (:class:`gateway.config.TenantSettings`); in keys mode (the
+default) any other key is refused with OpenAI's 401 before the request's body is read.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from typing import NamedTuple
+
+from gateway.config import KEYS, TenantSettings, key_digest
+from gateway.errors import Unauthorized
+
+# The part of a key's digest that names a caller in limits and logs: enough to tell callers apart, useless to
+# find the key.
+CALLER_ID_CHARS = 16
 
 
-def namespace_for(authorization: str | None, *, mapping: Mapping[str, str], default: str) -> str:
-    """The namespace for an ``Authorization`` header value (``Bearer <key>``) or its absence."""
+class Caller(NamedTuple):
+    """An authenticated caller: their cache namespace, and an id of their key (no key: "anonymous")."""
+
+    namespace: str
+    key_id: str
+
+
+class InvalidApiKey(Unauthorized):
+    """OpenAI's answer to a missing or unknown key: a 401 of type invalid_request_error."""
+
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")
+
+
+class Tenants:
+    """Resolves an ``Authorization`` header to a :class:`Caller`, or refuses it (keys mode)."""
+
+    def __init__(self, settings: TenantSettings) -> None:
+        self.settings = settings
+
+    @property
+    def open(self) -> bool:
+        return self.settings.mode != KEYS
+
+    def identify(self, authorization: str | None) -> Caller:
+        """The caller of a request with this ``Authorization`` header value (``Bearer <key>``); InvalidApiKey when
+        keys mode does not know the key, or there is none."""
+        key = bearer_key(authorization)
+        if key is None:
+            if self.open:
+                return Caller(self.settings.default_namespace, "anonymous")
+            raise InvalidApiKey("You didn't provide an API key. Send it in an Authorization header: "
+                                "'Authorization: Bearer YOUR_KEY'.")
+        digest = key_digest(key)
+        namespace = self.settings.keys.get(digest)
+        if namespace is None:
+            if not self.open:
+                raise InvalidApiKey("Incorrect API key provided. Ask the gateway's operator for a key.")
+            # Open mode: one namespace per key; the key itself never appears in keys, logs or metrics.
+            namespace = "key-" + digest[:24]
+        return Caller(namespace, digest[:CALLER_ID_CHARS])
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key in an ``Authorization`` header value: ``Bearer <key>`` (or the bare value); None when empty."""
     if not authorization:
-        return default
+        return None
     scheme, _, key = authorization.partition(" ")
     key = key.strip() if scheme.lower() == "bearer" else authorization.strip()
-    if not key:
-        return default
-    if key in mapping:
-        return mapping[key]
-    # One namespace per key; the key itself never appears in keys, logs or metrics.
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+    return key or None
 
 
 def cache_scope(namespace: str) -> str:

@@ -9,6 +9,7 @@ fault is reported as not injected.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -168,6 +169,11 @@ class Stack:
                "REVISIT_BOOKS_INTERVAL_S": str(s.books_interval_s),
                # The response cache's exact level for the "answered" kind (no sentence embedder needed).
                "REVISIT_RESPONSE_CACHE_NAMESPACES": "*", "REVISIT_RESPONSE_CACHE_MAX_LEVEL": "exact"}
+        # Keys mode, the default of `revisit gateway`: the tenants' keys are listed (by digest), one namespace each.
+        keys = self.root / "api-keys"
+        keys.write_text("".join(f"soak-{i} sha256:{hashlib.sha256(key.encode()).hexdigest()}\n"
+                                for i, key in enumerate(TENANTS)))
+        env["REVISIT_API_KEYS_FILE"] = str(keys)
         log = open(self.root / "logs" / f"gateway-{self.gateway_starts}.log", "wb")  # noqa: SIM115 (the child's)
         self.gateway = subprocess.Popen(
             [str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(self.gateway_port),

@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 
 from gateway.app import create_app
-from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings
+from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings, TenantSettings
 from store import StoreConfig
 
 WORKER_READY_TIMEOUT_S = 600
@@ -48,8 +48,11 @@ def start_gateway_process(env: dict[str, str], port: int, *, log_file: Path | No
     import sys
 
     log = open(log_file, "wb") if log_file is not None else None  # noqa: SIM115 (the child's)
+    # Open mode unless the test lists keys: these tests are about what a gateway does, not about who may call it
+    # (tests/security is).
+    auth = {} if "REVISIT_API_KEYS_FILE" in env or "REVISIT_AUTH" in env else {"REVISIT_AUTH": "open"}
     process = subprocess.Popen([str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(port),
-                                "--log-level", "info"], env={**os.environ, **env}, stdout=log,
+                                "--log-level", "info"], env={**os.environ, **auth, **env}, stdout=log,
                                stderr=subprocess.STDOUT if log is not None else None, start_new_session=True)
     if log is not None:
         log.close()
@@ -229,8 +232,9 @@ def run_gateway(config: GatewayConfig) -> GatewayServer:
 
 def gateway_config(model_path: Path, worker_urls: list[str], *, store: StoreConfig | None = None,
                    **overrides) -> GatewayConfig:
-    """A gateway for tests; with store, it plans reuse over it (uniform ratios over the model's layers)."""
-    settings = {"health_interval_s": 0.5, **overrides}
+    """A gateway for tests, in open mode unless ``tenants`` says otherwise; with store, it plans reuse over it
+    (uniform ratios over the model's layers)."""
+    settings = {"health_interval_s": 0.5, "tenants": TenantSettings.open(), **overrides}
     if store is not None:
         settings["reuse"] = ReuseSettings.for_model(model_path, store=store)
     from plan.checkpoint import vocab_size

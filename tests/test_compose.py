@@ -147,3 +147,15 @@ def test_an_installed_compose_tool_reads_the_file_the_same_way():
         for service_name, service in ours.items():
             assert {k: str(v) for k, v in theirs[service_name].get("environment", {}).items()} == {
                 k: str(v) for k, v in service.get("environment", {}).items()}
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.scale-out.yaml"])
+def test_the_gateways_serve_only_the_keys_of_a_secret_file(name):
+    config = compose_file({"API_KEYS_FILE": "/etc/revisit/api-keys"}, name=name)
+    assert config["secrets"]["api_keys"] == {"file": "/etc/revisit/api-keys"}
+    gateways = {n: s for n, s in config["services"].items() if n.startswith("gateway")}
+    assert gateways
+    for service in gateways.values():
+        assert service["secrets"] == ["api_keys"]
+        assert service["environment"]["REVISIT_API_KEYS_FILE"] == "/run/secrets/api_keys"
+        assert "REVISIT_AUTH" not in service["environment"]  # keys mode, `revisit gateway`'s default

@@ -15,6 +15,7 @@ from gateway.config.errors import ConfigError
 from gateway.config.media import ImageLimits, ProcessorSettings, VideoSettings
 from gateway.config.responses import ResponseCacheSettings
 from gateway.config.reuse import MatchSettings, PolicySettings, ReuseSettings
+from gateway.config.tenants import KEYS, OPEN, TenantSettings, read_key_file
 from plan import (
     DEFAULT_RECOMPUTE_RATIO,
 )
@@ -60,10 +61,9 @@ class GatewayConfig:
     # every books_follow_interval_s.
     books_url: str | None = None
     books_follow_interval_s: float = 0.1
-    # API key -> cache namespace. Keys not listed get a namespace of their own derived
-    # from the key; requests without a key share the default namespace.
-    namespaces: Mapping[str, str] = field(default_factory=dict)
-    default_namespace: str = "default"
+    # Which API keys are served and the cache namespace of each (gateway/config/tenants.py). The default serves
+    # only listed keys, and lists none: an operator lists them, or asks for open mode (a laptop's `revisit serve`).
+    tenants: TenantSettings = field(default_factory=TenantSettings)
     policy: PolicySettings = field(default_factory=PolicySettings)
     # Bearer token for /admin; None disables the admin API (every call answers 403).
     admin_token: str | None = None
@@ -103,11 +103,14 @@ class GatewayConfig:
             raise ConfigError("metrics_require_token needs an admin_token")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewayConfig:
-        """Build from ``REVISIT_*`` variables; keyword overrides win over the environment.
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, open_by_default: bool = False,
+                 **overrides: Any) -> GatewayConfig:
+        """Build from ``REVISIT_*`` variables; keyword overrides win over the environment. ``open_by_default``:
+        without REVISIT_AUTH or a key file, serve any key (``revisit serve``); otherwise only listed keys.
 
         REVISIT_MODEL, REVISIT_WORKERS (comma-separated URLs), REVISIT_MODEL_DIR (to read
-        processor settings), REVISIT_NAMESPACES (JSON object key -> namespace),
+        processor settings), REVISIT_AUTH (keys/open), REVISIT_API_KEYS_FILE (lines '<namespace> <key or
+        sha256:digest>'), REVISIT_NAMESPACES (JSON object key -> namespace),
         REVISIT_ALLOW_PRIVATE_IMAGE_URLS (0/1), REVISIT_MAX_IMAGES_PER_REQUEST,
         REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES, REVISIT_IMAGE_MEMO_BYTES,
         REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_HEALTH_TIMEOUT_S,
@@ -133,10 +136,6 @@ class GatewayConfig:
         if (model_dir := get("MODEL_DIR", str)) is not None:
             kwargs["processor"] = ProcessorSettings.from_model_dir(model_dir)
             kwargs["vocab_size"] = vocab_size(model_dir)
-        if (namespaces := env.json(ENV_PREFIX + "NAMESPACES")) is not None:
-            if not isinstance(namespaces, dict) or not all(isinstance(v, str) for v in namespaces.values()):
-                raise ConfigError(f"{ENV_PREFIX}NAMESPACES must be a JSON object of strings")
-            kwargs["namespaces"] = namespaces
         image_kwargs = {
             key: value
             for key, value in (
@@ -191,10 +190,28 @@ class GatewayConfig:
             model_dir, store=store, enabled=reuse_enabled, profile=get("RECOMPUTE_PROFILE", str),
             uniform_ratio=get("RECOMPUTE_RATIO", float, DEFAULT_RECOMPUTE_RATIO),
             match=MatchSettings.from_env(env.environ, model_dir=model_dir))
+        kwargs["tenants"] = _tenants_from_env(env, open_by_default=open_by_default)
         kwargs.update(overrides)
         missing = [name for name in ("model", "workers") if name not in kwargs]
         if missing:
             raise ConfigError(
                 "missing settings: " + ", ".join(ENV_PREFIX + m.upper() for m in missing)
             )
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        config.tenants.require_keys()  # last, so that a setting missing or wrong is named first
+        return config
+
+
+def _tenants_from_env(env: EnvReader, *, open_by_default: bool) -> TenantSettings:
+    """REVISIT_AUTH, REVISIT_API_KEYS_FILE and REVISIT_NAMESPACES (plain keys, as a JSON object key -> namespace)."""
+    key_file = env.path(ENV_PREFIX + "API_KEYS_FILE")
+    mode = env.string(ENV_PREFIX + "AUTH") or (OPEN if open_by_default and key_file is None else KEYS)
+    keys = read_key_file(key_file) if key_file is not None else {}
+    if (namespaces := env.json(ENV_PREFIX + "NAMESPACES")) is not None:
+        if not isinstance(namespaces, dict) or not all(isinstance(v, str) for v in namespaces.values()):
+            raise ConfigError(f"{ENV_PREFIX}NAMESPACES must be a JSON object of strings")
+        listed = TenantSettings.with_keys(namespaces) if mode == KEYS else TenantSettings.open(namespaces)
+        if set(listed.keys) & set(keys):
+            raise ConfigError(f"a key is listed both in {ENV_PREFIX}NAMESPACES and in {ENV_PREFIX}API_KEYS_FILE")
+        keys.update(listed.keys)
+    return TenantSettings(mode=mode, keys=keys)

@@ -24,7 +24,7 @@ from gateway.planner import REUSE_MODES, Planned
 from gateway.protocol import parse_completion_body
 from gateway.response_cache import NOT_LOOKED_UP, Answer, Asked, Found, asked, recorded, replay_stream
 from gateway.services import Services
-from gateway.tenancy import cache_scope, namespace_for
+from gateway.tenancy import Caller, cache_scope
 from gateway.workers import Worker
 from plan import MISS, SELECTORS, ImagePlan, RequestPlan
 from plan.outcome import PLANNED
@@ -49,11 +49,9 @@ def _services(request: Request) -> Services:
     return request.app.state.services
 
 
-def _namespace(request: Request, services: Services) -> str:
-    """The cache namespace of the caller's API key."""
-    config = services.config
-    return namespace_for(request.headers.get("authorization"), mapping=config.namespaces,
-                         default=config.default_namespace)
+def _caller(request: Request, services: Services) -> Caller:
+    """Who calls, from their API key (refused with a 401 in keys mode when unknown): before anything is read."""
+    return services.tenants.identify(request.headers.get("authorization"))
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -103,8 +101,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def chat_completions(request: Request) -> Any:
     services = _services(request)
     config = services.config
+    namespace = _caller(request, services).namespace
     raw = await _read_body(request, config.max_request_bytes)
-    namespace = _namespace(request, services)
     strategy = _requested_strategy(request, config.reuse.match)
     mode = _requested_mode(request)
     wanted = _requested_response_level(request)
@@ -184,8 +182,8 @@ async def completions(request: Request) -> Any:
     """Text completions: no images, so no plan; the same dispatch, errors, tenant scoping and metrics as chat."""
     services = _services(request)
     config = services.config
+    namespace = _caller(request, services).namespace
     raw = await _read_body(request, config.max_request_bytes)
-    namespace = _namespace(request, services)
     body, params = await off_loop(len(raw), parse_completion_body, raw, config.vocab_size)
     if params.model != config.model:
         raise ModelNotFound(params.model)
@@ -320,12 +318,15 @@ def _model_card(services: Services) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(_services(request))]}
+    services = _services(request)
+    _caller(request, services)
+    return {"object": "list", "data": [_model_card(services)]}
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, request: Request) -> dict[str, Any]:
     services = _services(request)
+    _caller(request, services)
     if model != services.config.model:
         raise ModelNotFound(model)
     return _model_card(services)

@@ -12,7 +12,7 @@ import pytest
 
 from bundled import ORACLE, QWEN2_5_VL, build_model
 from bundled.reader.questions import FIELD, QUESTION_KINDS
-from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings
+from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings, TenantSettings
 from offline.reader_eval import (
     CHANGED,
     UNCHANGED,
@@ -45,7 +45,7 @@ def reader_gateway(tmp_path_factory):
         worker.wait_ready(WORKER_READY_TIMEOUT_S)
         config = GatewayConfig(model=ORACLE_ID, workers=(worker.url,), processor=ProcessorSettings.from_model_dir(path),
                                reuse=ReuseSettings.for_model(path, store=StoreConfig.from_env(env)),
-                               health_interval_s=0.5)
+                               health_interval_s=0.5, tenants=TenantSettings.open())
         server = run_gateway(config)
         yield server
     finally:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import GatewayConfig, PolicySettings
+from gateway.config import GatewayConfig, PolicySettings, TenantSettings
 from gateway.policy import PresetPriors, Region, Tier
 from tests.conftest import GatewayServer, run_gateway
 
@@ -28,6 +28,7 @@ def config(**overrides) -> GatewayConfig:
         "workers": (DOWN_WORKER,),
         "health_interval_s": 30.0,
         "policy": PolicySettings(dram_capacity_bytes=100, lmdb_capacity_bytes=1000, preset_fraction=0.2),
+        "tenants": TenantSettings.open(),
         **overrides,
     }
     return GatewayConfig(**settings)

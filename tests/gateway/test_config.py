@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from gateway.config import ConfigError, GatewayConfig, ProcessorSettings
+from gateway.config import ConfigError, GatewayConfig, ProcessorSettings, TenantSettings
 
 
 def test_from_env_reads_prefixed_variables(tmp_path):
@@ -14,6 +14,7 @@ def test_from_env_reads_prefixed_variables(tmp_path):
             "REVISIT_MODEL": "m",
             "REVISIT_WORKERS": "http://a:1/, http://b:2",
             "REVISIT_MODEL_DIR": str(tmp_path),
+            "REVISIT_AUTH": "open",
             "REVISIT_NAMESPACES": '{"k1": "team"}',
             "REVISIT_ALLOW_PRIVATE_IMAGE_URLS": "1",
             "REVISIT_MAX_IMAGES_PER_REQUEST": "3",
@@ -22,7 +23,7 @@ def test_from_env_reads_prefixed_variables(tmp_path):
     )
     assert config.workers == ("http://a:1", "http://b:2")
     assert config.processor == ProcessorSettings(patch_size=16, merge_size=2, min_pixels=1024, max_pixels=65536)
-    assert config.namespaces == {"k1": "team"}
+    assert config.tenants == TenantSettings.open({"k1": "team"})
     assert config.images.allow_private_urls and config.images.max_images_per_request == 3
     assert config.health_timeout_s == 2.5
 

@@ -1,23 +1,40 @@
 import dataclasses
 
-from gateway.tenancy import namespace_for
+import pytest
+
+from gateway.config import TenantSettings, key_digest
+from gateway.tenancy import InvalidApiKey, Tenants
+
+ALICE, BOB = "sk-alice-0123456789", "sk-bob-0123456789ab"
 
 
-def test_no_key_uses_the_default_namespace():
-    assert namespace_for(None, mapping={}, default="default") == "default"
+def test_open_mode_without_a_key_uses_the_default_namespace():
+    assert Tenants(TenantSettings.open()).identify(None).namespace == "default"
 
 
-def test_each_key_gets_its_own_namespace_and_the_key_never_shows():
-    a = namespace_for("Bearer sk-alice", mapping={}, default="d")
-    b = namespace_for("Bearer sk-bob", mapping={}, default="d")
-    assert a != b and "sk-alice" not in a
-    assert namespace_for("Bearer sk-alice", mapping={}, default="d") == a
+def test_open_mode_gives_each_key_its_own_namespace_and_the_key_never_shows():
+    tenants = Tenants(TenantSettings.open())
+    a, b = tenants.identify(f"Bearer {ALICE}"), tenants.identify(f"Bearer {BOB}")
+    assert a.namespace != b.namespace and ALICE not in a.namespace and ALICE not in a.key_id
+    assert tenants.identify(f"Bearer {ALICE}") == a
+    assert a.namespace == "key-" + key_digest(ALICE)[:24]  # as earlier versions named it: stored entries still match
 
 
 def test_operator_mapping_shares_a_namespace():
-    mapping = {"sk-alice": "team", "sk-bob": "team"}
-    assert namespace_for("Bearer sk-alice", mapping=mapping, default="d") == "team"
-    assert namespace_for("Bearer sk-bob", mapping=mapping, default="d") == "team"
+    for settings in (TenantSettings.open({ALICE: "team", BOB: "team"}),
+                     TenantSettings.with_keys({ALICE: "team", BOB: "team"})):
+        tenants = Tenants(settings)
+        assert tenants.identify(f"Bearer {ALICE}").namespace == tenants.identify(f"Bearer {BOB}").namespace == "team"
+        assert tenants.identify(f"Bearer {ALICE}").key_id != tenants.identify(f"Bearer {BOB}").key_id
+
+
+@pytest.mark.parametrize("authorization", [None, "", "Bearer ", "Bearer EMPTY", "Bearer sk-unknown-0123456789",
+                                           f"Bearer {ALICE}x", f"Basic {ALICE}"])
+def test_keys_mode_refuses_any_key_it_does_not_list(authorization):
+    with pytest.raises(InvalidApiKey) as refused:
+        Tenants(TenantSettings.with_keys({ALICE: "team"})).identify(authorization)
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    assert ALICE not in refused.value.message
 
 
 def test_every_request_with_images_carries_its_namespace_scope_to_the_worker():

@@ -42,7 +42,8 @@ def test_it_tells_an_edit_from_a_reencode(encoder) -> None:
 
 
 def test_the_encoder_extractor_needs_a_model_folder(model_path) -> None:
-    env = {"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://w", "REVISIT_MATCH_EXTRACTOR": "encoder"}
+    env = {"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://w", "REVISIT_MATCH_EXTRACTOR": "encoder",
+           "REVISIT_AUTH": "open"}
     with pytest.raises(ConfigError, match="model folder"):
         GatewayConfig.from_env(env)
     config = GatewayConfig.from_env({**env, "REVISIT_MODEL_DIR": str(model_path)})

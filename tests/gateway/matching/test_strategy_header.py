@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.config import GatewayConfig, MatchSettings, ReuseSettings
+from gateway.config import GatewayConfig, MatchSettings, ReuseSettings, TenantSettings
 from tests.conftest import run_gateway
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -16,7 +16,8 @@ def post(url: str, strategy: str) -> httpx.Response:
 
 def gateway(allow: bool):
     reuse = ReuseSettings(enabled=False, match=MatchSettings(allow_strategy_header=allow))
-    return run_gateway(GatewayConfig(model="m", workers=("http://127.0.0.1:9",), health_interval_s=30.0, reuse=reuse))
+    return run_gateway(GatewayConfig(model="m", workers=("http://127.0.0.1:9",), health_interval_s=30.0, reuse=reuse,
+                                     tenants=TenantSettings.open()))
 
 
 def test_the_header_is_refused_unless_allowed() -> None:
