@@ -28,11 +28,42 @@ class BlockedAddress(httpx.ConnectError):
     """The URL's host resolves to an address the gateway may not reach."""
 
 
+# Ranges refused on top of what ``ipaddress`` calls non-global. Some of them it already counts as private or
+# reserved on Python 3.11; they are named here anyway, so that the guard does not change with the library's tables
+# (whose ``is_global`` has changed between patch releases).
+_NON_PUBLIC_V4 = tuple(ipaddress.IPv4Network(n) for n in (
+    "0.0.0.0/8",  # "this network"
+    "100.64.0.0/10",  # shared address space (carrier-grade NAT): internal hosts, and not private to ipaddress
+    "192.0.0.0/24",  # IETF protocol assignments (is_global exempts a few of them)
+    "192.88.99.0/24",  # the deprecated 6to4 relay anycast: a way into 2002::/16
+    "198.18.0.0/15",  # benchmarking
+    "240.0.0.0/4",  # reserved, and the broadcast address 255.255.255.255 in it
+))
+# IPv6 ranges that carry (or translate to) an IPv4 address, refused whole rather than judged by the embedded one:
+# a fetch through them reaches whatever IPv4 host the network's relay or translator sends it to.
+_NON_PUBLIC_V6 = tuple(ipaddress.IPv6Network(n) for n in (
+    "::/96",  # IPv4-compatible ::a.b.c.d (deprecated), with :: and ::1
+    "64:ff9b::/96",  # NAT64, the well-known prefix
+    "64:ff9b:1::/48",  # NAT64, local-use prefixes
+    "2001::/32",  # Teredo
+    "2002::/16",  # 6to4
+    "fc00::/7",  # unique local
+    "fec0::/10",  # site local (deprecated)
+))
+
+
 def is_public_address(address: str) -> bool:
+    """Whether an image or video URL may be fetched from ``address``: a globally routable unicast address that no
+    relay or translator maps to another (an IPv4-mapped IPv6 address is judged as its IPv4 address)."""
     ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not (
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return is_public_address(str(ip.ipv4_mapped))
+        if ip.sixtofour is not None or ip.teredo is not None or any(ip in net for net in _NON_PUBLIC_V6):
+            return False
+    elif any(ip in net for net in _NON_PUBLIC_V4):
+        return False
+    return ip.is_global and not (
         ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
         or ip.is_reserved or ip.is_unspecified
     )

@@ -25,7 +25,9 @@ CLIENT_LEFT = 499  # the status counted for a request whose client left before i
 
 
 class PolicyCollector(Collector):
-    """Turns :meth:`CachePolicy.stats` into metric families; the same figures as GET /admin/stats."""
+    """Turns :meth:`CachePolicy.stats` into metric families; the same figures as GET /admin/stats. /metrics is open
+    by default and runs on the cache thread: a scrape reads the policy's running totals and counters, never its
+    entries, so it costs the same at any number of them (tests/security/test_metrics_cost.py)."""
 
     def __init__(self, policy: CachePolicy):
         self._policy = policy
@@ -78,13 +80,14 @@ class PlannerCollector(Collector):
         self._planner = planner
 
     def collect(self) -> Iterator[Metric]:
+        stats = planner_stats(self._planner)
         plans = CounterMetricFamily("revisit_plans", "Images planned, by kind (miss, exact_same_prefix, exact_moved, "
                                     "approximate), and lookups that were near misses or guard fallbacks.",
                                     labels=["kind"])
-        for kind, count in sorted(planner_stats(self._planner)["plans"].items()):
+        for kind, count in sorted(stats["plans"].items()):
             plans.add_metric([kind], count)
         yield plans
-        matching = planner_stats(self._planner)["matching"]
+        matching = stats["matching"]
         yield GaugeMetricFamily("revisit_match_index_entries", "Images in the approximate-match index.",
                                 value=matching["indexed"])
 

@@ -17,7 +17,10 @@ Per image, ``ran`` is one of
     unplanned     the worker ran the request without a plan (a damaged or foreign one, or images that did not fit)
 
 Files are a few hundred bytes, written atomically (a temporary name, then a rename); a gateway that died before
-taking its outcomes leaves them to ``sweep``.
+taking its outcomes leaves them to ``sweep``. Like the DRAM tier's, the folder is this user's alone (0700, files
+0600; gateway and workers run as one user): an existing one that is a symbolic link, another user's, or writable by
+group or others is refused (a worker's ``put`` raises PermissionError, the gateway's ``take`` finds nothing), and
+one of ours that others may read (earlier versions made it 0755) is tightened.
 
 Across hosts (a gateway in front of workers on other hosts) the folder cannot be shared: ``SharedOutcomeBox`` keeps
 the same records in a Redis or Valkey server instead (``REVISIT_STORE_OUTCOMES_URL``, the server of the gateways'
@@ -30,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +54,7 @@ CAUSES = {
     "plan_mismatch": "the plan did not fit the request's images",
 }
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+FOLDER_MODE, FILE_MODE = 0o700, 0o600  # the box's folder and files: this user only
 
 # The other thing workers report: when their model's last forward started and ended (Unix seconds), as gauges on
 # their /metrics (engine_ext.executor.events.ForwardClock), which the gateway reads to tell busy from hung.
@@ -77,16 +82,20 @@ class OutcomeBox:
 
     def put(self, request_id: str, outcomes: dict[int, Outcome]) -> None:
         """Per image index, what ran; replaces what an earlier chunk of the same request wrote."""
-        self.path.mkdir(parents=True, exist_ok=True)
         target = self.path / _name(request_id)
+        _private_folder(self.path, create=True)
         temporary = self.path / f".{target.name}.{os.getpid()}"
-        temporary.write_text(json.dumps({str(i): [o.ran, o.cause] for i, o in sorted(outcomes.items())}))
+        body = json.dumps({str(i): [o.ran, o.cause] for i, o in sorted(outcomes.items())}).encode()
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+        with open(fd, "wb", closefd=True) as f:
+            f.write(body)
         os.replace(temporary, target)
 
     def take(self, request_id: str) -> dict[int, Outcome] | None:
         """What the worker wrote for the request, removed; None when it wrote nothing (or something unreadable)."""
         target = self.path / _name(request_id)
         try:
+            _private_folder(self.path, create=False)
             text = target.read_text()
             target.unlink()
             return {int(i): Outcome(ran, cause) for i, (ran, cause) in json.loads(text).items()}
@@ -97,6 +106,7 @@ class OutcomeBox:
         """Remove outcomes nobody took (their gateway died); returns how many."""
         removed, now = 0, time.time()
         try:
+            _private_folder(self.path, create=False)
             children = list(self.path.iterdir())
         except OSError:
             return 0
@@ -148,6 +158,40 @@ Outcomes = OutcomeBox | SharedOutcomeBox  # either box: the same interface
 def outcome_box(outcomes_path: Path, outcomes_url: str = "", *, name: str = "default") -> Outcomes:
     """The box the store settings name: a Redis server when ``outcomes_url`` is set, else the host's folder."""
     return SharedOutcomeBox(outcomes_url, name=name) if outcomes_url else OutcomeBox(outcomes_path)
+
+
+def _private_folder(path: Path, *, create: bool) -> None:
+    """Create the box's folder 0700 (``create``; missing parents as the umask says) or check the one there: raises
+    PermissionError for a symbolic link, something not a folder, a folder of another user's or one that group or
+    others may write to; tightens one of ours that others may read to 0700 and its files to 0600. Without
+    ``create`` a missing folder raises FileNotFoundError."""
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, FOLDER_MODE)
+            os.chmod(path, FOLDER_MODE)  # mkdir's mode is under the umask
+            return
+        except FileExistsError:
+            pass
+    st = os.lstat(path)
+    fix = "remove it, or point the store at another path, and start again: it is then created, mode 0700"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"the outcomes folder {path} is a symbolic link or not a folder: {fix}")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"the outcomes folder {path} is owned by uid {st.st_uid}, not by this process's uid "
+                              f"{os.geteuid()}: {fix}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"the outcomes folder {path} is writable by group or others (mode "
+                              f"{stat.S_IMODE(st.st_mode):o}): {fix}")
+    if st.st_mode & 0o077:
+        os.chmod(path, FOLDER_MODE)
+        for child in path.iterdir():
+            try:
+                held = child.lstat()
+                if stat.S_ISREG(held.st_mode) and held.st_uid == os.geteuid() and held.st_mode & 0o077:
+                    os.chmod(child, FILE_MODE)
+            except FileNotFoundError:
+                continue  # taken meanwhile
 
 
 def _name(request_id: str) -> str:

@@ -26,7 +26,7 @@ import lmdb
 
 from store.base import validate_key
 from store.errors import StoreClosedError, StoreError
-from store.lmdb_tier import grown_map_size
+from store.lmdb_tier import FOLDER_MODE, grown_map_size, private_lmdb_folder
 
 T = TypeVar("T")
 INDEX_DB, TOKENS_DB = b"index", b"tokens"
@@ -40,8 +40,9 @@ class FeatureStore:
         self._lock = threading.Lock()
         self._closed = False
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._env = lmdb.open(str(self.path), map_size=map_size, max_dbs=2, sync=sync, subdir=True)
+            private_lmdb_folder(self.path)  # the features are close to a thumbnail of every image
+            self._env = lmdb.open(str(self.path), map_size=map_size, max_dbs=2, sync=sync, subdir=True,
+                                  mode=FOLDER_MODE)
             self._index = self._env.open_db(INDEX_DB)
             self._tokens = self._env.open_db(TOKENS_DB)
         except (OSError, lmdb.Error) as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +18,33 @@ T = TypeVar("T")
 
 ENTRIES_DB = b"entries"  # key (64 hex chars, ascii) -> entry bytes
 PINS_DB = b"pins"  # key -> b"" while the entry is pinned
+FOLDER_MODE = 0o700  # lmdb.open's mode: the folder's; its data and lock files get it less the execute bits (0600)
+
+
+def private_lmdb_folder(path: Path) -> None:
+    """Make ``path`` the folder of an LMDB environment only this user can read: created 0700 (missing parents as the
+    umask says; open the environment with ``mode=FOLDER_MODE`` so its files are 0600). An existing one of this user's
+    that others may read (earlier versions made it 0755, its files 0644) is tightened likewise; a symbolic link is
+    followed (a folder put on another disk), and one of another user's is left as its owner made it. Raises
+    OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, FOLDER_MODE)
+        os.chmod(path, FOLDER_MODE)  # mkdir's mode is under the umask
+        return
+    except FileExistsError:
+        pass
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or not st.st_mode & 0o077:
+        return  # not a folder (lmdb.open says so), another user's, or private already
+    os.chmod(path, FOLDER_MODE)
+    for name in ("data.mdb", "lock.mdb"):
+        try:
+            file = os.lstat(path / name)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(file.st_mode) and file.st_uid == os.geteuid() and file.st_mode & 0o077:
+            os.chmod(path / name, 0o600)  # what lmdb.open(mode=FOLDER_MODE) makes them
 
 
 def grown_map_size(current: int, needed: int, *, factor: float, maximum: int, path: Path) -> int:
@@ -55,9 +84,9 @@ class LmdbTier(BufferTier):
         self._growth_factor = growth_factor
         self._grow_wait_s = grow_wait_s
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            private_lmdb_folder(self.path)
             self._env = lmdb.open(str(self.path), map_size=map_size, max_dbs=2, max_readers=max_readers,
-                                  readahead=True, sync=sync, subdir=True)
+                                  readahead=True, sync=sync, subdir=True, mode=FOLDER_MODE)
             self._entries = self._env.open_db(ENTRIES_DB)
             self._pins = self._env.open_db(PINS_DB)
         except (OSError, lmdb.Error) as exc:

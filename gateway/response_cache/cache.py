@@ -212,7 +212,7 @@ class ResponseCache:
         if top < 1 or self.embedder is None:
             return Found(MISS)
         started = time.perf_counter()
-        embedding = await self._embed(asked.question, wait=False)
+        embedding = await self._embed(asked.namespace, asked.question, wait=False)
         if embedding is None:  # no embedder, or not loaded yet: a request never waits for it
             return Found(MISS)
         salient = Salient.of(asked.question)
@@ -278,14 +278,15 @@ class ResponseCache:
         return Found(SIMILAR, found.entry, similarity=found.similarity, image_similarity=min(similarities),
                      reason=found.reason) if found.hit else Found(SIMILAR, reason=found.reason)
 
-    async def _embed(self, question: str, *, wait: bool = True) -> np.ndarray | None:
-        """The question's embedding; None without an embedder, while it loads unless ``wait``, or when it failed
-        (logged: the paraphrase and similar levels then miss, and answers are kept for the exact level alone)."""
+    async def _embed(self, namespace: str, question: str, *, wait: bool = True) -> np.ndarray | None:
+        """The question's embedding, remembered for ``namespace`` only (a question another namespace asked is no
+        faster: embedder.py); None without an embedder, while it loads unless ``wait``, or when it failed (logged:
+        the paraphrase and similar levels then miss, and answers are kept for the exact level alone)."""
         if self.embedder is None or self.embedder.state == "failed" or \
                 (not wait and self.embedder.state != "ready"):
             return None
         try:
-            return await self.embedder.embed(question)
+            return await self.embedder.embed(question, namespace=namespace)
         except Exception:
             log.exception("response cache: the sentence embedder failed")
             return None
@@ -329,7 +330,7 @@ class ResponseCache:
         if not asked.cacheable:
             return None
         if embedding is None:
-            embedding = await self._embed(asked.question, wait=False)
+            embedding = await self._embed(asked.namespace, asked.question, wait=False)
         answer_bytes = len(orjson.dumps(answer.message)) + len(orjson.dumps(answer.usage))
         size = answer_bytes + 2 * len(asked.question) + (embedding.nbytes if embedding is not None else 0) + \
             _ENTRY_OVERHEAD
@@ -366,7 +367,7 @@ class ResponseCache:
         at the exact level meanwhile)."""
 
         async def fill() -> None:
-            vector = await self._embed(entry.question)
+            vector = await self._embed(entry.namespace, entry.question)
             if vector is not None and self._entries.get(entry.id) is entry and entry.embedding is None:
                 entry.embedding = vector
                 entry.size += vector.nbytes

@@ -12,13 +12,17 @@ whose semaphores outlive a killed worker in /dev/shm.
 Encoding runs on a thread of its own, one batch at a time, never on the event loop: measured here (2 cores), 17 to
 36 ms for one new question (bench/response_cache.py). Loading takes seconds, so it starts with the gateway
 (``start``); until it is ready, lookups skip the levels that need it (a request never waits for it). Embeddings
-are unit vectors (cosine = dot product), remembered per question text (``memo`` of them).
+are unit vectors (cosine = dot product), remembered per namespace and question text (``memo`` of them, least
+recently used first out, counted across namespaces). The memo is keyed by the namespace as well as the text so that
+one tenant's questions never make another's faster: shared, a memo hit (microseconds) against a miss (tens of
+milliseconds) would tell a tenant timing its own requests whether another tenant had asked the same question.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import os
@@ -49,7 +53,8 @@ class TextEmbedder:
         self.path = path if path is not None else default_model_path()
         if not (self.path / "config.json").is_file():
             raise ConfigError(f"no sentence-transformers model in {self.path} (config.json is missing)")
-        self._memo: OrderedDict[str, np.ndarray] = OrderedDict()
+        # (namespace, question text) -> unit embedding, least recently used first; one bound over all namespaces
+        self._memo: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
         self._memo_size = memo
         self._lock = threading.Lock()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revisit-embedder")
@@ -59,6 +64,7 @@ class TextEmbedder:
         self._max_tokens = 256
         self._loading: concurrent.futures.Future[Any] | None = None
         self.dimensions: int | None = None
+        self.computed = 0  # texts the model has embedded (memo misses), for tests and benches; read only
 
     def start(self) -> concurrent.futures.Future[Any]:
         """Begin loading the model on the embedder's thread (idempotent)."""
@@ -90,6 +96,7 @@ class TextEmbedder:
 
     def _forward(self, texts: list[str]) -> np.ndarray:
         """Unit mean-pooled embeddings, (len(texts), dimensions) float32."""
+        self.computed += len(texts)
         torch = self._torch
         batch = self._tokenizer(texts, padding=True, truncation=True, max_length=self._max_tokens,
                                 return_tensors="pt")
@@ -109,38 +116,47 @@ class TextEmbedder:
             return "loading"
         return "failed" if loading.exception() is not None else "ready"
 
-    def encode(self, texts: list[str]) -> np.ndarray:
-        """Unit embeddings, (len(texts), dimensions) float32; blocking (call on a thread, see ``embed``)."""
+    def encode(self, texts: list[str], *, namespace: str | None = None) -> np.ndarray:
+        """Unit embeddings, (len(texts), dimensions) float32; blocking (call on a thread, see ``embed``).
+
+        Remembered in ``namespace``'s part of the memo, and looked up there only; with no namespace, computed
+        without the memo (neither read nor written)."""
         self.start().result()
+        if namespace is None:
+            return np.concatenate([self._forward(texts[at:at + 32]) for at in range(0, len(texts), 32)])
         with self._lock:
-            missing = [t for t in dict.fromkeys(texts) if t not in self._memo]
+            missing = [t for t in dict.fromkeys(texts) if (namespace, t) not in self._memo]
         if missing:
             vectors = np.concatenate([self._forward(missing[at:at + 32]) for at in range(0, len(missing), 32)])
             with self._lock:
                 for text, vector in zip(missing, vectors, strict=True):
-                    self._memo[text] = vector
+                    self._memo[(namespace, text)] = vector
                 while len(self._memo) > self._memo_size:
                     self._memo.popitem(last=False)
         with self._lock:
             out = []
             for text in texts:
-                vector = self._memo.get(text)
+                vector = self._memo.get((namespace, text))
                 if vector is None:  # evicted since: only with more distinct texts in one call than the memo holds
                     vector = self._forward([text])[0]
                 else:
-                    self._memo.move_to_end(text)
+                    self._memo.move_to_end((namespace, text))
                 out.append(vector)
         return np.stack(out)
 
-    async def embed(self, text: str) -> np.ndarray:
-        """One question's unit embedding, computed on the embedder's thread."""
+    async def embed(self, text: str, *, namespace: str) -> np.ndarray:
+        """One question's unit embedding in ``namespace`` (the asking tenant's: the memo is per namespace),
+        computed on the embedder's thread."""
         with self._lock:
-            known = self._memo.get(text)
+            known = self._memo.get((namespace, text))
+            if known is not None:
+                self._memo.move_to_end((namespace, text))
         if known is not None:
             return known
         self.start()  # queued ahead of the encode on the one thread (encode waits for the load)
         loop = asyncio.get_running_loop()
-        return (await loop.run_in_executor(self._thread, self.encode, [text]))[0]
+        return (await loop.run_in_executor(self._thread, functools.partial(self.encode, [text],
+                                                                           namespace=namespace)))[0]
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
