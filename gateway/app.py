@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from gateway.admission import AdmissionMiddleware
 from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
 from gateway.metrics import RequestTimer
@@ -29,6 +30,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="revisit gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(AdmissionMiddleware)  # who calls, and how much they have in flight (gateway/admission.py)
     app.add_middleware(RequestTimer)  # revisit_requests_total and the latency histograms (gateway/metrics.py)
     app.include_router(openai_api.router)
     app.include_router(health.router)

@@ -144,7 +144,13 @@ class ImageFetcher:
         if url.startswith(_DATA_PREFIX):
             return await off_loop(len(url), self._decode_data_url, url, param, media, limit)
         if url.startswith(("http://", "https://")):
-            return await self._fetch_remote(url, param, media, limit)
+            try:
+                async with asyncio.timeout(self._limits.fetch_deadline_s):  # a server that drips a byte at a time
+                    return await self._fetch_remote(url, param, media, limit)
+            except TimeoutError:
+                raise InvalidRequest(f"{param}: fetching the {media} took longer than "
+                                     f"{self._limits.fetch_deadline_s:g} s", param=param,
+                                     code=f"{media}_fetch_timeout") from None
         scheme = url.split(":", 1)[0] if ":" in url else url[:16]
         raise InvalidRequest(
             f"{param}.url must be a data: URL or an http(s) URL, not {scheme!r}", param=f"{param}.url"

@@ -16,6 +16,7 @@ import io
 import math
 import struct
 from dataclasses import dataclass
+from typing import cast
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -34,6 +35,7 @@ MAX_ASPECT_RATIO = 200  # the Qwen-VL processors refuse more elongated images
 KEY_VERSION = b"revisit-image-key-v1"
 _EXIF_ORIENTATION = 0x0112
 _FORWARDED_AS_IS = {"PNG": "image/png", "JPEG": "image/jpeg"}  # single-frame formats only
+_KEY_STRIP_BYTES = 2 << 20  # pixels hashed per strip by content_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +98,8 @@ def token_grid(height: int, width: int, processor: ProcessorSettings) -> TokenGr
     return TokenGrid(rows=h_bar // processor.factor, cols=w_bar // processor.factor)
 
 
-def _open_checked(data: bytes, limits: ImageLimits) -> Image.Image:
+def _open_header(data: bytes, limits: ImageLimits) -> Image.Image:
+    """The image with its header read and checked (format, size, the per-image pixel cap); no pixel decoded."""
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:
@@ -118,6 +121,19 @@ def _open_checked(data: bytes, limits: ImageLimits) -> Image.Image:
             f"image is {width}x{height} = {width * height} pixels; the limit is {limits.max_image_pixels}",
             code="image_too_large",
         )
+    return image
+
+
+def image_size(data: bytes, limits: ImageLimits) -> tuple[int, int]:
+    """(width, height) from the image's header, checked as :func:`canonicalize` checks it, without decoding a pixel
+    (Pillow reads the header only): what a request's pixel budget is counted from. Cheap, but it parses the header
+    (a PNG's compressed text chunks, a JPEG's markers): off the event loop for large data."""
+    size: tuple[int, int] = _open_header(data, limits).size
+    return size
+
+
+def _open_checked(data: bytes, limits: ImageLimits) -> Image.Image:
+    image = _open_header(data, limits)
     try:
         image.load()  # decode now, under the cap, so truncation surfaces here
     except Image.DecompressionBombError as exc:
@@ -131,7 +147,10 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "RGB":
         return image
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")  # (converting to its own mode copies it)
+        bands = cast(tuple[tuple[int, int], ...], rgba.getextrema())  # one (min, max) per band
+        if bands[3] == (255, 255):  # opaque (many screenshots): compositing would give these very pixels
+            return rgba.convert("RGB")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         background.alpha_composite(rgba)
         return background.convert("RGB")
@@ -147,7 +166,11 @@ def content_key(rgb: Image.Image, *, model: str, namespace: str, processor: Proc
         f"{rgb.width}x{rgb.height}\0"
     )
     digest.update(KEY_VERSION + b"\0" + header.encode())
-    digest.update(rgb.tobytes())
+    # rgb.tobytes(), in strips: the same bytes without a second copy of the image (120 MB for 40 Mpx) at once.
+    width, height = rgb.size
+    rows = max(1, _KEY_STRIP_BYTES // (3 * width))
+    for top in range(0, height, rows):
+        digest.update(rgb.crop((0, top, width, min(height, top + rows))).tobytes())
     return digest.hexdigest()
 
 
@@ -168,17 +191,18 @@ def canonicalize(
     alpha, palette, CMYK, another format) is re-encoded as a lossless PNG of the keyed pixels.
     """
     image = _open_checked(data, limits)
-    source_format = image.format
+    source_format, source_mode = image.format, image.mode
     try:  # metadata (EXIF) and mode conversions read more of the file, which may be damaged there too
         rotated = image.getexif().get(_EXIF_ORIENTATION, 1) not in (0, 1)
         oriented = ImageOps.exif_transpose(image) if rotated else image
         rgb = _to_rgb(oriented)
     except _DECODE_ERRORS as exc:
         raise UnprocessableImage(f"image data is corrupt: {exc}", code="invalid_image") from exc
+    del image, oriented  # the decoded source, when it was converted: up to 160 MB that need not stay
     grid = token_grid(rgb.height, rgb.width, processor)
     key = content_key(rgb, model=model, namespace=namespace, processor=processor)
     forwarded_mime = _FORWARDED_AS_IS.get(source_format or "")
-    as_uploaded = forwarded_mime is not None and image.mode == "RGB" and not rotated
+    as_uploaded = forwarded_mime is not None and source_mode == "RGB" and not rotated
     if forwarded_mime is not None and as_uploaded:
         payload, mime = data, forwarded_mime
     else:

@@ -4,22 +4,55 @@ The loop serves every request and every relayed stream at once, so nothing on it
 milliseconds. Work whose cost grows with the input (JSON and base64 of request bodies up to 64 MiB, image
 decoding, hashing) runs on a thread once the input is large enough for that to matter; below the threshold the
 thread hop would cost more than the work. Store and policy work has a thread of its own (gateway/cache.py).
+
+Within :func:`lane` (what intake opens around one request), that thread is one of a :class:`gateway.pools.FairPool`
+and the work waits in the caller's turn: one caller's many large images or bodies hold up only itself. Elsewhere
+it is asyncio's default executor.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TypeVar
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from gateway.pools import FairPool
 
 T = TypeVar("T")
 
 # Inputs above this many bytes are handled on a thread: ~0.1-1 ms of JSON, base64 or hashing.
 OFF_LOOP_BYTES = 256 * 1024
 
+# The pool and caller that thread work of the current task goes to (see lane).
+_LANE: contextvars.ContextVar[tuple[FairPool, str] | None] = contextvars.ContextVar("revisit_offload_lane",
+                                                                                     default=None)
+
+
+@contextlib.contextmanager
+def lane(pool: FairPool, caller: str) -> Iterator[None]:
+    """Within it, :func:`on_thread` and :func:`off_loop` (of this task, and of the tasks it starts) run their work
+    on ``pool`` in ``caller``'s turn."""
+    token = _LANE.set((pool, caller))
+    try:
+        yield
+    finally:
+        _LANE.reset(token)
+
+
+async def on_thread(work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``work(*args, **kwargs)`` on a thread: the lane's pool in the caller's turn, else the default executor."""
+    current = _LANE.get()
+    if current is None:
+        return await asyncio.to_thread(work, *args, **kwargs)
+    pool, caller = current
+    return await pool.run(caller, work, *args, **kwargs)
+
 
 async def off_loop(size: int, work: Callable[..., T], /, *args: object) -> T:
-    """``work(*args)``, on a thread when ``size`` (the bytes it handles) exceeds OFF_LOOP_BYTES."""
+    """``work(*args)``, on a thread (:func:`on_thread`) when ``size`` (the bytes it handles) exceeds OFF_LOOP_BYTES."""
     if size > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(work, *args)
+        return await on_thread(work, *args)
     return work(*args)

@@ -1,7 +1,9 @@
 """The OpenAI chat-completions request, as far as the gateway needs to understand it.
 
-Top-level sampling parameters are validated with pydantic; the other fields the workers honour pass through to
-them untouched, and any other field is refused by name (:func:`check_fields`). Message contents are walked by hand
+The body's JSON is bounded in how many objects and arrays it holds and how deep they nest before anything else
+reads it (:func:`decode_json`). Top-level sampling parameters are validated with pydantic; the other fields the
+workers honour pass through to them untouched (grammars up to a size), and any other field is refused by name
+(:func:`check_fields`). Message contents are walked by hand
 (:func:`iter_content_parts`) because the gateway rewrites every image part and wants
 error messages that name the exact offending part.
 """
@@ -15,7 +17,7 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, PayloadTooLarge
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # A message's fields as SGLang reads them (ChatCompletionMessageUserParam for user messages, the generic one for the
@@ -37,6 +39,21 @@ VIDEO_URL_FIELDS = ("url",)
 PART_FIELDS = {"text": ("type", "text"), "image_url": ("type", "image_url", "uuid"), "video_url": ("type", "video_url")}
 MAX_UUID_CHARS = 256
 
+# --- the shape of a request body's JSON ---
+
+# The most objects and arrays a body may hold. Each costs ~60-100 bytes once parsed, so 16 MB of [{},{},...] took
+# ~500 MB and half a second of parsing (holding the GIL, so stalling the event loop); 100,000 is ~10 MB at most, and
+# far more than any real request holds (every message, part and image_url is one). Counted before parsing by the
+# brackets in the raw bytes, at C speed: brackets inside strings count too (base64 holds none; code or JSON pasted
+# into a message does), so the count can only err towards refusing.
+MAX_JSON_CONTAINERS = 100_000
+# The deepest nesting a body may have (the body itself is depth 1). A real request nests to ~6 (body > messages >
+# message > content > part > image_url), tools' JSON schemas to 10-20. orjson parses up to 1024 levels, but the
+# body is later encoded for the worker by orjson.dumps, which stops at 255 (that was a 500), and copied
+# and digested by gateway/intake.py (copy.deepcopy, json.dumps, both recursive): 32 keeps all of them safe. The
+# walk that checks it visits each value once, bounded by MAX_JSON_CONTAINERS and the body's size.
+MAX_JSON_DEPTH = 32
+
 
 # --- top-level request fields: honoured by the workers, owned by the gateway, or refused ---
 
@@ -48,8 +65,8 @@ _SGLANG_SAMPLING = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
     "seed", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "user",
     "min_tokens", "stop_token_ids", "stop_regex", "no_stop_trim", "ignore_eos", "skip_special_tokens", "regex",
-    "ebnf", "response_format", "lora_path", "session_id", "session_params", "priority", "cache_salt",
-    "custom_logit_processor", "custom_params", "watermark", "return_hidden_states", "return_routed_experts",
+    "ebnf", "response_format", "lora_path", "session_id", "session_params", "cache_salt", "watermark",
+    "return_hidden_states", "return_routed_experts",
     "routed_experts_start_len", "return_cached_tokens_details", "return_spec_tokens_details", "return_token_ids",
 })
 WORKER_FIELDS = {
@@ -70,6 +87,18 @@ GATEWAY_OWNED = frozenset({
     "min_dynamic_patch", "video_config", "use_audio_in_video", "bootstrap_host", "bootstrap_port", "bootstrap_room",
     "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank",
 })
+# Fields SGLang reads that reach past the client's own request into the shared workers, refused with the reason.
+REFUSED_FOR_SAFETY = {
+    "custom_logit_processor": "it is code the worker would deserialise and run (code execution in a worker every "
+                              "tenant shares)",
+    "custom_params": "it is read only by a custom_logit_processor, which is not accepted either",
+    "priority": "it would move the request ahead of other tenants' in the worker's queue; scheduling is the "
+                "operator's",
+}
+# Fields SGLang compiles into a grammar (regex, EBNF, JSON schema, structural tag), whose time and memory in the
+# worker grow with its size: each is limited to this many characters (its JSON encoding when not a string).
+GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema", "stop_regex", "response_format")
+MAX_GRAMMAR_CHARS = 16_384
 # OpenAI fields the workers do not honour, accepted only with the value that asks for nothing.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "store": (False, None), "service_tier": ("auto", "default", None), "modalities": (["text"], None),
@@ -87,12 +116,18 @@ INSTEAD = {
 
 
 def check_fields(body: dict[str, Any], endpoint: str) -> None:
-    """Refuse, naming it, the first top-level field of body the workers would not honour (see WORKER_FIELDS)."""
+    """Refuse, naming it, the first top-level field of body the workers would not honour (see WORKER_FIELDS), and
+    any grammar longer than MAX_GRAMMAR_CHARS."""
     honoured = WORKER_FIELDS[endpoint]
     for name, value in body.items():
         if name in GATEWAY_OWNED:
             raise InvalidRequest(f"{name} is set by the gateway, not by clients", param=name,
                                  code="unsupported_parameter")
+        if name in REFUSED_FOR_SAFETY:
+            raise InvalidRequest(f"{name} is not accepted through the gateway: {REFUSED_FOR_SAFETY[name]}",
+                                 param=name, code="unsupported_parameter")
+        if name in GRAMMAR_FIELDS and name in honoured and value is not None:
+            _check_grammar(name, value)
         if name in honoured:
             continue
         if name in NO_OP_VALUES and endpoint == "chat":
@@ -103,6 +138,14 @@ def check_fields(body: dict[str, Any], endpoint: str) -> None:
         hint = f" ({INSTEAD[name]})" if name in INSTEAD else ""
         raise InvalidRequest(f"{name} is not a parameter this server honours{hint}", param=name,
                              code="unsupported_parameter")
+
+
+def _check_grammar(name: str, value: Any) -> None:
+    size = len(value) if isinstance(value, str) else len(orjson.dumps(value).decode())
+    if size > MAX_GRAMMAR_CHARS:
+        what = "characters" if isinstance(value, str) else "characters of JSON"
+        raise InvalidRequest(f"{name} is {size} {what}; grammars are limited to {MAX_GRAMMAR_CHARS}", param=name,
+                             code="grammar_too_large")
 
 
 def json_preview(value: Any) -> str:
@@ -229,11 +272,37 @@ def _token_ids(prompt: str | list[str] | list[int] | list[list[int]]) -> list[in
                                            else [])]
 
 
-def _parse(raw: bytes, model: type[P]) -> tuple[dict[str, Any], P]:
+def decode_json(raw: bytes) -> Any:
+    """Parse a request body, within MAX_JSON_CONTAINERS objects and arrays and MAX_JSON_DEPTH levels."""
+    containers = raw.count(b"{") + raw.count(b"[")
+    if containers > MAX_JSON_CONTAINERS:
+        raise PayloadTooLarge(f"request body holds {containers} JSON objects and arrays (counting the brackets in "
+                              f"strings too); the limit is {MAX_JSON_CONTAINERS}", code="too_many_json_values")
     try:
         body = orjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
+        if "depth limit" in str(exc) or "recursion" in str(exc):  # orjson's own limit, 1024 levels
+            raise _too_deep() from exc
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    # Depth first with a stack of its own: recursing is what the limit is there to spare everything after.
+    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(body, 1)] if isinstance(body, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        for value in node.values() if type(node) is dict else node:
+            if type(value) is dict or type(value) is list:
+                stack.append((value, depth + 1))
+    return body
+
+
+def _too_deep() -> InvalidRequest:
+    return InvalidRequest(f"request body nests JSON objects and arrays more than {MAX_JSON_DEPTH} deep",
+                          code="json_too_deep")
+
+
+def _parse(raw: bytes, model: type[P]) -> tuple[dict[str, Any], P]:
+    body = decode_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:

@@ -319,8 +319,11 @@ class Load:
 
     async def _admin(self, record: Record, rng: random.Random) -> None:
         path, method, expect = rng.choice(ADMIN_CALLS)
-        with_token = expect != 401
-        response = await self._http.request(method, self.url + path, headers=ADMIN if with_token else {})
+        if path.startswith("/v1/"):  # an OpenAI route: a tenant's API key, not the admin token
+            headers = {"Authorization": f"Bearer {TENANTS[record.tenant]}"}
+        else:
+            headers = ADMIN if expect != 401 else {}
+        response = await self._http.request(method, self.url + path, headers=headers)
         record.detail = f"{method} {path}: {response.status_code}"
         if response.status_code != expect:
             record.outcome = "error" if response.status_code >= 500 else "unexpected"

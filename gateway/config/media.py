@@ -70,15 +70,20 @@ class ImageLimits:
     max_images_per_request: int = 16
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 40_000_000
-    fetch_timeout_s: float = 10.0
+    # Every image's width x height together, from the headers before any is decoded: what decoding and keying a
+    # request's images may cost (a few-colour PNG of 170 KB can hold 40 Mpx: seconds of CPU and ~800 MB to decode).
+    max_request_pixels: int = 64_000_000
+    fetch_timeout_s: float = 10.0  # the longest wait for the next byte of a fetched image or video
+    fetch_deadline_s: float = 30.0  # the longest a whole fetch may take, redirects included, however it drips
     max_redirects: int = 3
     allow_private_urls: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_images_per_request < 1 or self.max_image_bytes < 1 or self.max_image_pixels < 1:
+        if self.max_images_per_request < 1 or self.max_image_bytes < 1 or self.max_image_pixels < 1 \
+                or self.max_request_pixels < 1:
             raise ConfigError("image limits must be positive")
-        if self.fetch_timeout_s <= 0:
-            raise ConfigError("fetch_timeout_s must be positive")
+        if self.fetch_timeout_s <= 0 or self.fetch_deadline_s <= 0:
+            raise ConfigError("fetch_timeout_s and fetch_deadline_s must be positive")
 
 
 VIDEO_ENV_PREFIX = ENV_PREFIX + "VIDEO_"

@@ -31,7 +31,7 @@ from gateway.intake import IntakeResult
 from gateway.protocol import ImagePartRef, VideoPartRef, iter_media_parts
 
 # Top-level fields that do not change what the model answers, only how it is delivered or accounted.
-ANSWER_NEUTRAL = frozenset({"stream", "stream_options", "user", "priority", "store", "service_tier", "metadata",
+ANSWER_NEUTRAL = frozenset({"stream", "stream_options", "user", "store", "service_tier", "metadata",
                             "rid", "extra_key"})
 _WHITE = re.compile(r"\s+")
 # Why a request is not looked up or stored (the skipped counter's labels).

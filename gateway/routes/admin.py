@@ -156,7 +156,7 @@ async def stats(request: Request) -> dict:
     return {"object": "cache.stats", **await _on_cache_thread(
         request, lambda policy, cache: {**policy.stats().as_dict(), **planner_stats(planner),
                                         "books": books_status(policy)}),
-        "response_cache": responses}
+        "response_cache": responses, "admission": services.admission.stats()}
 
 
 def books_status(policy: CachePolicy) -> dict:

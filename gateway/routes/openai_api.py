@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import logging
@@ -17,14 +16,14 @@ from gateway.config import RESPONSE_CACHE_LEVELS, RESPONSE_CACHE_OFF, MatchSetti
 from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
-from gateway.metrics import CLIENT_LEFT, FRAMES_SEEN, RESPONSE_CACHED, reuse_label
-from gateway.offload import off_loop
+from gateway.metrics import FRAMES_SEEN, RESPONSE_CACHED, reuse_label
+from gateway.offload import lane, off_loop
 from gateway.openai_shape import CHAT, TEXT, Shape
 from gateway.planner import REUSE_MODES, Planned
 from gateway.protocol import parse_completion_body
 from gateway.response_cache import NOT_LOOKED_UP, Answer, Asked, Found, asked, recorded, replay_stream
 from gateway.services import Services
-from gateway.tenancy import Caller, cache_scope
+from gateway.tenancy import Caller
 from gateway.workers import Worker
 from plan import MISS, SELECTORS, ImagePlan, RequestPlan
 from plan.outcome import PLANNED
@@ -49,9 +48,9 @@ def _services(request: Request) -> Services:
     return request.app.state.services
 
 
-def _caller(request: Request, services: Services) -> Caller:
-    """Who calls, from their API key (refused with a 401 in keys mode when unknown): before anything is read."""
-    return services.tenants.identify(request.headers.get("authorization"))
+def _caller(request: Request) -> Caller:
+    """Who calls: identified from their API key, before anything was read, by gateway/admission.py."""
+    return request.state.caller
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -67,47 +66,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-class ClientLeft(Exception):
-    """The client disconnected before its answer was ready; the work for it was cancelled."""
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work``, cancelling it (and so its upstream request) if the client leaves: then ClientLeft."""
-    task = asyncio.ensure_future(work)
-    left = False
-
-    async def watch() -> None:
-        nonlocal left
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                left = True
-                task.cancel()
-                return
-
-    watcher = asyncio.create_task(watch())
-    try:
-        return await task
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if left and current is not None and not current.cancelling():  # not the gateway shutting down
-            raise ClientLeft from None
-        raise
-    finally:
-        watcher.cancel()
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
     services = _services(request)
     config = services.config
-    namespace = _caller(request, services).namespace
+    caller = _caller(request)
+    namespace = caller.namespace
     raw = await _read_body(request, config.max_request_bytes)
     strategy = _requested_strategy(request, config.reuse.match)
     mode = _requested_mode(request)
     wanted = _requested_response_level(request)
     level = config.responses.level_for(namespace, wanted)
-    intake = await services.intake.process(raw, namespace=namespace)
+    intake = await services.intake.process(raw, namespace=namespace, caller=caller.key_id)
     headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
     question, found = None, NOT_LOOKED_UP
     if services.responses is not None and level != RESPONSE_CACHE_OFF:
@@ -129,9 +99,9 @@ async def chat_completions(request: Request) -> Any:
     request.state.stream = intake.params.stream
     request_id = uuid.uuid4().hex
     public_id = f"chatcmpl-{request_id}"
-    plan = scoped_plan(planned.plan, intake, namespace)
-    body = upstream_body(intake.upstream_body, namespace=namespace,
-                         rid=plan.to_rid(request_id) if plan else public_id, kinds=planned.kinds)
+    plan = scoped_plan(planned.plan, intake, caller.scope)
+    body = upstream_body(intake.upstream_body, scope=caller.scope,
+                         rid=plan.to_rid(request_id, key=services.plan_key) if plan else public_id, kinds=planned.kinds)
     upstream = await UpstreamRequest.encode(body, size_hint=len(raw))
     def on_served(worker: Worker) -> None:
         services.planner.served(intake, worker.url)
@@ -182,9 +152,10 @@ async def completions(request: Request) -> Any:
     """Text completions: no images, so no plan; the same dispatch, errors, tenant scoping and metrics as chat."""
     services = _services(request)
     config = services.config
-    namespace = _caller(request, services).namespace
+    caller = _caller(request)
     raw = await _read_body(request, config.max_request_bytes)
-    body, params = await off_loop(len(raw), parse_completion_body, raw, config.vocab_size)
+    with lane(services.intake.pool, caller.key_id):  # a large body is parsed in the caller's turn
+        body, params = await off_loop(len(raw), parse_completion_body, raw, config.vocab_size)
     if params.model != config.model:
         raise ModelNotFound(params.model)
     request.state.reuse = reuse_label(())
@@ -193,7 +164,7 @@ async def completions(request: Request) -> Any:
     public_id = f"cmpl-{request_id}"
     # A batch of prompts is a batch of SGLang requests: one id each.
     rid: str | list[str] = public_id if params.prompts == 1 else [f"{public_id}-{i}" for i in range(params.prompts)]
-    upstream = await UpstreamRequest.encode(upstream_body(body, namespace=namespace, rid=rid), size_hint=len(raw),
+    upstream = await UpstreamRequest.encode(upstream_body(body, scope=caller.scope, rid=rid), size_hint=len(raw),
                                             path=COMPLETIONS_PATH)
     route = Route(public_id=public_id, shape=Shape(TEXT, extras=config.response_extras))
     return await _answer(request, services, upstream, route, stream=params.stream, headers={})
@@ -213,12 +184,8 @@ async def _answer(request: Request, services: Services, upstream: UpstreamReques
             relayed = recorded(relayed, keep)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(relayed, media_type="text/event-stream", headers=headers)
-    try:
-        result = await _unless_disconnected(request, services.dispatcher.complete(upstream, route))
-    except ClientLeft:
-        # Nobody reads this answer: it ends the request quietly (an ordinary event, not an application error)
-        # and is counted as 499 in revisit_requests_total.
-        return Response(status_code=CLIENT_LEFT)
+    # A client that leaves meanwhile cancels this (gateway/admission.py), and so the upstream request.
+    result = await services.dispatcher.complete(upstream, route)
     if after_prefill is not None:
         after_prefill()
     if keep is not None and (answer := Answer.of(result)) is not None:
@@ -277,7 +244,7 @@ def _requested_mode(request: Request) -> str:
     return mode
 
 
-def scoped_plan(plan: RequestPlan | None, intake: IntakeResult, namespace: str) -> RequestPlan | None:
+def scoped_plan(plan: RequestPlan | None, intake: IntakeResult, scope: str) -> RequestPlan | None:
     """The plan the worker gets, carrying the namespace's cache scope so that SGLang's encoder-output cache is
     never shared between namespaces (engine_ext.executor). A request with images or videos but no reuse plan
     (reuse off, or videos alone) gets one of unstored misses, for the scope alone."""
@@ -285,10 +252,10 @@ def scoped_plan(plan: RequestPlan | None, intake: IntakeResult, namespace: str) 
         plan = RequestPlan(images=tuple(
             ImagePlan(key=image.key, strategy=MISS, tokens=image.grid.tokens, grid=(image.grid.rows, image.grid.cols),
                       store=False) for image in intake.images))
-    return dataclasses.replace(plan, scope=cache_scope(namespace)) if plan is not None else None
+    return dataclasses.replace(plan, scope=scope) if plan is not None else None
 
 
-def upstream_body(body: dict[str, Any], *, namespace: str, rid: str | list[str],
+def upstream_body(body: dict[str, Any], *, scope: str, rid: str | list[str],
                   kinds: Sequence[str] = ()) -> dict[str, Any]:
     """The body SGLang gets: the gateway's request id (which may carry the reuse plan) instead of any the client
     sent, and SGLang's prefix cache scoped to the tenant's namespace, so that no tenant's request is served KV that
@@ -298,7 +265,7 @@ def upstream_body(body: dict[str, Any], *, namespace: str, rid: str | list[str],
     dropped tokens hold no usable K/V at the late layers, so no later request may take its prefix."""
     upstream = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
     upstream["rid"] = rid
-    upstream["extra_key"] = cache_scope(namespace)
+    upstream["extra_key"] = scope
     salt = ("revisit-approximate-" + hashlib.blake2b(str(rid).encode(), digest_size=12).hexdigest()
             if "approximate" in kinds else "revisit-moved" if "exact_moved" in kinds else None)
     if salt is not None:
@@ -318,15 +285,12 @@ def _model_card(services: Services) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    services = _services(request)
-    _caller(request, services)
-    return {"object": "list", "data": [_model_card(services)]}
+    return {"object": "list", "data": [_model_card(_services(request))]}
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, request: Request) -> dict[str, Any]:
     services = _services(request)
-    _caller(request, services)
     if model != services.config.model:
         raise ModelNotFound(model)
     return _model_card(services)

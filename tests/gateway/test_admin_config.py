@@ -4,7 +4,7 @@ import pytest
 
 from gateway.config import ConfigError, GatewayConfig, PolicySettings
 
-BASE = {"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1"}
+BASE = {"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_AUTH": "open"}
 
 
 def test_admin_is_disabled_and_metrics_open_by_default():

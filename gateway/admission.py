@@ -1,0 +1,237 @@
+"""Who may call, and how much they may have the gateway do at once: an ASGI middleware in front of ``/v1/...``.
+
+For each request it:
+1. identifies the caller from its API key (gateway/tenancy.py): an unknown key is refused (401) before a byte of
+   the body is read;
+2. admits it, or refuses it with OpenAI's 429 (``Retry-After: 1``) when the caller, or everyone together, already
+   has ``max_requests`` requests or ``max_body_bytes`` of request bodies in flight (gateway.config.AdmissionLimits):
+   one caller cannot take the gateway's memory, or its CPU for decoding and planning, from the others;
+3. counts the body's bytes against both budgets as they arrive (a declared Content-Length is reserved at once),
+   and ends a body that is not complete ``body_timeout_s`` after the request came in (408), however slowly it drips;
+4. once the body is in, watches the connection: a client that leaves cancels its request wherever it is (taking
+   in images, planning, waiting for a worker, streaming), and so the upstream request; the handler's own reads
+   see the disconnect too.
+What a request was admitted with is released when its response ends (a stream's last event) or it is cancelled.
+Everything here runs on the event loop: no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from gateway.config import AdmissionLimits
+from gateway.errors import ClientError, GatewayError
+from gateway.tenancy import Caller
+
+ADMITTED_PREFIX = "/v1/"
+RETRY_AFTER_S = 1
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class TooManyRequests(ClientError):
+    """A caller (or everyone) has as much in flight as the gateway allows: OpenAI's 429, retried by its clients."""
+
+    status_code = 429
+    error_type = "requests"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+
+
+class BodyTimeout(ClientError):
+    status_code = 408
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the request body did not arrive within {seconds:g} s", code="body_timeout")
+
+
+class Admission:
+    """The requests and body bytes in flight, overall and per caller (their key's id)."""
+
+    def __init__(self, limits: AdmissionLimits) -> None:
+        self.limits = limits
+        self.requests: Counter[str] = Counter()
+        self.body_bytes: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()  # by reason: what /admin/stats shows
+        self._total_requests = 0
+        self._total_bytes = 0
+
+    def admit(self, caller: Caller) -> Ticket:
+        """A ticket for one more request of ``caller``; TooManyRequests when either budget is spent."""
+        limits = self.limits
+        if self.requests[caller.key_id] >= limits.max_requests_per_key:
+            self.refused["requests_per_key"] += 1
+            raise TooManyRequests(f"this API key has {limits.max_requests_per_key} requests in flight, as many as "
+                                  "the gateway allows one key: retry when one has ended")
+        if self._total_requests >= limits.max_requests:
+            self.refused["requests"] += 1
+            raise TooManyRequests("the gateway has as many requests in flight as it takes: retry shortly")
+        self.requests[caller.key_id] += 1
+        self._total_requests += 1
+        return Ticket(self, caller.key_id)
+
+    def _take_bytes(self, key_id: str, size: int) -> None:
+        limits = self.limits
+        if self.body_bytes[key_id] + size > limits.max_body_bytes_per_key:
+            self.refused["body_bytes_per_key"] += 1
+            raise TooManyRequests(f"this API key's requests in flight hold more than {limits.max_body_bytes_per_key}"
+                                  " bytes of request bodies, as much as the gateway allows one key: retry when one "
+                                  "has ended")
+        if self._total_bytes + size > limits.max_body_bytes:
+            self.refused["body_bytes"] += 1
+            raise TooManyRequests("the gateway holds as many request bytes as it takes: retry shortly")
+        self.body_bytes[key_id] += size
+        self._total_bytes += size
+
+    def _release(self, key_id: str, size: int) -> None:
+        self.requests[key_id] -= 1
+        self._total_requests -= 1
+        self.body_bytes[key_id] -= size
+        self._total_bytes -= size
+        if not self.requests[key_id]:
+            del self.requests[key_id], self.body_bytes[key_id]
+
+    def stats(self) -> dict[str, Any]:
+        return {"requests": self._total_requests, "body_bytes": self._total_bytes, "keys": len(self.requests),
+                "refused": dict(self.refused)}
+
+
+class Ticket:
+    """One admitted request: the body bytes it holds, given back once by :meth:`release`."""
+
+    def __init__(self, admission: Admission, key_id: str) -> None:
+        self._admission = admission
+        self._key_id = key_id
+        self.body_bytes = 0
+        self._released = False
+
+    def hold(self, size: int) -> None:
+        """Hold ``size`` more body bytes (TooManyRequests past a budget)."""
+        self._admission._take_bytes(self._key_id, size)
+        self.body_bytes += size
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._admission._release(self._key_id, self.body_bytes)
+
+
+class AdmissionMiddleware:
+    """The middleware (module docstring); the app's ``state.services`` holds the Tenants and the Admission."""
+
+    def __init__(self, app: Callable[[Message, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(ADMITTED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        services = scope["app"].state.services
+        try:
+            caller = services.tenants.identify(_header(scope, b"authorization"))
+            ticket = services.admission.admit(caller)
+        except GatewayError as exc:
+            await _refuse(send, exc)
+            return
+        try:
+            declared = _header(scope, b"content-length")
+            if declared is not None and declared.isdigit():
+                ticket.hold(int(declared))
+        except GatewayError as exc:
+            ticket.release()
+            await _refuse(send, exc)
+            return
+        scope.setdefault("state", {})["caller"] = caller
+        try:
+            await _Connection(self.app, scope, receive, send, ticket, services.admission.limits).run()
+        finally:
+            ticket.release()
+
+
+class _Connection:
+    """One admitted request's reads: its body counted and under a deadline, then a watch for the client leaving."""
+
+    def __init__(self, app: Callable[[Message, Receive, Send], Awaitable[None]], scope: Message, receive: Receive,
+                 send: Send, ticket: Ticket, limits: AdmissionLimits) -> None:
+        self.app, self.scope, self._receive, self.send, self.ticket = app, scope, receive, send, ticket
+        self._timeout_s = limits.body_timeout_s
+        self._deadline = asyncio.get_running_loop().time() + limits.body_timeout_s
+        self._declared = ticket.body_bytes  # held at admission from Content-Length
+        self._received = 0
+        self._body_done = False
+        self._left = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        self._task = asyncio.ensure_future(self.app(self.scope, self.receive, self.send))
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not self._left.is_set() or (current is not None and current.cancelling()):
+                raise  # the gateway is shutting down, not the client leaving
+        finally:
+            if self._watcher is not None:
+                self._watcher.cancel()
+            if not self._task.done():
+                self._task.cancel()
+
+    async def receive(self) -> Message:
+        if self._body_done:
+            await self._left.wait()
+            return {"type": "http.disconnect"}
+        remaining = self._deadline - asyncio.get_running_loop().time()
+        try:
+            message = await asyncio.wait_for(self._receive(), max(remaining, 0.0))
+        except TimeoutError:
+            raise BodyTimeout(self._timeout_s) from None
+        if message["type"] == "http.disconnect":
+            self._client_left()
+            return message
+        if message["type"] == "http.request":
+            self._received += len(message.get("body", b""))
+            if self._received > self._declared:  # chunked, or more than declared: hold what came past it
+                self.ticket.hold(self._received - self.ticket.body_bytes)
+            if not message.get("more_body", False):
+                self._body_done = True
+                self._watcher = asyncio.ensure_future(self._watch())
+        return message
+
+    async def _watch(self) -> None:
+        """After the body, the server's next message is the client leaving."""
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self._client_left()
+                return
+
+    def _client_left(self) -> None:
+        self._left.set()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+def _header(scope: Message, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _refuse(send: Send, exc: GatewayError) -> None:
+    headers = [(b"content-type", b"application/json")]
+    if isinstance(exc, TooManyRequests):
+        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+    with contextlib.suppress(OSError):
+        await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": orjson.dumps(exc.body())})

@@ -1,0 +1,215 @@
+"""A bounded thread pool that is fair between callers: the gateway's threads for decoding media.
+
+Decoding and keying an image takes tens of milliseconds to seconds of CPU. On asyncio's default executor, one FIFO
+queue shared with everything, a caller that sends a hundred expensive images delays every other caller's images by
+all of them. :class:`FairPool` has a bounded number of threads and one FIFO queue per caller (an API key's id):
+a free thread takes the next job of the caller with the fewest jobs running, callers with as many taking turns
+(round robin), so one caller's single image waits for at most about one job per thread, however many the others
+have queued. Jobs of one caller start in the order they were submitted.
+
+A job whose awaiting coroutine is cancelled (the client left) is taken off its queue if it has not started; one
+that has started runs to its end (a thread cannot be interrupted), and its result is dropped. Threads start as jobs
+need them and leave after IDLE_S without one, so a pool nobody closes holds no threads for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import os
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+IDLE_S = 60.0  # a thread with no job for this long leaves (another starts when jobs come)
+
+
+def default_workers() -> int:
+    """One thread per CPU this process may run on, at least two (Pillow, numpy and hashlib release the GIL while
+    they decode and hash). Each decodes one image at a time: at most this many images' pixels are in memory."""
+    try:
+        cpus = len(os.sched_getaffinity(0))  # a container's cpuset, where os.cpu_count() gives the host's
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 2
+    return max(2, cpus)
+
+
+class PoolClosed(RuntimeError):
+    """The pool was shut down before the job ran."""
+
+
+@dataclass(eq=False, slots=True)
+class _Job:
+    caller: str
+    call: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    started: bool = field(default=False)
+
+
+class FairPool:
+    """At most ``workers`` threads (default: :func:`default_workers`), started as jobs need them; :meth:`aclose`
+    (or :meth:`close`) on shutdown. :meth:`run` may be called from any event loop."""
+
+    def __init__(self, workers: int | None = None, *, name: str = "revisit-media", idle_s: float = IDLE_S) -> None:
+        self.workers = default_workers() if workers is None else workers
+        if self.workers < 1:
+            raise ValueError(f"a pool needs at least one thread, got {workers}")
+        self._name = name
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        # Callers with jobs waiting, in turn order (a caller served goes to the back), each with its FIFO.
+        self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()
+        self._running: dict[str, int] = {}  # caller -> jobs running now
+        self._queued = 0  # jobs waiting, all callers together
+        self._threads: set[threading.Thread] = set()
+        self._idle = 0  # threads waiting for a job
+        self._started = 0  # threads ever started (names them)
+        self._closed = False
+
+    async def run(self, caller: str, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``work(*args, **kwargs)`` on one of the pool's threads, in ``caller``'s turn; its result or exception.
+        Context variables reach the job as asyncio.to_thread passes them."""
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        job = _Job(caller, functools.partial(context.run, work, *args, **kwargs), loop, loop.create_future())
+        self._submit(job)
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            self._withdraw(job)
+            raise
+
+    def queued(self, caller: str | None = None) -> int:
+        """Jobs waiting to start: ``caller``'s, or everyone's."""
+        with self._lock:
+            return len(self._queues.get(caller, ())) if caller is not None else self._queued
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"threads": len(self._threads), "max_threads": self.workers, "callers_waiting": len(self._queues),
+                    "queued": self._queued, "running": sum(self._running.values())}
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop taking jobs; jobs not yet started fail with PoolClosed; with ``wait``, join the threads (jobs that
+        started run to their end first)."""
+        with self._lock:
+            self._closed = True
+            dropped = [job for queue in self._queues.values() for job in queue]
+            self._queues.clear()
+            self._queued = 0
+            self._wake.notify_all()
+            threads = list(self._threads)
+        for job in dropped:
+            _settle(job, None, PoolClosed("the gateway is shutting down"))
+        if wait:
+            for thread in threads:
+                thread.join()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, joining the threads without holding up the event loop."""
+        self.close(wait=False)
+        await asyncio.to_thread(self.close, wait=True)
+
+    def _submit(self, job: _Job) -> None:
+        with self._lock:
+            if self._closed:
+                raise PoolClosed("the gateway is shutting down")
+            queue = self._queues.get(job.caller)
+            if queue is None:
+                queue = self._queues[job.caller] = deque()
+            queue.append(job)
+            self._queued += 1
+            if self._queued > self._idle and len(self._threads) < self.workers:
+                thread = threading.Thread(target=self._serve, name=f"{self._name}-{self._started}", daemon=True)
+                self._started += 1
+                self._threads.add(thread)
+                thread.start()
+            self._wake.notify()
+
+    def _withdraw(self, job: _Job) -> None:
+        with self._lock:
+            if job.started:
+                return
+            queue = self._queues.get(job.caller)
+            if queue is not None:
+                try:
+                    queue.remove(job)
+                except ValueError:
+                    return
+                self._queued -= 1
+                if not queue:
+                    del self._queues[job.caller]
+
+    def _next(self) -> _Job | None:
+        """The next job to run (under the lock): the first caller in turn order among those with the fewest jobs
+        running, which then goes to the back of the order. None once closed, or after idle_s without a job (the
+        thread then leaves)."""
+        while not self._queues:
+            if self._closed:
+                return None
+            self._idle += 1
+            try:
+                woken = self._wake.wait(self._idle_s)
+            finally:
+                self._idle -= 1
+            if not woken and not self._queues:
+                return None
+        running = self._running
+        caller = min(self._queues, key=lambda name: running.get(name, 0))  # the first of the least served
+        queue = self._queues[caller]
+        job = queue.popleft()
+        self._queued -= 1
+        if queue:
+            self._queues.move_to_end(caller)
+        else:
+            del self._queues[caller]
+        job.started = True
+        running[caller] = running.get(caller, 0) + 1
+        return job
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                job = self._next()
+                if job is None:
+                    self._threads.discard(threading.current_thread())
+                    return
+            result: Any = None
+            error: BaseException | None = None
+            if not job.future.cancelled():
+                try:
+                    result = job.call()
+                except BaseException as exc:  # handed to the awaiting coroutine, as asyncio.to_thread does
+                    error = exc
+            with self._lock:
+                left = self._running[job.caller] - 1
+                if left:
+                    self._running[job.caller] = left
+                else:
+                    del self._running[job.caller]
+            _settle(job, result, error)
+
+
+def _settle(job: _Job, result: Any, error: BaseException | None) -> None:
+    """Hand a job's outcome to its event loop (which may have closed meanwhile: then nobody is waiting)."""
+    if isinstance(error, StopIteration):  # a future cannot carry one (it would end the awaiting generator)
+        error = RuntimeError(f"job raised StopIteration: {error}")
+
+    def settle() -> None:
+        if job.future.done():  # cancelled while it ran: the result is dropped
+            return
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+
+    try:
+        job.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed
+        pass
