@@ -12,6 +12,13 @@ carries (:mod:`plan`) and reads and writes image entries in the shared store (:m
 - :mod:`engine_ext.vision`: the partial vision pass (the tower over some tokens' patches at their true positions).
 - :mod:`engine_ext.rope`: moving cached keys to new positions, as a whole or per M-RoPE axis (shared with
   ``offline.reference``).
+- :mod:`engine_ext.video_decoder`: the workers' video decoder (PyAV, as the gateway's), installed in every worker
+  process by the worker site's ``sitecustomize`` (:data:`WORKER_SITE`, first on each worker's ``PYTHONPATH``).
 
 It never imports the gateway; the gateway never imports it. Starting workers is :mod:`launcher`'s job.
 """
+
+from pathlib import Path
+
+# The launcher puts this directory first on every worker's PYTHONPATH (engine_ext/worker_site/sitecustomize.py).
+WORKER_SITE = Path(__file__).resolve().parent / "worker_site"

@@ -1,10 +1,19 @@
-"""Video parts: checked under limits, and the frames the model samples keyed like images.
+"""Video parts: checked under limits, cut down to one video stream, and the frames the model samples keyed like
+images.
 
-The worker decodes a video itself (SGLang: torchcodec, else decord) and samples frames the Qwen-VL way
-(:func:`sampled_frames`). The gateway opens the same bytes with PyAV, which decodes to the same pixels (FFmpeg
-underneath both): it checks the limits, from the container before any frame is decoded and again while counting
-packets, and keys each frame the model will see with the image key (:func:`gateway.images.content_key`). A frame
-seen before, as an image or in another video of the namespace, is therefore recognised by its key.
+Every stream of the container is looked at: a video stream in a codec outside :data:`CODECS` is refused, whichever
+it is (a worker given the file could otherwise decode it); the first video stream (not a cover picture) is the
+video. The worker is sent that stream alone, its packets copied into a new container of the same kind with no
+re-encoding (:func:`one_stream`): audio, subtitles, data, attachments and any other video stream stay here, so the
+worker cannot decode another stream than the one keyed.
+
+The worker decodes the video itself, with PyAV (engine_ext/video_decoder.py, installed in every worker process in
+place of SGLang's torchcodec or decord), and samples frames the Qwen-VL way (:func:`sampled_frames`). The gateway
+reads the very bytes the worker gets in the very way it reads them (stream 0, one frame per packet, the stream's
+average rate, frames converted by PyAV to RGB): it checks the limits, from the container before any frame is
+decoded and again while counting packets, and keys each frame the model will see with the image key
+(:func:`gateway.images.content_key`). A frame seen before, as an image or in another video of the namespace, is
+therefore recognised by its key.
 
 KV reuse is not planned for video spans yet: a video runs on the worker as plain SGLang (the request's images
 are still planned), keeps to the worker that served the same video last (whose prefix and encoder caches may
@@ -13,7 +22,8 @@ hold it), and what repeats is counted (gateway/metrics.py ``revisit_video_frames
 
 Only MP4/QuickTime, Matroska/WebM and AVI containers are opened, named by their first bytes and opened with
 that demuxer alone: FFmpeg's probing would otherwise also accept playlists (HLS, concat) that name other files
-or URLs to read.
+or URLs to read. FFmpeg may open only the accepted codecs' decoders (``codec_whitelist``), also while it probes
+a file's streams.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import av
 import numpy as np
@@ -34,20 +45,44 @@ from gateway.config import ProcessorSettings, VideoSettings
 from gateway.errors import PayloadTooLarge, UnprocessableVideo
 from gateway.images import content_key
 
-KEY_VERSION = b"revisit-video-key-v1"
+KEY_VERSION = b"revisit-video-key-v2"  # v2: a video is named by the one-stream bytes the worker gets
 FRAME_FACTOR = 2  # the Qwen-VL processors take an even number of frames (two per temporal patch)
-# Container -> (PyAV demuxer, MIME type the worker is sent).
-CONTAINERS = {"mp4": ("mp4", "video/mp4"), "webm": ("matroska", "video/webm"), "avi": ("avi", "video/x-msvideo")}
+# Container -> (PyAV demuxer, the muxers that may write its one-stream copy, first that takes the codec wins).
+CONTAINERS = {"mp4": ("mp4", ("mp4", "mov")), "webm": ("matroska", ("webm", "matroska")), "avi": ("avi", ("avi",))}
+MIME = {"mp4": "video/mp4", "mov": "video/quicktime", "webm": "video/webm", "matroska": "video/x-matroska",
+        "avi": "video/x-msvideo"}
+# The codecs accepted: the same list in the workers' decoder (engine_ext/video_decoder.py; a test keeps them equal).
 CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"})
 _MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")
+
+
+HARDWARE = av.codec.Capabilities.hardware | av.codec.Capabilities.hybrid  # decoders on a device, not here
+
+
+def _decoders(codecs: frozenset[str]) -> str:
+    """FFmpeg's ``codec_whitelist`` for ``codecs``: the names of every software decoder of them (FFmpeg's own,
+    dav1d, libvpx)."""
+    wanted = {av.Codec(name, "r").id for name in codecs}
+    names = set()
+    for name in av.codecs_available:
+        try:
+            codec = av.Codec(name, "r")
+        except (ValueError, av.FFmpegError):  # an encoder only
+            continue
+        if codec.type == "video" and codec.id in wanted and not codec.capabilities & HARDWARE:
+            names.add(codec.name)
+    return ",".join(sorted(names))
+
+
+DECODERS = _decoders(CODECS)  # FFmpeg opens no other decoder, not even to probe a stream it will not decode
 
 
 @dataclass(frozen=True, slots=True)
 class CanonicalVideo:
     """One request video, checked and keyed."""
 
-    key: str  # the video's identity: its bytes, the model and the namespace
-    payload: bytes  # what the worker receives: the uploaded bytes
+    key: str  # the video's identity: the bytes the worker receives, the model and the namespace
+    payload: bytes  # what the worker receives: the video stream alone, remuxed (:func:`one_stream`)
     mime: str
     frames: int  # in the container
     fps: float
@@ -62,6 +97,12 @@ class CanonicalVideo:
     @property
     def nbytes(self) -> int:
         return len(self.payload) + 80 * len(self.frame_keys)
+
+    @property
+    def as_uploaded(self) -> bool:
+        """Whether the worker may get the client's own bytes: never, it gets the one-stream copy (a client's
+        data: URL must be replaced by :attr:`data_url`)."""
+        return False
 
     @property
     def data_url(self) -> str:
@@ -102,51 +143,93 @@ def video_key(data: bytes, *, model: str, namespace: str) -> str:
 
 def open_video(data: bytes, *, settings: VideoSettings, processor: ProcessorSettings, model: str,
                namespace: str) -> CanonicalVideo:
-    """Check a video under the limits and key the frames the model samples. CPU-bound (it decodes every frame up
-    to the last sampled one): run it off the event loop."""
+    """Check a video under the limits, cut it down to its video stream (:func:`one_stream`) and key the frames the
+    model samples from that copy. CPU-bound (it decodes every frame up to the last sampled one): run it off the
+    event loop."""
     container = container_of(data)
-    demuxer, mime = CONTAINERS[container]
     try:
-        with av.open(io.BytesIO(data), "r", format=demuxer) as opened:
-            if not opened.streams.video:
-                raise UnprocessableVideo("video has no video stream", code="invalid_video")
-            stream = opened.streams.video[0]
-            codec = stream.codec_context.name
-            if codec not in CODECS:
-                raise UnprocessableVideo(f"video codec {codec} is not accepted; use one of {', '.join(sorted(CODECS))}",
-                                         code="invalid_video")
+        payload, muxer = one_stream(data, container, settings)
+        demuxer = CONTAINERS[container_of(payload)][0]
+        with _open(payload, demuxer) as opened:  # as the worker reads it (engine_ext/video_decoder.py)
+            stream = opened.streams[0]
             width, height = stream.codec_context.width, stream.codec_context.height
-            _check_size(width, height, settings)
-            declared = opened.duration / av.time_base if opened.duration else None
-            if declared is not None and declared > settings.max_seconds:
-                raise _too_long(declared, settings)
             rate = stream.average_rate or stream.guessed_rate or Fraction(0)
             fps = float(rate)
-            total = 0
-            for packet in opened.demux(stream):
-                if packet.size:
-                    total += 1
-                    if total > settings.max_frames:
-                        raise PayloadTooLarge(f"video has more than {settings.max_frames} frames",
-                                              code="video_too_large")
-            if fps > 0 and total / fps > settings.max_seconds:
-                raise _too_long(total / fps, settings)
-            wanted = sampled_frames(total, fps, settings)
-        frame_keys = _frame_keys(data, demuxer, wanted, settings, processor=processor, model=model,
+            total = sum(1 for packet in opened.demux(stream) if packet.size)
+        if fps > 0 and total / fps > settings.max_seconds:
+            raise _too_long(total / fps, settings)
+        wanted = sampled_frames(total, fps, settings)
+        frame_keys = _frame_keys(payload, demuxer, wanted, settings, processor=processor, model=model,
                                  namespace=namespace)
     except (av.FFmpegError, ValueError, IndexError, OSError, MemoryError) as exc:
         raise UnprocessableVideo(f"video data is corrupt or truncated: {exc}", code="invalid_video") from exc
-    return CanonicalVideo(key=video_key(data, model=model, namespace=namespace), payload=data, mime=mime,
-                          frames=total, fps=fps, width=width, height=height, frame_keys=frame_keys)
+    return CanonicalVideo(key=video_key(payload, model=model, namespace=namespace), payload=payload,
+                          mime=MIME[muxer], frames=total, fps=fps, width=width, height=height,
+                          frame_keys=frame_keys)
 
 
-def _frame_keys(data: bytes, demuxer: str, wanted: list[int], settings: VideoSettings, *,
+def one_stream(data: bytes, container: str, settings: VideoSettings) -> tuple[bytes, str]:
+    """The video's one video stream, alone in a new container of the same kind (packets copied, nothing
+    re-encoded), and the muxer that wrote it. Refuses a container holding a video stream in a codec not accepted,
+    or none; checks the size and the declared length before copying and the frame count while copying."""
+    demuxer, muxers = CONTAINERS[container]
+    with _open(data, demuxer) as opened:
+        chosen = None
+        for stream in opened.streams:
+            if stream.type != "video":
+                continue  # audio, subtitles, data, attachments: not passed on
+            codec = _codec_name(stream)
+            if codec not in CODECS:
+                raise UnprocessableVideo(f"video stream {stream.index} is {codec}, which is not accepted; every video "
+                                         f"stream must be one of {', '.join(sorted(CODECS))}", code="invalid_video")
+            if chosen is None and not stream.disposition & av.stream.Disposition.attached_pic:
+                chosen = stream
+        if chosen is None:
+            raise UnprocessableVideo("video has no video stream", code="invalid_video")
+        _check_size(chosen.codec_context.width, chosen.codec_context.height, settings)
+        declared = opened.duration / av.time_base if opened.duration else None
+        if declared is not None and declared > settings.max_seconds:
+            raise _too_long(declared, settings)
+        packets = []
+        for packet in opened.demux(chosen):
+            if packet.size:
+                packets.append(packet)
+                if len(packets) > settings.max_frames:
+                    raise PayloadTooLarge(f"video has more than {settings.max_frames} frames", code="video_too_large")
+        refused: list[str] = []
+        for muxer in muxers:
+            try:
+                return _mux(chosen, packets, muxer), muxer
+            except (av.FFmpegError, ValueError) as exc:  # the muxer does not take this codec: the next one may
+                refused.append(f"{muxer}: {exc}")
+        raise UnprocessableVideo(f"video stream {chosen.index} ({_codec_name(chosen)}) cannot be repackaged alone: "
+                                 f"{'; '.join(refused)}", code="invalid_video")
+
+
+def _mux(stream: Any, packets: list[Any], muxer: str) -> bytes:
+    out = io.BytesIO()
+    # Bit-exact: the same bytes for the same video (Matroska would write a random segment UID).
+    with av.open(out, "w", format=muxer, options={"fflags": "+bitexact"}) as copy:
+        target = copy.add_stream_from_template(stream, opaque=True)  # the codec's parameters, no encoder
+        if stream.average_rate:  # kept, else Matroska would store none and readers would guess another rate
+            target.codec_context.framerate = stream.average_rate
+        for packet in packets:
+            packet.stream = target
+            copy.mux(packet)
+    return out.getvalue()
+
+
+def _open(data: bytes, demuxer: str) -> Any:
+    return av.open(io.BytesIO(data), "r", format=demuxer, options={"codec_whitelist": DECODERS})
+
+
+def _frame_keys(payload: bytes, demuxer: str, wanted: list[int], settings: VideoSettings, *,
                 processor: ProcessorSettings, model: str, namespace: str) -> tuple[str, ...]:
     keys: list[str] = []
     pending = iter(wanted)
     next_index = next(pending)
-    with av.open(io.BytesIO(data), "r", format=demuxer) as opened:
-        for index, frame in enumerate(opened.decode(video=0)):
+    with _open(payload, demuxer) as opened:
+        for index, frame in enumerate(opened.decode(opened.streams[0])):
             _check_size(frame.width, frame.height, settings)  # a stream may change size mid-way
             if index < next_index:
                 continue
@@ -216,3 +299,9 @@ class FrameBook:
         while len(self._keys) > self._capacity:
             self._keys.popitem(last=False)
         return FramesSeen(sampled=len(video.frame_keys), as_image=as_image, in_video=in_video)
+
+
+def _codec_name(stream: Any) -> str:
+    """The stream's codec (FFmpeg's codec descriptor name: "av1", not the name of the decoder that would run)."""
+    context = stream.codec_context
+    return context.codec.canonical_name if context is not None else "unknown"
