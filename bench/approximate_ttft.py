@@ -46,7 +46,7 @@ from gateway.images import token_grid  # noqa: E402
 from gateway.matching.pixel import PixelExtractor  # noqa: E402
 from gateway.matching.plans import plan_against  # noqa: E402
 from launcher import WorkerSpec, start_worker  # noqa: E402
-from plan import FULL_PASS, MISS, PARTIAL_PASS, ImagePlan, RequestPlan  # noqa: E402
+from plan import FULL_PASS, MISS, PARTIAL_PASS, PUBLIC_PLAN_KEY, ImagePlan, RequestPlan  # noqa: E402
 from plan.checkpoint import text_layers  # noqa: E402
 from store import StoreConfig, open_store  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
@@ -65,7 +65,7 @@ def redrawn(base: Image.Image, shade: int) -> Image.Image:
 
 
 def rid(*plans: ImagePlan) -> str:
-    return RequestPlan(images=plans).to_rid(uuid.uuid4().hex)
+    return RequestPlan(images=plans).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
 
 
 def plan_for(alias_key: str, base: Image.Image, image: Image.Image, grid: tuple[int, int], selector: str,

@@ -36,7 +36,7 @@ from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from gateway.config import ProcessorSettings  # noqa: E402
 from gateway.images import token_grid  # noqa: E402
 from launcher import WorkerSpec, start_worker  # noqa: E402
-from plan import MISS, ImagePlan, RequestPlan  # noqa: E402
+from plan import MISS, PUBLIC_PLAN_KEY, ImagePlan, RequestPlan  # noqa: E402
 from store import StoreConfig, open_store  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.images_lib import small  # noqa: E402
@@ -71,7 +71,7 @@ def run(model_path: Path, args, shades, via_gateway: bool = False) -> dict[str, 
                     key = uuid.uuid4().hex * 2
                     plan = ImagePlan(key=key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
                                      store=case != "unstored")
-                    rid = None if via_gateway else RequestPlan(images=(plan,)).to_rid(key[:32])
+                    rid = None if via_gateway else RequestPlan(images=(plan,)).to_rid(key[:32], key=PUBLIC_PLAN_KEY)
                     payload = body("Look:", variant(base, next(shades)), rid)
                     if case == "spaced" and keys:
                         wait_stored(store, keys[-1])

@@ -44,7 +44,7 @@ from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from gateway.config import ProcessorSettings  # noqa: E402
 from gateway.images import token_grid  # noqa: E402
 from launcher import WorkerSpec, start_worker  # noqa: E402
-from plan import EXACT, ImagePlan, RequestPlan  # noqa: E402
+from plan import EXACT, PUBLIC_PLAN_KEY, ImagePlan, RequestPlan  # noqa: E402
 from plan.checkpoint import text_layers  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.images_lib import data_url, encode, small  # noqa: E402
@@ -74,7 +74,7 @@ def variant(base, n: int) -> str:
 
 def exact_rid(key: str, grid: tuple[int, int], ratios: tuple[float, ...]) -> str:
     plan = ImagePlan(key=key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid, ratios=ratios)
-    return RequestPlan(images=(plan,)).to_rid(uuid.uuid4().hex)
+    return RequestPlan(images=(plan,)).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
 
 
 def ttft(client: httpx.Client, url: str, payload: dict, api_key: str = "sk-bench") -> tuple[float, httpx.Headers]:

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from store import DramTier, Entry, LmdbTier, SparseRead  # noqa: E402
+from store.seal import PUBLIC, EntrySeal  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 36, 8, 128, 4096
 SPARSE_SHARE, SPARSE_LAYERS = 0.10, (3, 36)
@@ -38,8 +39,9 @@ KEY = "ab" * 32
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def build_entry(tokens: int) -> Entry:
-    """Random bf16 bits (their values do not matter to the store) with M-RoPE (t, h, w) positions."""
+def build_entry(tokens: int, seal: EntrySeal = PUBLIC) -> Entry:
+    """Random bf16 bits (their values do not matter to the store) with M-RoPE (t, h, w) positions, checksummed under
+    ``seal`` (the store's)."""
     rng = np.random.default_rng(tokens)
     k = rng.integers(0, 1 << 16, (LAYERS, KV_HEADS, tokens, HEAD_DIM), dtype=np.uint16)
     v = rng.integers(0, 1 << 16, (LAYERS, KV_HEADS, tokens, HEAD_DIM), dtype=np.uint16)
@@ -48,7 +50,7 @@ def build_entry(tokens: int) -> Entry:
     grid = (tokens // width, width)
     positions = np.stack([np.zeros(tokens, np.int64), np.arange(tokens) // width, np.arange(tokens) % width], 1) + 7
     return Entry.from_arrays(model_id="qwen3-vl-8b-shaped", grid=grid, positions=positions, encoder_output=encoder,
-                             k=k, v=v, kv_dtype="bfloat16", encoder_dtype="bfloat16")
+                             k=k, v=v, kv_dtype="bfloat16", encoder_dtype="bfloat16", seal=seal)
 
 
 def copy_segments(part: SparseRead, out: np.ndarray) -> None:

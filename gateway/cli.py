@@ -8,6 +8,7 @@
     revisit replay     replay a trace against a running gateway: report and plots (replay/)
     revisit trace      make a trace from real images, or import one of image hashes (replay/)
     revisit keys new   make an API key for a namespace, and its line for REVISIT_API_KEYS_FILE
+    revisit keys secret  make the deployment secret the gateways and workers share (REVISIT_STORE_SECRET_FILE)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from gateway.config import ConfigError, GatewayConfig
 
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     new_key.add_argument("namespace", help="the cache namespace the key's requests belong to")
     new_key.add_argument("--append", metavar="FILE", default=None,
                          help="add the key's line (its digest, not the key) to this key file, created 0600")
+    new_secret = key_commands.add_parser("secret", help="write a new deployment secret (32 random bytes) to FILE")
+    new_secret.add_argument("file", help="where to write it, created 0600; an existing file is left alone")
 
     from replay.cli import add_commands
 
@@ -113,8 +117,24 @@ def _new_key(namespace: str, append: str | None) -> int:
     return 0
 
 
+def _new_secret(path: str) -> int:
+    from settings.secret import DataPlaneSecret
+
+    try:
+        DataPlaneSecret.create(Path(path))
+    except FileExistsError:
+        print(f"revisit: {path} exists; it is left as it is (the deployment's entries are sealed under it)",
+              file=sys.stderr)
+        return 2
+    print(f"revisit: wrote a new secret to {path}: give the same file to every gateway and worker as "
+          "REVISIT_STORE_SECRET_FILE", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "keys" and args.keys_command == "secret":
+        return _new_secret(args.file)
     if args.command == "keys":
         return _new_key(args.namespace, args.append)
     if args.command in ("replay", "trace"):

@@ -57,6 +57,24 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+SECRET_VAR = "REVISIT_STORE_SECRET_FILE"
+
+
+def _share_a_secret() -> None:
+    """The gateway and its workers share a deployment secret (settings/secret.py): the one REVISIT_STORE_SECRET_FILE
+    names, or this user's own, made once in ~/.cache/revisit/secret (0600), so that stored entries stay valid
+    across runs. The workers inherit the variable."""
+    if os.environ.get(SECRET_VAR):
+        return
+    from settings.secret import DataPlaneSecret
+
+    path = Path.home() / ".cache" / "revisit" / "secret"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        DataPlaneSecret.create(path)
+    os.environ[SECRET_VAR] = str(path)
+
+
 def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -> int:
     from bundled.errors import BuildError
     from launcher import WorkerSpec, start_worker
@@ -70,6 +88,7 @@ def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -
     # SIGTERM (docker stop, systemd) must unwind like Ctrl-C so the workers, which run
     # in sessions of their own, are stopped rather than orphaned.
     signal.signal(signal.SIGTERM, _interrupt)
+    _share_a_secret()
     say(f"starting {args.workers} SGLang worker(s) on {args.device} for {model_id} (logs in {log_dir})")
     started = time.monotonic()
     workers = []

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry
 
+from gateway.admission import Admission
 from gateway.books import BookLog, BooksError, SharedBooks, SharedFeatureStore
 from gateway.cache import CacheManager
 from gateway.config import GatewayConfig
@@ -27,7 +28,9 @@ from gateway.policy.policy import DEFAULT_TIERS
 from gateway.response_cache import ResponseCache, TextEmbedder
 from gateway.tenancy import Tenants
 from gateway.workers import WorkerPool
+from plan import plan_key
 from plan.outcome import Outcomes, outcome_box
+from settings.secret import worker_api_key
 from store import FeatureStore, TieredStore, open_store
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,8 @@ class Services:
     requests: RequestMetrics
     loop_lag: LoopLag
     tenants: Tenants
+    admission: Admission
+    plan_key: bytes  # plans are authenticated with it (plan.plan_key), under the secret the workers share
     outcomes: Outcomes | None = None  # what workers ran, per request (plan.outcome); None without a store
     responses: ResponseCache | None = None  # answers served without the model; None when off everywhere
     started_at: int = field(default_factory=lambda: int(time.time()))
@@ -63,7 +68,10 @@ class Services:
     def build(cls, config: GatewayConfig) -> Services:
         # One client for every worker call: pooled keep-alive connections, explicit
         # timeouts. The read timeout bounds the gap between two streamed chunks.
+        # With a deployment secret the workers take requests only with the API key derived from it.
+        api_key = worker_api_key(config.secret)
         client = httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {api_key}"} if api_key is not None else None,
             timeout=httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(
                 max_connections=config.max_connections,
@@ -126,7 +134,9 @@ class Services:
             metrics=registry,
             requests=RequestMetrics(registry),
             loop_lag=LoopLag(registry, config.loop_lag_interval_s),
-            tenants=Tenants(config.tenants),
+            tenants=Tenants(config.tenants, config.secret),
+            admission=Admission(config.admission),
+            plan_key=plan_key(config.secret),
             outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_url, name=reuse.store.name)
             if store is not None and reuse.store is not None else None,
             responses=responses,
@@ -224,5 +234,6 @@ class Services:
             self.planner.matcher.features.close()
         if isinstance(self.policy, SharedBooks):
             self.policy.log.close()
+        await self.intake.aclose()
         await self.fetcher.aclose()
         await self.client.aclose()

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from gateway.config import KEYS, TenantSettings, key_digest
 from gateway.errors import Unauthorized
+from settings.secret import DataPlaneSecret
 
 # The part of a key's digest that names a caller in limits and logs: enough to tell callers apart, useless to
 # find the key.
@@ -20,10 +21,12 @@ CALLER_ID_CHARS = 16
 
 
 class Caller(NamedTuple):
-    """An authenticated caller: their cache namespace, and an id of their key (no key: "anonymous")."""
+    """An authenticated caller: their cache namespace, an id of their key (no key: "anonymous"), and the digest that
+    stands for their namespace in the workers' caches (:func:`cache_scope`)."""
 
     namespace: str
     key_id: str
+    scope: str
 
 
 class InvalidApiKey(Unauthorized):
@@ -38,8 +41,9 @@ class InvalidApiKey(Unauthorized):
 class Tenants:
     """Resolves an ``Authorization`` header to a :class:`Caller`, or refuses it (keys mode)."""
 
-    def __init__(self, settings: TenantSettings) -> None:
+    def __init__(self, settings: TenantSettings, secret: DataPlaneSecret | None = None) -> None:
         self.settings = settings
+        self._scope_key = (secret or DataPlaneSecret()).key("cache-scope")
 
     @property
     def open(self) -> bool:
@@ -51,7 +55,8 @@ class Tenants:
         key = bearer_key(authorization)
         if key is None:
             if self.open:
-                return Caller(self.settings.default_namespace, "anonymous")
+                default = self.settings.default_namespace
+                return Caller(default, "anonymous", cache_scope(default, self._scope_key))
             raise InvalidApiKey("You didn't provide an API key. Send it in an Authorization header: "
                                 "'Authorization: Bearer YOUR_KEY'.")
         digest = key_digest(key)
@@ -61,7 +66,7 @@ class Tenants:
                 raise InvalidApiKey("Incorrect API key provided. Ask the gateway's operator for a key.")
             # Open mode: one namespace per key; the key itself never appears in keys, logs or metrics.
             namespace = "key-" + digest[:24]
-        return Caller(namespace, digest[:CALLER_ID_CHARS])
+        return Caller(namespace, digest[:CALLER_ID_CHARS], cache_scope(namespace, self._scope_key))
 
 
 def bearer_key(authorization: str | None) -> str | None:
@@ -73,7 +78,8 @@ def bearer_key(authorization: str | None) -> str | None:
     return key or None
 
 
-def cache_scope(namespace: str) -> str:
+def cache_scope(namespace: str, key: bytes) -> str:
     """The digest that stands for a namespace in the workers' caches: SGLang's prefix cache (``extra_key``) and
-    encoder-output cache (the plan's ``scope``). The namespace itself never reaches a worker."""
-    return "revisit-ns-" + hashlib.blake2b(namespace.encode(), digest_size=12).hexdigest()
+    encoder-output cache (the plan's ``scope``). The namespace itself never reaches a worker, and the digest is keyed
+    by the deployment secret: whoever reaches a worker cannot name a tenant's scope from a guess of its namespace."""
+    return "revisit-ns-" + hashlib.blake2b(namespace.encode(), key=key, digest_size=12).hexdigest()

@@ -4,6 +4,10 @@
 :func:`start_worker` runs it in its own process group with output in a log file; the returned
 :class:`WorkerProcess` waits for ``/health`` (sync or async) and stops the whole group.
 
+Every worker gets the worker site first on ``PYTHONPATH`` (``engine_ext.WORKER_SITE``): its ``sitecustomize``
+replaces SGLang's video decoder (torchcodec, else decord) with PyAV in each of the worker's processes, the
+decoder and the reading of a video the gateway uses (engine_ext/video_decoder.py).
+
 CPU workers get what SGLang needs to run without a GPU: ``SGLANG_USE_CPU_ENGINE=1``, the
 ``sgl_kernel`` stand-in on ``PYTHONPATH`` (only where no real ``sgl_kernel`` is installed),
 ``--attention-backend torch_native``, a bounded KV pool, and one OpenMP thread per available
@@ -31,6 +35,7 @@ from launcher.errors import SGLangVersionError
 from launcher.process import DEFAULT_STOP_GRACE_S, WorkerProcess
 from launcher.spec import WorkerSpec
 from plan.checkpoint import image_max_pixels, weights_dtype
+from settings.secret import DataPlaneSecret, worker_api_key
 
 SGLANG_VERSION = "0.5.23"
 
@@ -83,6 +88,11 @@ def _prepend_path(entry: Path, current: str | None) -> str:
     return os.pathsep.join([str(entry), *([current] if current else [])])
 
 
+def shown(argv: list[str]) -> list[str]:
+    """``argv`` as logs may show it: the worker's API key left out."""
+    return [("***" if previous == "--api-key" else arg) for previous, arg in zip(["", *argv], argv, strict=False)]
+
+
 def build_launch(spec: WorkerSpec, base_env: Mapping[str, str] | None = None) -> LaunchPlan:
     """The argv and full environment that start ``spec`` (nothing is started)."""
     config = LauncherConfig.from_env(base_env)
@@ -107,9 +117,11 @@ def build_launch(spec: WorkerSpec, base_env: Mapping[str, str] | None = None) ->
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    # engine_ext must be importable by the worker even when the project is not installed.
+    # engine_ext must be importable by the worker even when the project is not installed. The worker site comes
+    # first: its sitecustomize makes every worker process decode videos with PyAV (engine_ext/video_decoder.py).
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (env.get("PYTHONPATH"), str(Path(engine_ext.__file__).parent.parent)) if p
+        p for p in (str(engine_ext.WORKER_SITE), env.get("PYTHONPATH"), str(Path(engine_ext.__file__).parent.parent))
+        if p
     )
     # SGLang 0.5.23 resizes images by the checkpoint's processor config; this variable only bounds
     # its own resize paths (video frames). Keeping both equal keeps every path on one bound.
@@ -138,6 +150,12 @@ def build_launch(spec: WorkerSpec, base_env: Mapping[str, str] | None = None) ->
             argv += ["--max-total-tokens", str(spec.max_total_tokens)]
     argv += list(spec.extra_args)
     env |= spec.env
+    # With a deployment secret, the worker serves only whoever holds it (the gateways): SGLang's API key, derived
+    # from the secret (settings/secret.py). /health and /metrics stay open, as SGLang keeps them.
+    api_key = worker_api_key(DataPlaneSecret.read(Path(env["REVISIT_STORE_SECRET_FILE"])) if
+                             env.get("REVISIT_STORE_SECRET_FILE") else DataPlaneSecret())
+    if api_key is not None:
+        argv += ["--api-key", api_key]
     return LaunchPlan(argv=argv, env=env)
 
 
@@ -157,7 +175,7 @@ def start_worker(spec: WorkerSpec) -> WorkerProcess:
         os.close(fd)
         log_file = Path(name)
     with open(log_file, "wb") as log:
-        log.write(f"$ {' '.join(argv)}\n".encode())
+        log.write(f"$ {' '.join(shown(argv))}\n".encode())
         log.flush()
         process = subprocess.Popen(
             argv,

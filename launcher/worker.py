@@ -20,6 +20,7 @@ from bundled import ARCHS, DEFAULT_ARCH, DEFAULT_SIZE, SIZES, build_model
 from bundled.errors import BuildError
 from launcher import WorkerSpec, build_launch, check_sglang_version
 from launcher.errors import LauncherError
+from launcher.launch import shown
 
 BUNDLED = "bundled"
 
@@ -71,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
             changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
             for key in sorted(changed):
                 print(f"{key}={shlex.quote(changed[key])}")
-            print(shlex.join(argv_))
+            print(shlex.join(shown(argv_)))
             return 0
         check_sglang_version()
     except (LauncherError, BuildError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"starting: {shlex.join(argv_)}", file=sys.stderr, flush=True)
+    print(f"starting: {shlex.join(shown(argv_))}", file=sys.stderr, flush=True)
     os.execvpe(argv_[0], argv_, env)
 
 

@@ -28,6 +28,7 @@ from plan.request import (
     MISS,
     PARTIAL_PASS,
     PLAN_VERSION,
+    PUBLIC_PLAN_KEY,
     RID_PREFIX,
     SAME,
     SELECTORS,
@@ -37,11 +38,12 @@ from plan.request import (
     VLCACHE,
     ImagePlan,
     RequestPlan,
+    plan_key,
 )
 
 __all__ = [
     "APPROXIMATE", "ATTENTION_ONLY", "CACHEBLEND", "CHANGE_BLIND", "CHANGED", "DEFAULT_RECOMPUTE_RATIO",
     "ENTROPY_AWARE", "EXACT", "FULL_PASS", "FULL_REUSE", "MISS", "PARTIAL_PASS", "PLAN_VERSION", "PROFILE_FILE",
-    "RID_PREFIX", "SAME", "SELECTORS", "SIMILAR", "STRATEGIES", "VISION_PASSES", "VLCACHE", "ImagePlan", "PlanError",
-    "RecomputeProfile", "RequestPlan", "check_ratios", "recompute_count",
+    "PUBLIC_PLAN_KEY", "RID_PREFIX", "SAME", "SELECTORS", "SIMILAR", "STRATEGIES", "VISION_PASSES", "VLCACHE",
+    "ImagePlan", "PlanError", "RecomputeProfile", "RequestPlan", "check_ratios", "plan_key", "recompute_count",
 ]

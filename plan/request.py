@@ -34,9 +34,14 @@ The wire form is compact JSON with a version; a worker refuses a version it does
 guess, and runs the request without a plan (a full prefill).
 
 Transport: the plan rides in the request id (SGLang's ``rid``, which reaches the model's forward and is unique
-among requests in flight): ``rv4.<request id>.<base64 of the zlib'd JSON>.`` The gateway replaces the id in what
-it returns to clients, so the plan is never shown to them; anything SGLang appends after the last dot (it suffixes
-ids of parallel samples) is ignored.
+among requests in flight): ``rv5.<request id>.<base64 of the zlib'd JSON>.<MAC>.`` The gateway replaces the id in
+what it returns to clients, so the plan is never shown to them; anything SGLang appends after the last dot (it
+suffixes ids of parallel samples) is ignored.
+
+Authentication: the MAC (HMAC-SHA256, truncated to 128 bits, over the request id and the packed plan, under the
+deployment secret's "plan" key, :func:`plan_key`) is checked before the plan is read, so only a gateway holding the
+secret can make a worker load an entry, reuse another request's K/V or key the encoder cache under a tenant's
+scope. A plan whose MAC does not hold is refused (PlanError) and its request runs unplanned.
 """
 
 from __future__ import annotations
@@ -52,9 +57,25 @@ from typing import Any
 
 from plan.errors import PlanError
 from plan.ratios import check_ratios
+from settings.secret import DataPlaneSecret, mac, same_mac
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5  # 5: plans carry a MAC
 RID_PREFIX = f"rv{PLAN_VERSION}."
+_MAC_BYTES = 16
+
+
+def plan_key(secret: DataPlaneSecret) -> bytes:
+    """The key plans are authenticated with under the deployment secret (settings/secret.py)."""
+    return secret.key("plan")
+
+
+# The key of a deployment without a secret (a laptop's `revisit serve`, the tests' and benches' own workers).
+PUBLIC_PLAN_KEY = plan_key(DataPlaneSecret())
+
+
+def _plan_mac(key: bytes, request_id: str, packed: str) -> str:
+    tag = mac(key, b"revisit-plan", request_id.encode(), packed.encode(), size=_MAC_BYTES)
+    return base64.urlsafe_b64encode(tag).decode().rstrip("=")
 
 MISS, EXACT, APPROXIMATE = "miss", "exact", "approximate"
 STRATEGIES = (MISS, EXACT, APPROXIMATE)
@@ -202,12 +223,12 @@ class RequestPlan:
         return json.dumps({"version": self.version, "scope": self.scope, "images": [p.to_dict() for p in self.images]},
                           separators=(",", ":"))
 
-    def to_rid(self, request_id: str) -> str:
-        """A request id for SGLang that carries this plan (see the module docstring)."""
+    def to_rid(self, request_id: str, *, key: bytes) -> str:
+        """A request id for SGLang that carries this plan, authenticated under ``key`` (:func:`plan_key`)."""
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", request_id):
             raise PlanError("request_id must be 1-64 characters of [A-Za-z0-9_-]")
         packed = base64.b64encode(zlib.compress(self.to_json().encode(), 6)).decode()
-        return f"{RID_PREFIX}{request_id}.{packed}."
+        return f"{RID_PREFIX}{request_id}.{packed}.{_plan_mac(key, request_id, packed)}."
 
     @staticmethod
     def request_id(rid: object) -> str | None:
@@ -218,13 +239,16 @@ class RequestPlan:
         return request_id if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", request_id) else None
 
     @classmethod
-    def from_rid(cls, rid: object) -> RequestPlan | None:
-        """The plan a request id carries; None for ids without one. Raises PlanError for a damaged one."""
+    def from_rid(cls, rid: object, *, key: bytes) -> RequestPlan | None:
+        """The plan a request id carries; None for ids without one. Raises PlanError for a damaged one, or one not
+        authenticated under ``key`` (:func:`plan_key`): forged, or made under another secret."""
         if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
             return None
         parts = rid[len(RID_PREFIX) :].split(".")
-        if len(parts) < 3:
-            raise PlanError("request id has the plan prefix but no plan")
+        if len(parts) < 4:
+            raise PlanError("request id has the plan prefix but no authenticated plan")
+        if not same_mac(_plan_mac(key, parts[0], parts[1]).encode(), parts[2].encode()):
+            raise PlanError("the plan's MAC does not hold: forged, or made under another secret")
         try:
             text = zlib.decompress(base64.b64decode(parts[1], validate=True), bufsize=1 << 16)
         except (binascii.Error, zlib.error, ValueError) as exc:

@@ -25,6 +25,7 @@ import httpx
 
 from bundled import ORACLE, QWEN2_5_VL, build_model
 from launcher import WorkerProcess, WorkerSpec, live_group_members, start_worker
+from settings.secret import DataPlaneSecret
 from store.config import StoreConfig
 
 MODEL_ID = "revisit-oracle"
@@ -79,8 +80,11 @@ class Stack:
         disk.mkdir()
         mounted = _mount_tmpfs(disk, settings.disk_bytes)
         name = f"soak-{uuid.uuid4().hex[:10]}"
+        secret = root / "secret"  # the deployment secret the gateway and the workers share (settings/secret.py)
+        DataPlaneSecret.create(secret)
         store = StoreConfig(name=name, dram_dir=SHM / f"revisit-store-{name}", lmdb_dir=disk / "lmdb",
-                            lmdb_map_size=settings.disk_bytes * 2, pin_host_memory=False, lmdb_sync=False)
+                            lmdb_map_size=settings.disk_bytes * 2, pin_host_memory=False, lmdb_sync=False,
+                            secret_file=secret)
         on_progress("building the oracle reader (cached after the first build)")
         model_path = build_model(QWEN2_5_VL, ORACLE, on_progress=on_progress)
         stack = cls(settings=settings, root=root, store=store, model_path=model_path, disk_mounted=mounted,
@@ -121,7 +125,8 @@ class Stack:
         s = self.store
         return {"REVISIT_STORE_NAME": s.name, "REVISIT_STORE_DRAM_DIR": str(s.dram_path),
                 "REVISIT_STORE_LMDB_DIR": str(s.lmdb_path), "REVISIT_STORE_LMDB_MAP_SIZE": str(s.lmdb_map_size),
-                "REVISIT_STORE_PIN_HOST_MEMORY": "0", "REVISIT_STORE_LMDB_SYNC": "0"}
+                "REVISIT_STORE_PIN_HOST_MEMORY": "0", "REVISIT_STORE_LMDB_SYNC": "0",
+                "REVISIT_STORE_SECRET_FILE": str(s.secret_file)}
 
     def _launch_worker(self, index: int) -> WorkerProcess:
         spec = WorkerSpec(model_path=self.model_path, port=self.worker_ports[index], served_model_name=MODEL_ID,

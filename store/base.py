@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from store.entry import Entry, parse_header
+from store.entry import Entry, parse_header, seal_entry
 from store.errors import DamagedEntryError, EntryFormatError, InvalidKeyError
+from store.seal import PUBLIC, EntrySeal
 from store.views import EntryView, SparseRead, open_full, open_sparse
 
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -46,6 +47,8 @@ class KVStore(ABC):
     """
 
     name: str
+    # Under which deployment secret entries are sealed and checked (store/seal.py); build entries with it.
+    seal: EntrySeal = PUBLIC
 
     @abstractmethod
     def contains(self, key: str) -> bool:
@@ -55,8 +58,9 @@ class KVStore(ABC):
     def put(self, key: str, entry: EntryLike) -> int:
         """Store an entry atomically (readers see the old entry, the new one, or none; never a partial one).
 
-        Replaces an existing entry under key and keeps its pin. Bytes are checked for a well-formed header
-        (EntryFormatError otherwise). Returns the stored size in bytes. Raises StoreFullError.
+        Replaces an existing entry under key and keeps its pin. An Entry (built under this store's seal) is sealed
+        for key; raw bytes must be an entry sealed for key already (a copy from another tier), EntryFormatError
+        otherwise. Returns the stored size in bytes. Raises StoreFullError.
         """
 
     @abstractmethod
@@ -124,12 +128,12 @@ class BufferTier(KVStore):
     """
 
     def get(self, key: str) -> EntryView | None:
-        return self._read(key, lambda view, release: open_full(self.name, view, release))
+        return self._read(key, lambda view, release: open_full(self.name, view, release, key=key, seal=self.seal))
 
     def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
                    with_encoder: bool = False) -> SparseRead | None:
         return self._read(key, lambda view, release: open_sparse(self.name, view, token_indices, layer_range, release,
-                                                                 with_encoder=with_encoder))
+                                                                 key=key, seal=self.seal, with_encoder=with_encoder))
 
     @abstractmethod
     def _read(self, key: str, opener): ...
@@ -149,15 +153,16 @@ def opened(read: Callable[[], T], release: Callable[[], None], on_damaged: Calla
         raise
 
 
-def entry_bytes(entry: EntryLike) -> memoryview:
-    """The bytes to store for an Entry, or raw entry bytes after checking their header (not their payload: reads
-    verify that). Raises EntryFormatError.
+def entry_bytes(entry: EntryLike, key: str, seal: EntrySeal) -> memoryview:
+    """The bytes to store under ``key``: an Entry sealed for it (in place), or raw entry bytes after checking their
+    header and their seal for it (not their payload: reads verify that). Raises EntryFormatError.
     """
     if isinstance(entry, Entry):
+        seal_entry(entry.data, key, seal)
         return memoryview(entry.data)
     data = memoryview(entry).cast("B")
     try:
-        parse_header(data)
+        parse_header(data, key=key, seal=seal)
     except DamagedEntryError as exc:
-        raise EntryFormatError(f"not a well-formed entry: {exc}") from None
+        raise EntryFormatError(f"not a well-formed entry sealed for {key[:16]}...: {exc}") from None
     return data

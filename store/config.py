@@ -60,6 +60,9 @@ class StoreConfig:
     mooncake_protocol: str = "tcp"  # or "rdma" (with mooncake_device_names)
     mooncake_device_names: str = ""
     mooncake_read_buffer_bytes: int = 1 << 30  # per process: read buffers kept for later reads (0: none)
+    # The deployment secret every gateway and worker shares (settings/secret.py): entries are sealed under it
+    # (store/seal.py), and plans and shared books are authenticated with it. None: public keys, integrity only.
+    secret_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):

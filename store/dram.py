@@ -29,6 +29,7 @@ import numpy as np
 
 from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, opened, validate_key
 from store.errors import EntryPinnedError, StoreClosedError, StoreError, StoreFullError
+from store.seal import PUBLIC, EntrySeal
 from store.views import release_view
 
 ENTRY_SUFFIX = ".kv"
@@ -69,8 +70,9 @@ class DramTier(BufferTier):
     name = "dram"
 
     def __init__(self, path: Path, *, capacity_bytes: int = 0, pin_host_memory: bool = True,
-                 mapping_cache_bytes: int = 8 << 30, sweep_interval_s: float = 1.0) -> None:
+                 mapping_cache_bytes: int = 8 << 30, sweep_interval_s: float = 1.0, seal: EntrySeal = PUBLIC) -> None:
         self.path = Path(path)
+        self.seal = seal
         self.capacity_bytes = capacity_bytes
         private_folder(self.path)
         self._lock = threading.Lock()
@@ -121,7 +123,7 @@ class DramTier(BufferTier):
 
     def put(self, key: str, entry: EntryLike) -> int:
         target = self._entry(key)
-        data = entry_bytes(entry)
+        data = entry_bytes(entry, key, self.seal)
         if self.capacity_bytes:
             replaced = self.size_of(key) or 0
             if self.stats().bytes - replaced + data.nbytes > self.capacity_bytes:

@@ -2,21 +2,26 @@
 
 Byte layout of one entry (all integers little-endian; offsets from the start of the entry):
 
-    [0, 48)  fixed prefix, struct "<4sHHIIQQQQ"
+    [0, 80)  fixed prefix, struct "<4sHHIIQQQQ32s"
         0  magic          4s   b"RVKV"
         4  version        u16  FORMAT_VERSION
         6  flags          u16  0 (reserved)
         8  meta_nbytes    u32  length of the JSON metadata
        12  header_nbytes  u32  length of the whole header area = offset of the encoder output
        16  total_nbytes   u64  length of the whole entry (truncation check)
-       24  encoder_xxh3   u64  xxh3_64 of the encoder output bytes
-       32  kv_xxh3        u64  xxh3_64 of the whole KV region (full reads)
+       24  encoder_xxh3   u64  seeded xxh3_64 of the encoder output bytes
+       32  kv_xxh3        u64  seeded xxh3_64 of the whole KV region (full reads)
        40  header_xxh3    u64  xxh3_64 of bytes [0, 40) + metadata + positions
-    [48, 48+meta_nbytes)            metadata, compact JSON (model id, grid, dtypes, shapes), padded to 8
+       48  mac            32s  the seal's MAC over the store key, bytes [0, 48) and [80, header_nbytes) (store/seal.py)
+    [80, 80+meta_nbytes)            metadata, compact JSON (model id, grid, dtypes, shapes), padded to 8
     positions   int32[T, P]         original positions of the image tokens (P = position_dims: 1 for RoPE,
                                     3 for M-RoPE's (t, h, w)), padded to 8
-    block table u64[T, L]           xxh3_64 of each (token, layer) block; padded to 64 -> header_nbytes
-                                    (not under header_xxh3: a damaged table entry only makes its block read absent)
+    block table u64[T, L]           seeded xxh3_64 of each (token, layer) block; padded to 64 -> header_nbytes
+                                    (not under header_xxh3: a damaged table entry only makes its block read absent;
+                                    under the MAC, so no table can be rewritten to match forged blocks)
+
+Checksums are seeded by the deployment secret and the MAC is keyed by it (store/seal.py): an entry is sealed for
+one key when it is put, and every read checks the seal for the key it reads.
     [header_nbytes, +E)             encoder output, C order, encoder_dtype; padded to 64 -> kv_offset
     [kv_offset, +T*token_nbytes)    KV, patch-first: (T, L, 2, kv_heads, head_dim), kv_dtype
         token record i = [layer0 K, layer0 V, layer1 K, layer1 V, ...]; one (token, layer) block = K then V,
@@ -35,11 +40,13 @@ import numpy as np
 import xxhash
 
 from store.errors import DamagedEntryError, EntryFormatError
+from store.seal import MAC_BYTES, PUBLIC, EntrySeal
 
 MAGIC = b"RVKV"
-FORMAT_VERSION = 1
-PREFIX = struct.Struct("<4sHHIIQQQQ")
+FORMAT_VERSION = 2  # 2: the seal (seeded checksums, a MAC over the key and the header area)
+PREFIX = struct.Struct("<4sHHIIQQQQ32s")
 HEADER_XXH3_OFFSET = 40
+MAC_OFFSET = 48
 DATA_ALIGN = 64
 
 # dtype name (torch spelling) -> numpy dtype that stores it; bfloat16 travels as its raw 16 bits
@@ -51,9 +58,6 @@ DTYPES: dict[str, np.dtype] = {
     "int8": np.dtype("i1"),
     "uint8": np.dtype("u1"),
 }
-
-_hash = xxhash.xxh3_64_intdigest
-
 
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
@@ -196,14 +200,16 @@ class ParsedHeader(NamedTuple):
     encoder_xxh3: int
     kv_xxh3: int
     block_xxh3: np.ndarray  # (T, L) uint64, a view into the entry buffer
+    seal: EntrySeal  # whose seeded checksums the entry carries
 
 
 @dataclass(frozen=True)
 class Entry:
-    """A complete entry in memory: its header and its bytes (the layout in this module's docstring)."""
+    """A complete entry in memory: its header and its bytes (the layout in this module's docstring). The store seals
+    ``data`` in place for the key it is put under (:func:`seal_entry`)."""
 
     header: EntryHeader
-    data: bytes
+    data: bytearray
 
     @classmethod
     def from_arrays(
@@ -218,8 +224,10 @@ class Entry:
         kv_dtype: str | None = None,
         encoder_dtype: str | None = None,
         prefix_digest: str = "",
+        seal: EntrySeal = PUBLIC,
     ) -> Entry:
-        """Build an entry from numpy arrays or CPU/GPU torch tensors (copied to host).
+        """Build an entry from numpy arrays or CPU/GPU torch tensors (copied to host), its checksums under ``seal``
+        (the store's: ``KVStore.seal``); the store seals it for a key when it is put.
 
         k, v: (layers, kv_heads, tokens, head_dim). encoder_output: any shape. For numpy bfloat16 pass the raw bits
         as uint16 with kv_dtype="bfloat16" (or encoder_dtype="bfloat16").
@@ -247,8 +255,8 @@ class Entry:
         kv[:, :, 1] = v_np.transpose(2, 0, 1, 3)
         enc_range = header.encoder_range
         buf[enc_range.start : enc_range.stop] = np.ascontiguousarray(enc_np).tobytes()
-        _write_header(buf, header)
-        return cls(header, bytes(buf))
+        _write_header(buf, header, seal)
+        return cls(header, buf)
 
 
 def _to_numpy(array: Any, dtype_name: str | None) -> tuple[np.ndarray, str]:
@@ -272,8 +280,8 @@ def _to_numpy(array: Any, dtype_name: str | None) -> tuple[np.ndarray, str]:
     return np_array.astype(DTYPES[name], copy=False), name
 
 
-def _write_header(buf: bytearray, header: EntryHeader) -> None:
-    """Fill the header area of a buffer whose encoder output and KV are already in place."""
+def _write_header(buf: bytearray, header: EntryHeader, seal: EntrySeal) -> None:
+    """Fill the header area of a buffer whose encoder output and KV are already in place (the MAC left zero)."""
     mv = memoryview(buf)
     meta = header.meta_bytes
     mv[PREFIX.size : PREFIX.size + len(meta)] = meta
@@ -282,10 +290,11 @@ def _write_header(buf: bytearray, header: EntryHeader) -> None:
     table = np.frombuffer(buf, dtype="<u8", count=header.num_tokens * header.num_layers,
                           offset=header.block_table_offset)  # (T * L,)
     block, base = header.block_nbytes, header.kv_offset
-    table[:] = [_hash(mv[base + j * block : base + (j + 1) * block]) for j in range(len(table))]
+    checksum = seal.checksum
+    table[:] = [checksum(mv[base + j * block : base + (j + 1) * block]) for j in range(len(table))]
     enc, kv = header.encoder_range, header.kv_range
     PREFIX.pack_into(buf, 0, MAGIC, FORMAT_VERSION, 0, len(meta), header.header_nbytes, header.total_nbytes,
-                     _hash(mv[enc.start : enc.stop]), _hash(mv[kv.start : kv.stop]), 0)
+                     checksum(mv[enc.start : enc.stop]), checksum(mv[kv.start : kv.stop]), 0, bytes(MAC_BYTES))
     struct.pack_into("<Q", buf, HEADER_XXH3_OFFSET, _header_xxh3(mv, header.block_table_offset))
 
 
@@ -296,14 +305,28 @@ def _header_xxh3(mv: memoryview, table_offset: int) -> int:
     return state.intdigest()
 
 
-def parse_header(buf: memoryview) -> ParsedHeader:
-    """Read and verify the header of an entry held in `buf` (the whole entry). Touches only the header area.
+def _signed(buf: memoryview, header_nbytes: int) -> list[memoryview]:
+    """What an entry's MAC covers besides its key: the header area less the MAC field."""
+    return [buf[:MAC_OFFSET], buf[PREFIX.size : header_nbytes]]
 
-    Raises DamagedEntryError on bad magic/version, a length that does not match (truncation), or a checksum mismatch.
+
+def seal_entry(buf: bytearray, key: str, seal: EntrySeal) -> None:
+    """Write the MAC that binds the entry in ``buf`` (built under ``seal``) to the store key ``key``."""
+    header_nbytes = struct.unpack_from("<I", buf, 12)[0]
+    view = memoryview(buf)
+    buf[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] = seal.mac(key, _signed(view, header_nbytes))
+
+
+def parse_header(buf: memoryview, *, key: str | None = None, seal: EntrySeal = PUBLIC) -> ParsedHeader:
+    """Read and verify the header of an entry held in `buf` (the whole entry), and with ``key`` its seal for that
+    key. Touches only the header area.
+
+    Raises DamagedEntryError on bad magic/version, a length that does not match (truncation), a checksum mismatch,
+    or a seal that is not the one ``seal`` makes for ``key`` (a forged entry, or one moved from another key).
     """
     if len(buf) < PREFIX.size:
         raise DamagedEntryError("shorter than the prefix")
-    magic, version, _flags, meta_n, header_n, total_n, enc_x, kv_x, header_x = PREFIX.unpack_from(buf, 0)
+    magic, version, _flags, meta_n, header_n, total_n, enc_x, kv_x, header_x, given_mac = PREFIX.unpack_from(buf, 0)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise DamagedEntryError(f"bad magic/version {magic!r}/{version}")
     if total_n != len(buf) or not PREFIX.size + meta_n <= header_n <= total_n:
@@ -326,8 +349,10 @@ def parse_header(buf: memoryview) -> ParsedHeader:
         raise DamagedEntryError(f"unreadable metadata: {exc}") from exc
     if header.header_nbytes != header_n or header.total_nbytes != total_n:
         raise DamagedEntryError("metadata disagrees with the prefix")
+    if key is not None and not seal.matches(key, _signed(buf, header_n), given_mac):
+        raise DamagedEntryError("the entry's seal does not hold for its key: forged, or moved from another key")
     table = np.frombuffer(buf, dtype="<u8", count=tokens * header.num_layers, offset=table_offset)
-    return ParsedHeader(header, enc_x, kv_x, table.reshape(tokens, header.num_layers))
+    return ParsedHeader(header, enc_x, kv_x, table.reshape(tokens, header.num_layers), seal)
 
 
 def verify_full(buf: memoryview, parsed: ParsedHeader) -> None:
@@ -339,14 +364,14 @@ def verify_full(buf: memoryview, parsed: ParsedHeader) -> None:
 def verify_encoder(buf: memoryview, parsed: ParsedHeader) -> None:
     """Check the encoder output. Raises DamagedEntryError."""
     enc = parsed.header.encoder_range
-    if _hash(buf[enc.start : enc.stop]) != parsed.encoder_xxh3:
+    if parsed.seal.checksum(buf[enc.start : enc.stop]) != parsed.encoder_xxh3:
         raise DamagedEntryError("encoder output checksum mismatch")
 
 
 def verify_kv(buf: memoryview, parsed: ParsedHeader) -> None:
     """Check the whole KV region in one pass. Raises DamagedEntryError."""
     kv = parsed.header.kv_range
-    if _hash(buf[kv.start : kv.stop]) != parsed.kv_xxh3:
+    if parsed.seal.checksum(buf[kv.start : kv.stop]) != parsed.kv_xxh3:
         raise DamagedEntryError("KV checksum mismatch")
 
 
@@ -356,8 +381,9 @@ def verify_blocks(buf: memoryview, parsed: ParsedHeader, token: int, layer_start
     block = header.block_nbytes
     start = header.token_layers_range(token, layer_start, layer_stop).start
     expected = parsed.block_xxh3[token]
+    checksum = parsed.seal.checksum
     for layer in range(layer_start, layer_stop):
-        if _hash(buf[start : start + block]) != expected[layer]:
+        if checksum(buf[start : start + block]) != expected[layer]:
             raise DamagedEntryError(f"block (token {token}, layer {layer}) checksum mismatch")
         start += block
 

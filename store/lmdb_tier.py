@@ -13,6 +13,7 @@ import lmdb
 
 from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, opened, validate_key
 from store.errors import EntryPinnedError, StoreClosedError, StoreError, StoreFullError
+from store.seal import PUBLIC, EntrySeal
 
 T = TypeVar("T")
 
@@ -78,8 +79,9 @@ class LmdbTier(BufferTier):
 
     def __init__(self, path: Path, *, map_size: int = 1 << 30, max_map_size: int = 1 << 40,
                  growth_factor: float = 2.0, max_readers: int = 1024, grow_wait_s: float = 5.0,
-                 sync: bool = True) -> None:
+                 sync: bool = True, seal: EntrySeal = PUBLIC) -> None:
         self.path = Path(path)
+        self.seal = seal
         self._max_map_size = max_map_size
         self._growth_factor = growth_factor
         self._grow_wait_s = grow_wait_s
@@ -170,7 +172,7 @@ class LmdbTier(BufferTier):
 
     def put(self, key: str, entry: EntryLike) -> int:
         key_b = validate_key(key).encode()
-        data = entry_bytes(entry)
+        data = entry_bytes(entry, key, self.seal)
         self._write(lambda txn: txn.put(key_b, data, db=self._entries), needed=data.nbytes)
         return data.nbytes
 

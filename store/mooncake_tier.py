@@ -55,6 +55,7 @@ import numpy as np
 from store.base import EntryLike, KVStore, StoreStats, entry_bytes, opened, validate_key
 from store.entry import PREFIX, ByteRange, parse_header
 from store.errors import DamagedEntryError, EntryPinnedError, StoreClosedError, StoreError, StoreFullError
+from store.seal import PUBLIC, EntrySeal
 from store.views import EntryView, SparseRead, check_sparse_request, open_full, open_sparse
 
 # Mooncake's error codes (mooncake-store's types.h) that this tier tells apart; any other negative result is a
@@ -165,8 +166,9 @@ class MooncakeTier(KVStore):
     def __init__(self, *, master: str, metadata_server: str, admin_url: str, store_name: str = "default",
                  local_hostname: str = "", protocol: str = "tcp", device_names: str = "",
                  local_buffer_bytes: int = 16 << 20, read_buffer_bytes: int = 1 << 30,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, seal: EntrySeal = PUBLIC) -> None:
         self.master = master
+        self.seal = seal
         self.admin_url = admin_url.rstrip("/")
         self.prefix = f"revisit/{store_name}/"
         self._lock = threading.Lock()
@@ -220,7 +222,7 @@ class MooncakeTier(KVStore):
 
     def put(self, key: str, entry: EntryLike) -> int:
         name = self._entry_name(key)
-        data = entry_bytes(entry)
+        data = entry_bytes(entry, key, self.seal)
         status = self._client.upsert_from(name, _address(data), data.nbytes, self._replicas)
         if status == NO_AVAILABLE_HANDLE:
             raise StoreFullError(f"the Mooncake cluster has no room for {data.nbytes} bytes")
@@ -232,7 +234,8 @@ class MooncakeTier(KVStore):
         def whole(name: str, buffer: _ReadBuffer, size: int) -> bool:
             return bool(self._client.get_into(name, buffer.address, size) == size)  # else gone, or replaced
 
-        return self._read(key, whole, lambda view, release: open_full(self.name, view, release))
+        return self._read(key, whole, lambda view, release: open_full(self.name, view, release, key=key,
+                                                                     seal=self.seal))
 
     def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
                    with_encoder: bool = False) -> SparseRead | None:
@@ -254,7 +257,7 @@ class MooncakeTier(KVStore):
             return True
 
         return self._read(key, blocks, lambda view, release: open_sparse(
-            self.name, view, token_indices, layer_range, release, with_encoder=with_encoder))
+            self.name, view, token_indices, layer_range, release, key=key, seal=self.seal, with_encoder=with_encoder))
 
     def _read(self, key: str, fill: Callable[[str, _ReadBuffer, int], bool],
               opener: Callable[[memoryview, Callable[[], None]], T]) -> T | None:

@@ -9,6 +9,7 @@ from store.config import StoreConfig
 from store.dram import DramTier
 from store.errors import EntryPinnedError, UnknownTierError
 from store.lmdb_tier import LmdbTier
+from store.seal import EntrySeal
 from store.views import EntryView, SparseRead
 
 
@@ -25,7 +26,10 @@ class TieredStore(KVStore):
     def __init__(self, tiers: Sequence[KVStore]) -> None:
         if not tiers or len({t.name for t in tiers}) != len(tiers):
             raise UnknownTierError("tiers must be a non-empty list with distinct names")
+        if len({t.seal for t in tiers}) != 1:
+            raise UnknownTierError("every tier of a store must seal entries under the same secret")
         self.tiers: tuple[KVStore, ...] = tuple(tiers)
+        self.seal = tiers[0].seal
 
     def tier(self, name: str) -> KVStore:
         for tier in self.tiers:
@@ -131,14 +135,17 @@ class TieredStore(KVStore):
             tier.close()
 
 
-def open_tier(name: str, config: StoreConfig) -> KVStore:
+def open_tier(name: str, config: StoreConfig, seal: EntrySeal | None = None) -> KVStore:
+    """One tier, sealing entries under ``seal`` (default: the secret config.secret_file names)."""
+    seal = seal if seal is not None else EntrySeal.from_file(config.secret_file)
     if name == "dram":
         return DramTier(config.dram_path, capacity_bytes=config.dram_limit_bytes,
-                        pin_host_memory=config.pin_host_memory, mapping_cache_bytes=config.dram_mapping_cache_bytes)
+                        pin_host_memory=config.pin_host_memory, mapping_cache_bytes=config.dram_mapping_cache_bytes,
+                        seal=seal)
     if name == "lmdb":
         return LmdbTier(config.lmdb_path, map_size=config.lmdb_map_size, max_map_size=config.lmdb_max_map_size,
                         growth_factor=config.lmdb_growth_factor, max_readers=config.lmdb_max_readers,
-                        grow_wait_s=config.lmdb_grow_wait_s, sync=config.lmdb_sync)
+                        grow_wait_s=config.lmdb_grow_wait_s, sync=config.lmdb_sync, seal=seal)
     if name == "mooncake":
         from store.mooncake_tier import MooncakeTier  # imports the Mooncake client library only when asked for
 
@@ -146,11 +153,12 @@ def open_tier(name: str, config: StoreConfig) -> KVStore:
                             admin_url=config.mooncake_admin, store_name=config.name,
                             local_hostname=config.mooncake_local_hostname, protocol=config.mooncake_protocol,
                             device_names=config.mooncake_device_names,
-                            read_buffer_bytes=config.mooncake_read_buffer_bytes)
+                            read_buffer_bytes=config.mooncake_read_buffer_bytes, seal=seal)
     raise UnknownTierError(f"no tier {name!r}")
 
 
 def open_store(config: StoreConfig | None = None) -> TieredStore:
     """Open the tiers named by config.tiers (default: from REVISIT_STORE_* variables), fastest first."""
     config = StoreConfig.from_env() if config is None else config
-    return TieredStore([open_tier(name, config) for name in config.tiers])
+    seal = EntrySeal.from_file(config.secret_file)
+    return TieredStore([open_tier(name, config, seal) for name in config.tiers])

@@ -24,6 +24,7 @@ from store.entry import (
     verify_kv,
 )
 from store.errors import InvalidReadError
+from store.seal import EntrySeal
 
 
 class _Handle:
@@ -165,9 +166,10 @@ def release_view(view: memoryview) -> None:
         pass  # an array from kv_array()/encoder_array() still refers to it; the caller was told not to use it
 
 
-def open_full(tier: str, buffer: memoryview, release: Callable[[], None]) -> EntryView:
-    """Verify a whole entry. Raises DamagedEntryError (the caller releases and reports absent)."""
-    parsed = parse_header(buffer)
+def open_full(tier: str, buffer: memoryview, release: Callable[[], None], *, key: str, seal: EntrySeal) -> EntryView:
+    """Verify a whole entry stored under ``key`` (its seal, then every checksum). Raises DamagedEntryError (the
+    caller releases and reports absent)."""
+    parsed = parse_header(buffer, key=key, seal=seal)
     verify_full(buffer, parsed)
     return EntryView(tier=tier, buffer=buffer, parsed=parsed, release=release)
 
@@ -185,13 +187,14 @@ def check_sparse_request(header: EntryHeader, token_indices: Sequence[int],
 
 
 def open_sparse(tier: str, buffer: memoryview, token_indices: Sequence[int], layer_range: tuple[int, int],
-                release: Callable[[], None], *, with_encoder: bool = False) -> SparseRead:
-    """Verify the header and exactly the requested blocks (and the encoder output when asked); coalesce requested
-    ranges that touch. A request for every block is verified with the whole-region checksum in one pass.
+                release: Callable[[], None], *, key: str, seal: EntrySeal, with_encoder: bool = False) -> SparseRead:
+    """Verify the header and its seal for ``key``, and exactly the requested blocks (and the encoder output when
+    asked); coalesce requested ranges that touch. A request for every block is verified with the whole-region
+    checksum in one pass.
 
     Raises DamagedEntryError, or InvalidReadError for a request the entry cannot satisfy.
     """
-    parsed = parse_header(buffer)
+    parsed = parse_header(buffer, key=key, seal=seal)
     header = parsed.header
     tokens, layer_start, layer_stop = check_sparse_request(header, token_indices, layer_range)
     encoder = None

@@ -156,6 +156,17 @@ def test_the_gateways_serve_only_the_keys_of_a_secret_file(name):
     gateways = {n: s for n, s in config["services"].items() if n.startswith("gateway")}
     assert gateways
     for service in gateways.values():
-        assert service["secrets"] == ["api_keys"]
+        assert "api_keys" in service["secrets"]
         assert service["environment"]["REVISIT_API_KEYS_FILE"] == "/run/secrets/api_keys"
         assert "REVISIT_AUTH" not in service["environment"]  # keys mode, `revisit gateway`'s default
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.scale-out.yaml"])
+def test_the_gateways_and_workers_share_the_deployment_secret(name):
+    config = compose_file({"SECRET_FILE": "/etc/revisit/secret"}, name=name)
+    assert config["secrets"]["data_plane_secret"] == {"file": "/etc/revisit/secret"}
+    parts = {n: s for n, s in config["services"].items() if n.startswith(("gateway", "worker"))}
+    assert any(n.startswith("gateway") for n in parts) and any(n.startswith("worker") for n in parts)
+    for part in parts.values():
+        assert "data_plane_secret" in part["secrets"]
+        assert part["environment"]["REVISIT_STORE_SECRET_FILE"] == "/run/secrets/data_plane_secret"

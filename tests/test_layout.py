@@ -17,7 +17,7 @@ PACKAGES = ("gateway", "engine_ext", "store", "dashboards", "plan", "settings", 
 # package -> the first-party packages it may import. The gateway and the engine extension never import each other;
 # both speak through plan (the wire format) and store (the shared KV store).
 ALLOWED = {
-    "plan": set(),
+    "plan": {"settings"},
     "settings": set(),
     "store": {"settings"},
     "dashboards": set(),

@@ -24,6 +24,7 @@ from engine_ext.executor.events import FullPrefill
 from engine_ext.rope import reposition, reposition_axes
 from store import Entry, KVStore, StoreError
 from store.entry import DTYPES
+from store.seal import PUBLIC, EntrySeal
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,12 @@ class StoredImage:
         return int(self.k.shape[1])
 
 
-def to_entry(model_id: str, grid: tuple[int, int], image: StoredImage, prefix_digest: str = "") -> Entry:
+def to_entry(model_id: str, grid: tuple[int, int], image: StoredImage, prefix_digest: str = "",
+             seal: EntrySeal = PUBLIC) -> Entry:
+    """The entry of a stored image, its checksums under ``seal`` (the store's, which seals it for its key on put)."""
     return Entry.from_arrays(model_id=model_id, grid=grid, positions=image.positions.T.contiguous(),
                              encoder_output=image.encoder, k=image.k.permute(0, 2, 1, 3), v=image.v.permute(0, 2, 1, 3),
-                             prefix_digest=prefix_digest)
+                             prefix_digest=prefix_digest, seal=seal)
 
 
 def _tensor(array: np.ndarray, dtype_name: str) -> torch.Tensor:

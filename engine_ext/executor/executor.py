@@ -45,7 +45,7 @@ from engine_ext.executor.events import ExecutionEvents, ForwardClock, FullPrefil
 from engine_ext.executor.exact import ReusedKV, ReuseSpan
 from engine_ext.executor.rows import ImageRows, locate
 from engine_ext.rope import inv_freq
-from plan import APPROXIMATE, EXACT, MISS, ImagePlan, PlanError, RequestPlan
+from plan import APPROXIMATE, EXACT, MISS, ImagePlan, PlanError, RequestPlan, plan_key
 from plan.outcome import EVERY_IMAGE, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, Outcomes, outcome_box
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,10 @@ class PlanExecutor:
     """One per model instance (one per worker process); see the module docstring."""
 
     def __init__(self, model, *, model_id: str, store_factory: Callable[[], object] | None = None,
-                 outcomes_factory: Callable[[], Outcomes] | None = None) -> None:
+                 outcomes_factory: Callable[[], Outcomes] | None = None, plan_key: bytes | None = None) -> None:
         self.model = model
+        # Plans are executed only when authenticated under the secret the gateway shares (plan/request.py).
+        self.plan_key = plan_key if plan_key is not None else _plan_key()
         self.layers = model.model.layers
         self.model_id = model_id
         attn = self.layers[0].self_attn
@@ -104,9 +106,9 @@ class PlanExecutor:
 
     def _extend(self, input_ids: torch.Tensor, forward_batch, run_model: Callable[[], object]):
         plans = self._plans(forward_batch.rids)
+        _scope_items(forward_batch, plans, self._scoped)
         if not plans:
             return run_model()
-        _scope_items(forward_batch, plans, self._scoped)
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
         images = [(rows, plans[rows.rid].images[rows.index]) for rows in
@@ -173,7 +175,7 @@ class PlanExecutor:
         plans = {}
         for rid in rids or ():
             try:
-                plan = RequestPlan.from_rid(rid)
+                plan = RequestPlan.from_rid(rid, key=self.plan_key)
             except PlanError as exc:
                 log.warning("revisit: ignoring the plan of %s: %s", str(rid)[:48], exc)
                 self.events.add("plan_refused")
@@ -308,7 +310,8 @@ class PlanExecutor:
 
     def _write(self, plan: ImagePlan, image: StoredImage) -> None:
         try:
-            size = self.store.put(plan.key, to_entry(self.model_id, plan.grid, image, plan.prefix_digest))
+            entry = to_entry(self.model_id, plan.grid, image, plan.prefix_digest, seal=self.store.seal)
+            size = self.store.put(plan.key, entry)
         except Exception:
             log.exception("revisit: storing %s failed", plan.key)
             self.events.add("store_failed")
@@ -323,18 +326,20 @@ class PlanExecutor:
 
 
 def _scope_items(forward_batch, plans: dict[str, RequestPlan], scoped: dict[int, None]) -> None:
-    """Key each image item of a scoped plan's request by its tenant's scope, once, before SGLang's encoder-output
-    cache (and this executor) look it up: the same pixels sent by two namespaces are two entries there, so neither
-    is served, or can time, the other's embeddings. The radix cache is kept apart by ``extra_key`` already.
+    """Key each image item of a request by its tenant's scope, once, before SGLang's encoder-output cache (and this
+    executor) look it up: the same pixels sent by two namespaces are two entries there, so neither is served, or
+    can time, the other's embeddings. The radix cache is kept apart by ``extra_key`` already. A request without an
+    authenticated scope (its plan refused, or none: not the gateway's) is keyed by its own id: it shares nothing.
     ``scoped`` holds the hashes already keyed so (an item comes back in each chunk of its request)."""
     for rid, mm in zip(forward_batch.rids or (), forward_batch.mm_inputs or (), strict=False):
-        plan = plans.get(rid)
-        if plan is None or not plan.scope or mm is None:
+        if mm is None:
             continue
+        plan = plans.get(rid)
+        scope = plan.scope if plan is not None and plan.scope else f"unscoped:{rid}"
         for item in mm.mm_items:
             if item.hash in scoped:
                 continue
-            digest = hashlib.blake2b(f"{plan.scope}:{item.hash}".encode(), digest_size=8).digest()
+            digest = hashlib.blake2b(f"{scope}:{item.hash}".encode(), digest_size=8).digest()
             item.hash = int.from_bytes(digest, "big")  # SGLang masks it as it does its own
             scoped[item.hash] = None
             while len(scoped) > 65536:
@@ -355,6 +360,13 @@ def _open_store():
     from store import StoreConfig, open_store
 
     return open_store(StoreConfig.from_env())
+
+
+def _plan_key() -> bytes:
+    from settings.secret import DataPlaneSecret
+    from store import StoreConfig
+
+    return plan_key(DataPlaneSecret.read(StoreConfig.from_env().secret_file))
 
 
 def _open_outcomes() -> Outcomes:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config.errors import ConfigError
+from gateway.config.limits import AdmissionLimits
 from gateway.config.media import ImageLimits, ProcessorSettings, VideoSettings
 from gateway.config.responses import ResponseCacheSettings
 from gateway.config.reuse import MatchSettings, PolicySettings, ReuseSettings
@@ -22,6 +23,8 @@ from plan import (
 from plan.checkpoint import vocab_size
 from settings import PREFIX as ENV_PREFIX
 from settings import EnvReader
+from settings.secret import DataPlaneSecret, SecretError
+from store.config import ENV_PREFIX as STORE_ENV_PREFIX
 from store.config import StoreConfig
 from store.errors import ConfigError as StoreConfigError
 
@@ -64,6 +67,11 @@ class GatewayConfig:
     # Which API keys are served and the cache namespace of each (gateway/config/tenants.py). The default serves
     # only listed keys, and lists none: an operator lists them, or asks for open mode (a laptop's `revisit serve`).
     tenants: TenantSettings = field(default_factory=TenantSettings)
+    # The deployment secret shared with the workers (REVISIT_STORE_SECRET_FILE, settings/secret.py): plans are
+    # authenticated with it, and the store seals entries under it. Unset: public keys (integrity only).
+    secret: DataPlaneSecret = field(default_factory=DataPlaneSecret)
+    # Requests and body bytes in flight, overall and per API key, and the body's deadline (gateway/admission.py).
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     policy: PolicySettings = field(default_factory=PolicySettings)
     # Bearer token for /admin; None disables the admin API (every call answers 403).
     admin_token: str | None = None
@@ -142,13 +150,16 @@ class GatewayConfig:
                 ("max_images_per_request", get("MAX_IMAGES_PER_REQUEST", int)),
                 ("max_image_bytes", get("MAX_IMAGE_BYTES", int)),
                 ("max_image_pixels", get("MAX_IMAGE_PIXELS", int)),
+                ("max_request_pixels", get("MAX_REQUEST_PIXELS", int)),
                 ("allow_private_urls", get("ALLOW_PRIVATE_IMAGE_URLS", bool)),
+                ("fetch_deadline_s", get("FETCH_DEADLINE_S", float)),
             )
             if value is not None
         }
         if image_kwargs:
             kwargs["images"] = ImageLimits(**image_kwargs)
         kwargs["videos"] = VideoSettings.from_env(env.environ)
+        kwargs["admission"] = AdmissionLimits.from_env(env.environ)
         kwargs["responses"] = ResponseCacheSettings.from_env(env.environ)
         policy_kwargs = {
             key: value
@@ -191,6 +202,10 @@ class GatewayConfig:
             uniform_ratio=get("RECOMPUTE_RATIO", float, DEFAULT_RECOMPUTE_RATIO),
             match=MatchSettings.from_env(env.environ, model_dir=model_dir))
         kwargs["tenants"] = _tenants_from_env(env, open_by_default=open_by_default)
+        try:
+            kwargs["secret"] = DataPlaneSecret.read(env.path(STORE_ENV_PREFIX + "SECRET_FILE"))
+        except SecretError as exc:
+            raise ConfigError(str(exc)) from None
         kwargs.update(overrides)
         missing = [name for name in ("model", "workers") if name not in kwargs]
         if missing:
@@ -199,6 +214,11 @@ class GatewayConfig:
             )
         config = cls(**kwargs)
         config.tenants.require_keys()  # last, so that a setting missing or wrong is named first
+        if config.tenants.mode == KEYS and not config.secret.configured:
+            raise ConfigError(
+                f"keys mode needs the deployment secret the workers share: set {STORE_ENV_PREFIX}SECRET_FILE on the "
+                "gateway and every worker to one file of 32 random bytes (`revisit keys secret FILE` makes one), "
+                "so that nobody who reaches the store or a worker can forge what they use")
         return config
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.images import token_grid
 from gateway.tenancy import cache_scope
-from plan import RID_PREFIX, ImagePlan, RequestPlan
+from plan import PUBLIC_PLAN_KEY, RID_PREFIX, ImagePlan, RequestPlan
 from tests.conftest import worker_events
 from tests.images_lib import data_url, encode, small
 
@@ -119,7 +119,8 @@ def test_a_client_cannot_smuggle_a_plan_or_a_cache_scope(gateway, picture) -> No
     wait_stored(gateway, victim_key)
     assert victim_key in gateway.app.state.services.policy  # the victim's entry is in the books
     forged = RequestPlan(images=(ImagePlan(key=victim_key, strategy="exact", tokens=49, grid=(7, 7)),))
-    for field, value in (("rid", forged.to_rid("forged")), ("extra_key", cache_scope("default"))):
+    for field, value in (("rid", forged.to_rid("forged", key=PUBLIC_PLAN_KEY)),
+                         ("extra_key", cache_scope("default", b""))):
         body = {"model": "revisit-tiny", "max_tokens": 4, field: value, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": QUESTION}]}]}
         refused = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=300,

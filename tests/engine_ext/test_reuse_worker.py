@@ -32,6 +32,7 @@ from plan import (
     FULL_REUSE,
     MISS,
     PARTIAL_PASS,
+    PUBLIC_PLAN_KEY,
     RID_PREFIX,
     SELECTORS,
     ImagePlan,
@@ -95,7 +96,7 @@ def grid_of(prompt) -> tuple[int, int]:
 
 
 def rid(*images: ImagePlan) -> str:
-    return RequestPlan(images=images).to_rid(uuid.uuid4().hex)
+    return RequestPlan(images=images).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
 
 
 def ran(pair: Pair, plan_rid: str) -> dict[int, Outcome] | None:
@@ -296,7 +297,7 @@ def test_the_encoder_cache_is_kept_apart_per_tenant_scope(pair: Pair, picture: I
     def scoped(scope: str) -> str:
         plan = ImagePlan(key=key_for(f"{pair.arch}-scoped"), strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
                          store=False)
-        return RequestPlan(images=(plan,), scope=scope).to_rid(uuid.uuid4().hex)
+        return RequestPlan(images=(plan,), scope=scope).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
 
     answers, runs, rids = [], [vision_runs(pair.b)], []
     for scope in ("revisit-ns-a", "revisit-ns-a", "revisit-ns-b"):

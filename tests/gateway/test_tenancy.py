@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 
 from gateway.config import TenantSettings, key_digest
-from gateway.tenancy import InvalidApiKey, Tenants
+from gateway.tenancy import InvalidApiKey, Tenants, cache_scope
+from settings.secret import DataPlaneSecret
 
 ALICE, BOB = "sk-alice-0123456789", "sk-bob-0123456789ab"
 
@@ -42,8 +43,7 @@ def test_every_request_with_images_carries_its_namespace_scope_to_the_worker():
     from gateway.images import canonicalize
     from gateway.intake import IntakeResult
     from gateway.routes.openai_api import scoped_plan, upstream_body
-    from gateway.tenancy import cache_scope
-    from plan import MISS, RequestPlan
+    from plan import MISS, PUBLIC_PLAN_KEY, RequestPlan
     from tests.images_lib import encode, small
 
     config = GatewayConfig(model="m", workers=("http://w",))
@@ -51,9 +51,19 @@ def test_every_request_with_images_carries_its_namespace_scope_to_the_worker():
                          namespace="ns-a")
     intake = IntakeResult(upstream_body={}, params=None, images=(image,), namespace="ns-a",  # type: ignore[arg-type]
                           prefix_digests=("p",))
-    plan = scoped_plan(None, intake, "ns-a")  # reuse off: no plan was made
-    assert plan is not None and plan.scope == cache_scope("ns-a") != cache_scope("ns-b")
+    scope = cache_scope("ns-a", b"k" * 32)
+    plan = scoped_plan(None, intake, scope)  # reuse off: no plan was made
+    assert plan is not None and plan.scope == scope != cache_scope("ns-b", b"k" * 32)
     assert [(p.key, p.strategy, p.store) for p in plan.images] == [(image.key, MISS, False)] and not plan.reported
-    body = upstream_body({"messages": []}, namespace="ns-a", rid=plan.to_rid("r1"))
-    assert body["extra_key"] == plan.scope and RequestPlan.from_rid(body["rid"]) == plan
-    assert scoped_plan(None, dataclasses.replace(intake, images=()), "ns-a") is None  # text only: no plan
+    body = upstream_body({"messages": []}, scope=scope, rid=plan.to_rid("r1", key=PUBLIC_PLAN_KEY))
+    assert body["extra_key"] == plan.scope and RequestPlan.from_rid(body["rid"], key=PUBLIC_PLAN_KEY) == plan
+    assert scoped_plan(None, dataclasses.replace(intake, images=()), scope) is None  # text only: no plan
+
+
+def test_a_namespace_scope_cannot_be_named_without_the_secret():
+    secret = DataPlaneSecret(b"s" * 32)
+    caller = Tenants(TenantSettings.open({ALICE: "team"}), secret).identify(f"Bearer {ALICE}")
+    assert caller.scope == cache_scope("team", secret.key("cache-scope"))
+    for guess in (cache_scope("team", DataPlaneSecret().key("cache-scope")),  # as a worker's visitor could compute
+                  cache_scope("team", DataPlaneSecret(b"t" * 32).key("cache-scope"))):
+        assert guess != caller.scope

@@ -10,7 +10,7 @@ import pytest
 
 from engine_ext.executor.events import ExecutionEvents, OutcomeLog
 from gateway.planner import Planned
-from plan import RequestPlan
+from plan import PUBLIC_PLAN_KEY, RequestPlan
 from plan.outcome import EVERY_IMAGE, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, OutcomeBox
 
 
@@ -39,7 +39,7 @@ def test_an_outcome_is_taken_once_and_what_nobody_took_is_swept(tmp_path) -> Non
 def test_the_worst_outcome_of_a_request_wins_over_its_chunks(tmp_path) -> None:
     box = OutcomeBox(tmp_path)
     log = OutcomeLog(lambda: box, ExecutionEvents())
-    plan_rid = RequestPlan().to_rid("abc")
+    plan_rid = RequestPlan().to_rid("abc", key=PUBLIC_PLAN_KEY)
     assert RequestPlan.request_id(plan_rid) == "abc" and RequestPlan.request_id("chatcmpl-1") is None
     log.record(plan_rid, 0, Outcome(PLANNED))
     log.record(plan_rid, 0, Outcome(FULL_PREFILL, "kv_read_failed"))

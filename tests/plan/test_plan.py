@@ -12,14 +12,17 @@ from plan import (
     MISS,
     PARTIAL_PASS,
     PLAN_VERSION,
+    PUBLIC_PLAN_KEY,
     RID_PREFIX,
     VLCACHE,
     ImagePlan,
     PlanError,
     RecomputeProfile,
     RequestPlan,
+    plan_key,
     recompute_count,
 )
+from settings.secret import DataPlaneSecret
 
 A, B = "a" * 64, "b" * 64
 
@@ -116,16 +119,34 @@ def test_profile_saves_loads_and_is_checked(tmp_path) -> None:
         RecomputeProfile.load(tmp_path / "missing.json")
 
 
+KEY = plan_key(DataPlaneSecret(b"s" * 32))
+
+
 def test_plans_ride_in_the_request_id() -> None:
     plan = RequestPlan(images=(ImagePlan(key=A, strategy=EXACT, tokens=64, grid=(8, 8), ratios=(0.5,) * 12),))
-    rid = plan.to_rid("req-1")
+    rid = plan.to_rid("req-1", key=KEY)
     assert rid.startswith(f"{RID_PREFIX}req-1.") and rid.endswith(".")
-    assert RequestPlan.from_rid(rid) == plan
-    assert RequestPlan.from_rid(rid + "_1") == plan  # a suffix after the last dot is ignored
-    assert RequestPlan.from_rid("chatcmpl-123") is None and RequestPlan.from_rid(None) is None
-    with pytest.raises(PlanError, match="damaged"):
-        RequestPlan.from_rid(f"{RID_PREFIX}req-1.not*base64.")
+    assert RequestPlan.from_rid(rid, key=KEY) == plan
+    assert RequestPlan.from_rid(rid + "_1", key=KEY) == plan  # a suffix after the last dot is ignored
+    assert RequestPlan.from_rid("chatcmpl-123", key=KEY) is None and RequestPlan.from_rid(None, key=KEY) is None
+    with pytest.raises(PlanError, match="MAC"):
+        RequestPlan.from_rid(f"{RID_PREFIX}req-1.not*base64.x.", key=KEY)
     with pytest.raises(PlanError):
-        RequestPlan.from_rid(f"{RID_PREFIX}req-1")
+        RequestPlan.from_rid(f"{RID_PREFIX}req-1", key=KEY)
     with pytest.raises(PlanError, match="request_id"):
-        plan.to_rid("has.dots")
+        plan.to_rid("has.dots", key=KEY)
+
+
+def test_a_plan_is_executed_only_under_the_secret_it_was_made_with() -> None:
+    plan = RequestPlan(images=(ImagePlan(key=A, strategy=EXACT, tokens=64, grid=(8, 8)),), scope="revisit-ns-a")
+    rid = plan.to_rid("req-1", key=KEY)
+    request_id, packed, tag = rid.removeprefix(RID_PREFIX).split(".")[:3]
+    other = RequestPlan(images=(ImagePlan(key=B, strategy=EXACT, tokens=64, grid=(8, 8)),), scope="revisit-ns-a")
+    other_packed = other.to_rid("req-1", key=KEY).split(".")[2]
+    for forged in (plan.to_rid("req-1", key=PUBLIC_PLAN_KEY),  # made without the secret
+                   plan.to_rid("req-1", key=plan_key(DataPlaneSecret(b"t" * 32))),  # under another secret
+                   f"{RID_PREFIX}req-2.{packed}.{tag}.",  # moved to another request
+                   f"{RID_PREFIX}{request_id}.{other_packed}.{tag}.",  # another plan under this one's MAC
+                   f"{RID_PREFIX}{request_id}.{packed}.."):  # no MAC
+        with pytest.raises(PlanError, match="MAC|authenticated"):
+            RequestPlan.from_rid(forged, key=KEY)

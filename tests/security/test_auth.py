@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from gateway.config import GatewayConfig, key_digest
+from settings.secret import DataPlaneSecret
 from tests.conftest import MODEL_ID, run_gateway
 from tests.images_lib import png_data_url, small
 
@@ -31,7 +32,7 @@ def keyed(workers, model_path, tmp_path_factory):
     keys.write_text(f"# tenants\nteam-a {ALICE}\n\nteam-b sha256:{key_digest(BOB)}\n")
     config = GatewayConfig.from_env({"REVISIT_MODEL": MODEL_ID, "REVISIT_WORKERS": ",".join(w.url for w in workers),
                                      "REVISIT_MODEL_DIR": str(model_path), "REVISIT_API_KEYS_FILE": str(keys),
-                                     "REVISIT_REUSE": "0"})
+                                     "REVISIT_REUSE": "0", "REVISIT_STORE_SECRET_FILE": secret_file(keys.parent)})
     server = run_gateway(config)
     try:
         yield server
@@ -85,9 +86,38 @@ def test_a_refused_request_is_refused_before_its_body_is_read(keyed):
     assert response.status_code == 401
 
 
+def secret_file(folder: Path) -> str:
+    path = folder / "secret"
+    if not path.exists():
+        DataPlaneSecret.create(path)
+    return str(path)
+
+
 def environment(**settings: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REVISIT_")}
     return {**env, "REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://127.0.0.1:9", "REVISIT_REUSE": "0", **settings}
+
+
+def test_keys_mode_without_the_deployment_secret_does_not_start(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text(f"team-a {ALICE}\n")
+    result = subprocess.run([REVISIT, "gateway"], capture_output=True, text=True, timeout=60,
+                            env=environment(REVISIT_API_KEYS_FILE=str(keys)))
+    assert result.returncode == 2 and "REVISIT_STORE_SECRET_FILE" in result.stderr
+    (tmp_path / "short").write_text("ab" * 8)
+    result = subprocess.run([REVISIT, "gateway"], capture_output=True, text=True, timeout=60,
+                            env=environment(REVISIT_API_KEYS_FILE=str(keys),
+                                            REVISIT_STORE_SECRET_FILE=str(tmp_path / "short")))
+    assert result.returncode == 2 and "at least 32" in result.stderr and "ab" * 8 not in result.stderr
+
+
+def test_revisit_keys_secret_makes_a_private_secret_and_never_overwrites_one(tmp_path):
+    path = tmp_path / "secret"
+    subprocess.run([REVISIT, "keys", "secret", str(path)], check=True, timeout=60, capture_output=True)
+    made = path.read_bytes()
+    assert DataPlaneSecret.read(path).configured and (path.stat().st_mode & 0o777) == 0o600
+    again = subprocess.run([REVISIT, "keys", "secret", str(path)], timeout=60, capture_output=True, text=True)
+    assert again.returncode == 2 and "exists" in again.stderr and path.read_bytes() == made
 
 
 def test_revisit_gateway_without_keys_does_not_start_and_says_what_to_do():
@@ -115,6 +145,7 @@ def test_a_new_key_from_the_command_is_served(tmp_path, workers, model_path):
     assert key.startswith("sk-revisit-") and key not in keys.read_text()  # the file holds its digest only
     assert (keys.stat().st_mode & 0o777) == 0o600
     config = GatewayConfig.from_env(environment(REVISIT_MODEL=MODEL_ID, REVISIT_API_KEYS_FILE=str(keys),
+                                                REVISIT_STORE_SECRET_FILE=secret_file(tmp_path),
                                                 REVISIT_WORKERS=",".join(w.url for w in workers),
                                                 REVISIT_MODEL_DIR=str(model_path)))
     server = run_gateway(config)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from store import EntryPinnedError, InvalidKeyError, InvalidReadError, StoreClosedError, split_kv
+from store import EntryFormatError, EntryPinnedError, InvalidKeyError, InvalidReadError, StoreClosedError, split_kv
+from store.entry import seal_entry
 from tests.store.entries import SMALL, expected_sparse, key_for, make_entry
 
 
@@ -87,7 +88,10 @@ def test_put_replaces(store):
     key = key_for("replace")
     store.put(key, make_entry(1)[0])
     replacement = make_entry(2)[0]
-    store.put(key, replacement.data)  # raw bytes are accepted too
+    with pytest.raises(EntryFormatError, match="seal"):
+        store.put(key, bytes(replacement.data))  # raw bytes must be sealed for the key already
+    seal_entry(replacement.data, key, store.seal)
+    store.put(key, bytes(replacement.data))  # as a copy from another tier is
     with store.get(key) as view:
         assert view.header.model_id == "seed-2"
     assert store.stats().entries == 1

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from store import StoreConfig
+from store.entry import seal_entry
 from tests.store.conftest import open_kind
 from tests.store.entries import expected_sparse, key_for, make_entry
 
@@ -78,6 +79,7 @@ def reader(kind: str, config: StoreConfig, seed: int, barrier, duration_s: float
                 continue
             with view:
                 entry = original(view.header.model_id)[0]
+                seal_entry(entry.data, key, store.seal)  # as the writer's put sealed it for this key
                 mismatches += bytes(view.buffer) != entry.data
         else:
             tokens = sorted(rng.sample(range(SHAPE["tokens"]), 16))
