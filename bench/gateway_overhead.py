@@ -5,18 +5,23 @@ then sends each request twice in alternation (direct, gateway, direct, gateway, 
 so drift in machine load hits both paths alike. Prints p50/p95 latency per request
 kind and path, the overhead, worker start time and peak memory.
 
-    .venv/bin/python bench/gateway_overhead.py [--size tiny|bench] [--rounds 30]
+    .venv/bin/python bench/gateway_overhead.py [--size tiny|bench] [--rounds 30] [--compare-with REF]
+
+``--compare-with REF`` adds a third path: the gateway of commit REF (a git worktree of it, made for the run), in
+the same alternation, so that a change's cost is measured side by side with what it replaced.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -25,7 +30,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import gateway_process  # noqa: E402
+from bench.harness import gateway_process, scratch_store  # noqa: E402
 from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from launcher import WorkerSpec, start_worker  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
@@ -106,6 +111,7 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", choices=("tiny", "bench"))
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--image-side", type=int, default=224)
+    parser.add_argument("--compare-with", metavar="REF", help="also measure the gateway of this git commit")
     args = parser.parse_args()
 
     model_path = build_model(DEFAULT_ARCH, args.size, on_progress=print)
@@ -118,17 +124,38 @@ def main() -> None:
         worker.wait_ready(900)
         worker_start_s = time.monotonic() - started
         # Reuse planning off: this measures what the gateway adds, not what reuse saves (bench/reuse_ttft.py).
+        # Open mode: one caller with no key, as a proxy measured beside it would be called.
         env = {"REVISIT_MODEL": MODEL_ID, "REVISIT_WORKERS": worker.url, "REVISIT_MODEL_DIR": str(model_path),
-               "REVISIT_REUSE": "0"}
-        with gateway_process(env, logs / "gateway.log") as gateway:
-            measure(args, model_path.name, worker, gateway, worker_start_s)
+               "REVISIT_REUSE": "0", "REVISIT_AUTH": "open"}
+        with contextlib.ExitStack() as running:
+            gateways = {"gateway": running.enter_context(gateway_process(
+                {**env, **scratch_store(logs / "store", "bench-overhead-")}, logs / "gateway.log"))}
+            if args.compare_with:  # a store of its own: an older gateway may write another entry format
+                code = running.enter_context(checkout(args.compare_with, logs))
+                gateways[f"gateway@{args.compare_with}"] = running.enter_context(gateway_process(
+                    {**env, **scratch_store(logs / "store-compared", "bench-overhead-")},
+                    logs / "gateway-compared.log", code=code))
+            measure(args, model_path.name, worker, gateways, worker_start_s)
     finally:
         worker.stop()
 
 
-def measure(args, model_name: str, worker, gateway, worker_start_s: float) -> None:
-    worker_peak, gateway_peak = PeakRss(worker.pid), PeakRss(gateway.pid)
-    paths = {"direct": worker.url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
+@contextlib.contextmanager
+def checkout(ref: str, work: Path) -> Iterator[Path]:
+    """A detached git worktree of ``ref`` for the length of the block."""
+    folder = work / "compared"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(folder), ref], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(folder)], check=False)
+
+
+def measure(args, model_name: str, worker, gateways: dict, worker_start_s: float) -> None:
+    worker_peak = PeakRss(worker.pid)
+    gateway_peaks = {name: PeakRss(gateway.pid) for name, gateway in gateways.items()}
+    paths = {"direct": worker.url + "/v1/chat/completions",
+             **{name: gateway.url + "/v1/chat/completions" for name, gateway in gateways.items()}}
     kinds = request_kinds(args.image_side)
     results: dict[tuple[str, str], list[float]] = {(k, p): [] for k in kinds for p in paths}
     with httpx.Client(timeout=300) as client:
@@ -138,24 +165,28 @@ def measure(args, model_name: str, worker, gateway, worker_start_s: float) -> No
                 timed(client, url, build(next(serial)))
         for round_index in range(args.rounds):
             for kind, build in kinds.items():
-                order = list(paths.items()) if round_index % 2 == 0 else list(paths.items())[::-1]
+                order = list(paths.items())
+                order = order[round_index % len(order):] + order[:round_index % len(order)]  # each path first in turn
                 for name, url in order:
                     results[(kind, name)].append(timed(client, url, build(next(serial))))
             worker_peak.sample()
-            gateway_peak.sample()
+            for peak in gateway_peaks.values():
+                peak.sample()
 
     print(f"\nmodel {model_name}, {args.rounds} rounds, image {args.image_side}x{args.image_side}, "
           f"max_completion_tokens=1, sequential, alternating paths")
-    print(f"{'request':26} {'direct p50':>11} {'gateway p50':>12} {'direct p95':>11} {'gateway p95':>12}"
-          f" {'overhead p50':>13} {'ratio p50':>10}")
-    for kind in kinds:
-        direct, via = results[(kind, "direct")], results[(kind, "gateway")]
-        d50, g50 = statistics.median(direct), statistics.median(via)
-        print(f"{kind:26} {d50 * 1e3:9.1f}ms {g50 * 1e3:10.1f}ms {percentile(direct, 95) * 1e3:9.1f}ms "
-              f"{percentile(via, 95) * 1e3:10.1f}ms {(g50 - d50) * 1e3:+11.1f}ms {g50 / d50:9.3f}x")
+    for gateway in gateways:
+        print(f"\n{gateway}:")
+        print(f"{'request':26} {'direct p50':>11} {'gateway p50':>12} {'direct p95':>11} {'gateway p95':>12}"
+              f" {'overhead p50':>13} {'ratio p50':>10}")
+        for kind in kinds:
+            direct, via = results[(kind, "direct")], results[(kind, gateway)]
+            d50, g50 = statistics.median(direct), statistics.median(via)
+            print(f"{kind:26} {d50 * 1e3:9.1f}ms {g50 * 1e3:10.1f}ms {percentile(direct, 95) * 1e3:9.1f}ms "
+                  f"{percentile(via, 95) * 1e3:10.1f}ms {(g50 - d50) * 1e3:+11.1f}ms {g50 / d50:9.3f}x")
     print(f"\nworker start to /health 200: {worker_start_s:.1f} s")
-    print(f"peak RSS: worker process tree {worker_peak.peak / 2**30:.2f} GiB, "
-          f"gateway {gateway_peak.peak / 2**20:.0f} MiB")
+    print(f"peak RSS: worker process tree {worker_peak.peak / 2**30:.2f} GiB, " + ", ".join(
+        f"{name} {peak.peak / 2**20:.0f} MiB" for name, peak in gateway_peaks.items()))
 
 
 if __name__ == "__main__":

@@ -39,13 +39,20 @@ class Gateway:
 
 
 @contextlib.contextmanager
-def gateway_process(env: Mapping[str, str], log_path: Path, timeout_s: float = 60) -> Iterator[Gateway]:
+def gateway_process(env: Mapping[str, str], log_path: Path, timeout_s: float = 60,
+                    code: Path | None = None) -> Iterator[Gateway]:
     """Run `revisit gateway` with env added to this process's environment, until the block ends; yields it once
-    its /health answers 200."""
+    its /health answers 200. ``code``: run the gateway of another checkout of the project (a folder holding its
+    packages, say a ``git worktree`` of an older commit) in this environment, instead of this one's."""
     port = free_port()
-    process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "revisit"), "gateway", "--port", str(port), "--log-level", "warning"],
-        env={**os.environ, **env}, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    args = ["gateway", "--port", str(port), "--log-level", "warning"]
+    if code is None:
+        command, extra = [str(Path(sys.executable).parent / "revisit"), *args], {}
+    else:
+        command = [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())", *args]
+        extra = {"PYTHONPATH": str(code)}
+    process = subprocess.Popen(command, env={**os.environ, **env, **extra}, cwd=code,
+                               stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

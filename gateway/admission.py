@@ -6,7 +6,8 @@ For each request it:
 2. admits it, or refuses it with OpenAI's 429 (``Retry-After: 1``) when the caller, or everyone together, already
    has ``max_requests`` requests or ``max_body_bytes`` of request bodies in flight (gateway.config.AdmissionLimits):
    one caller cannot take the gateway's memory, or its CPU for decoding and planning, from the others;
-3. counts the body's bytes against both budgets as they arrive (a declared Content-Length is reserved at once),
+3. counts the body's bytes against both budgets as they arrive (a declared Content-Length is reserved at once; a
+   body larger than one request may ever send is a 413),
    and ends a body that is not complete ``body_timeout_s`` after the request came in (408), however slowly it drips;
 4. once the body is in, watches the connection: a client that leaves cancels its request wherever it is (taking
    in images, planning, waiting for a worker, streaming), and so the upstream request; the handler's own reads
@@ -45,6 +46,16 @@ class TooManyRequests(ClientError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="rate_limit_exceeded")
+
+
+class RequestTooLarge(ClientError):
+    """A body larger than any budget could take, however long the client waited: no retry helps."""
+
+    status_code = 413
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body exceeds {limit} bytes, the most one request may send",
+                         code="request_too_large")
 
 
 class BodyTimeout(ClientError):
@@ -115,7 +126,13 @@ class Ticket:
         self._released = False
 
     def hold(self, size: int) -> None:
-        """Hold ``size`` more body bytes (TooManyRequests past a budget)."""
+        """Hold ``size`` more body bytes (TooManyRequests past a budget; RequestTooLarge past what one request
+        may ever hold)."""
+        limits = self._admission.limits
+        most = min(limits.max_body_bytes_per_request, limits.max_body_bytes_per_key)
+        if self.body_bytes + size > most:
+            self._admission.refused["request_too_large"] += 1
+            raise RequestTooLarge(most)
         self._admission._take_bytes(self._key_id, size)
         self.body_bytes += size
 

@@ -105,9 +105,12 @@ class Seen:
 class Load:
     """Clients sending the mixed load until told to stop; every request is recorded."""
 
-    def __init__(self, url: str, worker_urls: list[str], *, seed: int = 0, check_share: float = 0.3) -> None:
+    def __init__(self, url: str, worker_urls: list[str], *, seed: int = 0, check_share: float = 0.3,
+                 worker_api_key: str | None = None) -> None:
         self.url = url
         self.worker_urls = worker_urls
+        # The workers take requests only with the API key derived from the deployment secret (settings/secret.py).
+        self._worker_headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
         self.rng = random.Random(f"soak:{seed}")
         self.check_share = check_share
         self.seen = Seen()
@@ -353,9 +356,12 @@ class Load:
         url = rng.choice(self.worker_urls)
         try:
             response = await self._http.post(url + "/v1/chat/completions", json={
-                "model": MODEL_ID, "messages": messages, "max_tokens": 1, "temperature": 0}, timeout=60)
+                "model": MODEL_ID, "messages": messages, "max_tokens": 1, "temperature": 0}, timeout=60,
+                headers=self._worker_headers)
         except httpx.HTTPError:
             return None  # the worker is being killed or restarted: nothing to compare with
+        if response.status_code in (401, 403):  # not a fault the soak made: no check could ever run
+            raise RuntimeError(f"the worker at {url} refused the soak's API key ({response.status_code})")
         if response.status_code != 200:
             return None
         return (response.json()["choices"][0]["message"]["content"] or "").strip()

@@ -110,7 +110,8 @@ class Soak:
         self.plan = plan
         self.say = say
         self.rng = random.Random(f"faults:{plan.seed}")
-        self.load = Load(stack.url, stack.worker_urls, seed=plan.seed, check_share=plan.check_share)
+        self.load = Load(stack.url, stack.worker_urls, seed=plan.seed, check_share=plan.check_share,
+                         worker_api_key=stack.worker_api_key)
         self.results: list[FaultResult] = []
         self.probe_seconds: list[float] = []  # how long each of served()'s requests took
         self.loop_lag: Counter[str] = Counter()  # the gateway's loop-lag histogram (cumulative buckets), summed

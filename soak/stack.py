@@ -25,13 +25,14 @@ import httpx
 
 from bundled import ORACLE, QWEN2_5_VL, build_model
 from launcher import WorkerProcess, WorkerSpec, live_group_members, start_worker
-from settings.secret import DataPlaneSecret
+from settings.secret import DataPlaneSecret, worker_api_key
 from store.config import StoreConfig
 
 MODEL_ID = "revisit-oracle"
 ADMIN_TOKEN = "soak-admin-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TENANTS = ("sk-soak-tenant-a", "sk-soak-tenant-b")  # two API keys: two namespaces (gateway.tenancy)
+ATTACKER = "sk-soak-attacker"  # a third listed key, which the mixed load never uses (bench/dos_under_load.py)
 SHM = Path("/dev/shm")
 WORKER_READY_S = 600.0
 
@@ -56,6 +57,7 @@ class StackSettings:
     health_interval_s: float = 0.5
     health_timeout_s: float = 2.0  # SGLang answers /health in 1 s at best
     books_interval_s: float = 2.0
+    gateway_env: tuple[tuple[str, str], ...] = ()  # more REVISIT_* settings for the gateway
 
 
 @dataclass
@@ -121,6 +123,11 @@ class Stack:
     def worker_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{port}" for port in self.worker_ports]
 
+    @property
+    def worker_api_key(self) -> str | None:
+        """What the workers take requests with (derived from the deployment secret, as the gateway derives it)."""
+        return worker_api_key(DataPlaneSecret.read(self.store.secret_file))
+
     def store_env(self) -> dict[str, str]:
         s = self.store
         return {"REVISIT_STORE_NAME": s.name, "REVISIT_STORE_DRAM_DIR": str(s.dram_path),
@@ -177,7 +184,8 @@ class Stack:
         # Keys mode, the default of `revisit gateway`: the tenants' keys are listed (by digest), one namespace each.
         keys = self.root / "api-keys"
         keys.write_text("".join(f"soak-{i} sha256:{hashlib.sha256(key.encode()).hexdigest()}\n"
-                                for i, key in enumerate(TENANTS)))
+                                for i, key in enumerate((*TENANTS, ATTACKER))))
+        env.update(s.gateway_env)
         env["REVISIT_API_KEYS_FILE"] = str(keys)
         log = open(self.root / "logs" / f"gateway-{self.gateway_starts}.log", "wb")  # noqa: SIM115 (the child's)
         self.gateway = subprocess.Popen(

@@ -329,13 +329,16 @@ def _scope_items(forward_batch, plans: dict[str, RequestPlan], scoped: dict[int,
     """Key each image item of a request by its tenant's scope, once, before SGLang's encoder-output cache (and this
     executor) look it up: the same pixels sent by two namespaces are two entries there, so neither is served, or
     can time, the other's embeddings. The radix cache is kept apart by ``extra_key`` already. A request without an
-    authenticated scope (its plan refused, or none: not the gateway's) is keyed by its own id: it shares nothing.
+    authenticated plan (its plan refused, or none: not the gateway's) is keyed by its own id: it shares nothing. An
+    authenticated plan with no scope keeps SGLang's keys (the gateway scopes every request it plans).
     ``scoped`` holds the hashes already keyed so (an item comes back in each chunk of its request)."""
     for rid, mm in zip(forward_batch.rids or (), forward_batch.mm_inputs or (), strict=False):
         if mm is None:
             continue
         plan = plans.get(rid)
-        scope = plan.scope if plan is not None and plan.scope else f"unscoped:{rid}"
+        if plan is not None and not plan.scope:
+            continue  # an authenticated plan that shares its images' cache entries (no namespace asked for)
+        scope = plan.scope if plan is not None else f"unscoped:{rid}"
         for item in mm.mm_items:
             if item.hash in scoped:
                 continue

@@ -16,6 +16,8 @@ import pytest
 
 from plan.outcome import PLANNED, Outcome, OutcomeBox
 from store import DramTier, LmdbTier, StoreError
+from store.entry import seal_entry
+from store.seal import PUBLIC
 from tests.store.entries import key_for, make_entry
 
 NOBODY = 65534
@@ -108,6 +110,7 @@ def test_an_older_readable_dram_folder_of_ours_is_tightened(shm: Path) -> None:
     shm.mkdir()
     os.chmod(shm, 0o755)
     entry = make_entry(1)[0]
+    seal_entry(entry.data, key_for(1), PUBLIC)  # as a tier without a secret seals what it puts
     old = shm / (key_for(1) + ".kv")
     old.write_bytes(entry.data)
     os.chmod(old, 0o644)
