@@ -9,6 +9,7 @@
     revisit trace      make a trace from real images, or import one of image hashes (replay/)
     revisit keys new   make an API key for a namespace, and its line for REVISIT_API_KEYS_FILE
     revisit keys secret  make the deployment secret the gateways and workers share (REVISIT_STORE_SECRET_FILE)
+    revisit keys password  make the password of the books' Redis or Valkey server (REVISIT_BOOKS_PASSWORD_FILE)
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="add the key's line (its digest, not the key) to this key file, created 0600")
     new_secret = key_commands.add_parser("secret", help="write a new deployment secret (32 random bytes) to FILE")
     new_secret.add_argument("file", help="where to write it, created 0600; an existing file is left alone")
+    new_password = key_commands.add_parser(
+        "password", help="write a new password (32 random bytes as hex) for the books' Redis or Valkey server to FILE")
+    new_password.add_argument("file", help="where to write it, created 0600; an existing file is left alone")
 
     from replay.cli import add_commands
 
@@ -131,10 +135,25 @@ def _new_secret(path: str) -> int:
     return 0
 
 
+def _new_password(path: str) -> int:
+    from settings.redis_auth import create_password
+
+    try:
+        create_password(Path(path))
+    except FileExistsError:
+        print(f"revisit: {path} exists; it is left as it is", file=sys.stderr)
+        return 2
+    print(f"revisit: wrote a new password to {path}: the books' server requires it, and every gateway and worker "
+          "reads it (REVISIT_BOOKS_PASSWORD_FILE, REVISIT_STORE_OUTCOMES_PASSWORD_FILE)", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "keys" and args.keys_command == "secret":
         return _new_secret(args.file)
+    if args.command == "keys" and args.keys_command == "password":
+        return _new_password(args.file)
     if args.command == "keys":
         return _new_key(args.namespace, args.append)
     if args.command in ("replay", "trace"):

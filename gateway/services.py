@@ -12,7 +12,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.admission import Admission
-from gateway.books import BookLog, BooksError, SharedBooks, SharedFeatureStore
+from gateway.books import BookLog, BooksError, BooksUnavailable, SharedBooks, SharedFeatureStore
 from gateway.cache import CacheManager
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
@@ -90,10 +90,11 @@ class Services:
         store = open_store(store_config) if store_config is not None else None
         tiers = reuse.store.tiers if reuse.store is not None else DEFAULT_TIERS  # the books manage these
         policy: CachePolicy
-        if store_config is not None and config.books_url is not None:
+        books_address = config.books_address  # the URL with the server's password, if any, in it (shown masked)
+        if store_config is not None and books_address is not None:
             # Books shared with other replicas (gateway/books): the policy's changes and the match index's go
             # through one log in the books' server.
-            policy = SharedBooks(config.policy, BookLog(config.books_url, name=store_config.name), tiers=tiers)
+            policy = SharedBooks(config.policy, BookLog(books_address, name=store_config.name), tiers=tiers)
         else:
             policy = CachePolicy(config.policy, tiers=tiers)
         matcher, extractor = None, None
@@ -103,8 +104,8 @@ class Services:
             # records, which only means those images cannot be aliases; a synced write per miss would hold up the
             # cache thread.
             extractor = extractor_for(reuse.match)
-            features: FeatureRecords = SharedFeatureStore(config.books_url, name=store_config.name) \
-                if isinstance(policy, SharedBooks) and config.books_url is not None \
+            features: FeatureRecords = SharedFeatureStore(books_address, name=store_config.name) \
+                if isinstance(policy, SharedBooks) and books_address is not None \
                 else FeatureStore(store_config.features_path, sync=False)
             matcher = Matcher(reuse.match, scope=scope(config.model, config.processor, extractor), features=features)
             if isinstance(policy, SharedBooks):
@@ -137,7 +138,7 @@ class Services:
             tenants=Tenants(config.tenants, config.secret),
             admission=Admission(config.admission),
             plan_key=plan_key(config.secret),
-            outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_url, name=reuse.store.name)
+            outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_address, name=reuse.store.name)
             if store is not None and reuse.store is not None else None,
             responses=responses,
         )
@@ -159,7 +160,15 @@ class Services:
             # Join the shared books before serving: their snapshot and every event since (a BooksError here stops
             # the start, as a store that cannot be opened does).
             started = time.perf_counter()
-            await self.cache.run(self.policy.load)
+            try:
+                await self.cache.run(self.policy.load)
+            except BooksUnavailable as exc:
+                if _refused_credentials(exc):
+                    raise BooksUnavailable(
+                        f"the shared books' server {self.policy.log.url} refused this gateway's password: "
+                        "REVISIT_BOOKS_PASSWORD_FILE must name a file holding the password the server requires "
+                        f"({exc.__cause__})") from exc
+                raise
             log.info("joined the shared books at %s: %d entries, %d events applied, in %.2f s",
                      self.policy.log.prefix, len(self.policy), self.policy.applied, time.perf_counter() - started)
             self._follow = loop.create_task(self._follow_books(self.policy))
@@ -237,3 +246,10 @@ class Services:
         await self.intake.aclose()
         await self.fetcher.aclose()
         await self.client.aclose()
+
+
+def _refused_credentials(exc: BaseException) -> bool:
+    """Whether the books' server refused the client's password (or its lack of one), not merely failed to answer."""
+    import redis
+
+    return isinstance(exc.__cause__, redis.AuthenticationError)

@@ -35,6 +35,7 @@ from launcher.errors import SGLangVersionError
 from launcher.process import DEFAULT_STOP_GRACE_S, WorkerProcess
 from launcher.spec import WorkerSpec
 from plan.checkpoint import image_max_pixels, weights_dtype
+from settings.redis_auth import read_password
 from settings.secret import DataPlaneSecret, worker_api_key
 
 SGLANG_VERSION = "0.5.23"
@@ -156,6 +157,10 @@ def build_launch(spec: WorkerSpec, base_env: Mapping[str, str] | None = None) ->
                              env.get("REVISIT_STORE_SECRET_FILE") else DataPlaneSecret())
     if api_key is not None:
         argv += ["--api-key", api_key]
+    # The outcomes' server password (settings/redis_auth.py), read now: a worker whose file is missing or unusable
+    # does not start, rather than fail to leave every outcome.
+    if env.get("REVISIT_STORE_OUTCOMES_PASSWORD_FILE"):
+        read_password(Path(env["REVISIT_STORE_OUTCOMES_PASSWORD_FILE"]))
     return LaunchPlan(argv=argv, env=env)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from settings import EnvReader
+from settings.redis_auth import RedisPasswordError, RedisURL, with_password
 from store.errors import ConfigError
 
 ENV_PREFIX = "REVISIT_STORE_"
@@ -48,8 +49,11 @@ class StoreConfig:
     lmdb_sync: bool = True  # fsync on commit; False trades crash durability of recent puts for write speed
     features_dir: Path | None = None  # None: beside the LMDB tier, <lmdb dir>-features (store/features.py)
     outcomes_dir: Path | None = None  # None: beside the DRAM tier, <dram dir>-outcomes (plan/outcome.py)
-    # Outcomes through a Redis or Valkey server instead (redis://...), for gateways in front of other hosts' workers.
+    # Outcomes through a Redis or Valkey server instead (redis://...), for gateways in front of other hosts' workers;
+    # its password, if it asks for one, in outcomes_password_file (settings/redis_auth.py). The URL is shown with any
+    # password in it masked.
     outcomes_url: str = ""
+    outcomes_password_file: Path | None = None
     # The mooncake tier: the cluster's master (host:port), its metadata server and admin endpoint (defaults: the
     # master's own, http://<master host>:8080/metadata and http://<master host>:9003), and this process's address
     # as its peers reach it (default: the local address on the route to the master).
@@ -81,8 +85,11 @@ class StoreConfig:
             raise ConfigError("lmdb_max_readers must be >= 1 and lmdb_grow_wait_s >= 0")
         if Tier.MOONCAKE in self.tiers and not _ADDRESS_RE.match(self.mooncake_master):
             raise ConfigError(f"the mooncake tier needs mooncake_master as host:port, got {self.mooncake_master!r}")
+        object.__setattr__(self, "outcomes_url", RedisURL(self.outcomes_url))  # shown with its password masked
         if self.outcomes_url and not self.outcomes_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"outcomes_url must be a redis://, rediss:// or unix:// URL, got {self.outcomes_url!r}")
+        if self.outcomes_password_file is not None and not self.outcomes_url:
+            raise ConfigError("outcomes_password_file is set without outcomes_url")
         if self.mooncake_read_buffer_bytes < 0:
             raise ConfigError("mooncake_read_buffer_bytes must be >= 0")
         if self.mooncake_protocol not in ("tcp", "rdma"):
@@ -99,6 +106,18 @@ class StoreConfig:
         if self.mooncake_admin_url:
             return self.mooncake_admin_url
         return f"http://{self.mooncake_master.rpartition(':')[0]}:9003"
+
+    @property
+    def outcomes_address(self) -> str:
+        """The outcomes' server as this process connects to it: outcomes_url with the password of
+        outcomes_password_file in it (read now), shown masked; "" without one. Raises ConfigError for an unusable
+        file."""
+        if not self.outcomes_url:
+            return ""
+        try:
+            return with_password(self.outcomes_url, self.outcomes_password_file)
+        except RedisPasswordError as exc:
+            raise ConfigError(str(exc)) from None
 
     @property
     def dram_path(self) -> Path:

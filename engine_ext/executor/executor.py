@@ -376,4 +376,4 @@ def _open_outcomes() -> Outcomes:
     from store import StoreConfig
 
     config = StoreConfig.from_env()
-    return outcome_box(config.outcomes_path, config.outcomes_url, name=config.name)
+    return outcome_box(config.outcomes_path, config.outcomes_address, name=config.name)  # its password in it

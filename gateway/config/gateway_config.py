@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gateway.config.errors import ConfigError
@@ -23,6 +24,7 @@ from plan import (
 from plan.checkpoint import vocab_size
 from settings import PREFIX as ENV_PREFIX
 from settings import EnvReader
+from settings.redis_auth import RedisPasswordError, RedisURL, with_password
 from settings.secret import DataPlaneSecret, SecretError
 from store.config import ENV_PREFIX as STORE_ENV_PREFIX
 from store.config import StoreConfig
@@ -61,8 +63,10 @@ class GatewayConfig:
     books_interval_s: float = 10.0
     # Books shared by several gateway replicas (gateway/books): the Redis or Valkey server that holds them
     # (redis://host:6379/0); None keeps them in this gateway. Each replica applies the others' changes at least
-    # every books_follow_interval_s.
+    # every books_follow_interval_s. The server's password, if it asks for one, is read from books_password_file
+    # (settings/redis_auth.py); the URL is shown with any password in it masked.
     books_url: str | None = None
+    books_password_file: Path | None = None
     books_follow_interval_s: float = 0.1
     # Which API keys are served and the cache namespace of each (gateway/config/tenants.py). The default serves
     # only listed keys, and lists none: an operator lists them, or asks for open mode (a laptop's `revisit serve`).
@@ -105,10 +109,25 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ConfigError("admin_token must be at least 8 characters")
-        if self.books_url is not None and not self.books_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"books_url must be a redis://, rediss:// or unix:// URL, got {self.books_url!r}")
+        if self.books_url is not None:
+            object.__setattr__(self, "books_url", RedisURL(self.books_url))  # shown with its password masked
+            if not self.books_url.startswith(("redis://", "rediss://", "unix://")):
+                raise ConfigError(f"books_url must be a redis://, rediss:// or unix:// URL, got {self.books_url!r}")
+        if self.books_password_file is not None and self.books_url is None:
+            raise ConfigError("books_password_file is set without books_url")
         if self.metrics_require_token and not self.admin_token:
             raise ConfigError("metrics_require_token needs an admin_token")
+
+    @property
+    def books_address(self) -> RedisURL | None:
+        """The books' server as the gateway connects to it: books_url with the password of books_password_file
+        in it (read now), shown masked; None without shared books. Raises ConfigError for an unusable file."""
+        if self.books_url is None:
+            return None
+        try:
+            return with_password(self.books_url, self.books_password_file)
+        except RedisPasswordError as exc:
+            raise ConfigError(str(exc)) from None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, open_by_default: bool = False,
@@ -122,7 +141,7 @@ class GatewayConfig:
         REVISIT_ALLOW_PRIVATE_IMAGE_URLS (0/1), REVISIT_MAX_IMAGES_PER_REQUEST,
         REVISIT_MAX_IMAGE_BYTES, REVISIT_MAX_IMAGE_PIXELS, REVISIT_MAX_REQUEST_BYTES, REVISIT_IMAGE_MEMO_BYTES,
         REVISIT_UPSTREAM_TIMEOUT_S, REVISIT_HEALTH_INTERVAL_S, REVISIT_HEALTH_TIMEOUT_S,
-        REVISIT_BOOKS_INTERVAL_S, REVISIT_ADMIN_TOKEN,
+        REVISIT_BOOKS_INTERVAL_S, REVISIT_BOOKS_URL, REVISIT_BOOKS_PASSWORD_FILE, REVISIT_ADMIN_TOKEN,
         REVISIT_METRICS_REQUIRE_TOKEN (0/1), REVISIT_VIDEO_* (VideoSettings), REVISIT_RESPONSE_CACHE_*
         (ResponseCacheSettings), and the cache policy's
         REVISIT_DRAM_CAPACITY_BYTES, REVISIT_LMDB_CAPACITY_BYTES, REVISIT_PRESET_FRACTION,
@@ -131,7 +150,7 @@ class GatewayConfig:
         env = EnvReader(environ, error=ConfigError)
 
         readers: dict[type, Callable[[str, Any], Any]] = {str: env.string, int: env.integer, float: env.number,
-                                                          bool: env.flag}
+                                                          bool: env.flag, Path: env.path}
 
         def get(name: str, cast: type, default: Any = None) -> Any:
             return readers[cast](ENV_PREFIX + name, default)
@@ -187,6 +206,7 @@ class GatewayConfig:
             ("health_timeout_s", "HEALTH_TIMEOUT_S", float),
             ("books_interval_s", "BOOKS_INTERVAL_S", float),
             ("books_url", "BOOKS_URL", str),
+            ("books_password_file", "BOOKS_PASSWORD_FILE", Path),
             ("books_follow_interval_s", "BOOKS_FOLLOW_INTERVAL_S", float),
             ("keep_alive_s", "KEEP_ALIVE_S", float),
         ):
@@ -213,6 +233,13 @@ class GatewayConfig:
                 "missing settings: " + ", ".join(ENV_PREFIX + m.upper() for m in missing)
             )
         config = cls(**kwargs)
+        # The books' and the outcomes' passwords read now, so that a file missing or unusable stops the start.
+        config.books_address  # noqa: B018
+        if config.reuse.store is not None:
+            try:
+                config.reuse.store.outcomes_address  # noqa: B018
+            except StoreConfigError as exc:
+                raise ConfigError(str(exc)) from None
         config.tenants.require_keys()  # last, so that a setting missing or wrong is named first
         if config.tenants.mode == KEYS and not config.secret.configured:
             raise ConfigError(
