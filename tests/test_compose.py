@@ -19,13 +19,34 @@ import yaml
 from store import StoreConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}")
+VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+SCALE_OUT = "compose.scale-out.yaml"
+# What a file needs set to be read at all (Compose refuses it otherwise): this host's address on the cluster.
+REQUIRED = {SCALE_OUT: {"CLUSTER_ADDRESS": "10.0.0.5"}}
+
+
+class MissingVariable(KeyError):
+    """A ``${NAME:?message}`` whose variable is unset: Compose refuses the file with the message."""
+
+
+def _variable(match: re.Match[str], env: dict[str, str]) -> str:
+    if match[0] == "$$":
+        return "$"
+    value, op = env.get(match["name"]), match["op"]
+    if op in ("?", ":?"):
+        if value is None or (op == ":?" and value == ""):
+            raise MissingVariable(match["arg"])
+        return value
+    if op == "-":
+        return value if value is not None else match["arg"]
+    return value or (match["arg"] if op == ":-" else "") or ""
 
 
 def interpolated(value: Any, env: dict[str, str]) -> Any:
-    """``${NAME}`` and ``${NAME:-default}`` replaced as Compose replaces them (only the forms compose.yaml uses)."""
+    """``$$``, ``${NAME}``, ``${NAME:-default}`` and ``${NAME:?message}`` replaced as Compose replaces them (only the
+    forms the compose files use)."""
     if isinstance(value, str):
-        return VARIABLE.sub(lambda m: env.get(m["name"]) or (m["default"] or ""), value)
+        return VARIABLE.sub(lambda m: _variable(m, env), value)
     if isinstance(value, list):
         return [interpolated(v, env) for v in value]
     if isinstance(value, dict):
@@ -34,7 +55,8 @@ def interpolated(value: Any, env: dict[str, str]) -> Any:
 
 
 def compose_file(env: dict[str, str] | None = None, name: str = "compose.yaml") -> dict:
-    return interpolated(yaml.safe_load((ROOT / name).read_text()), env or {})
+    """The file as Compose reads it with ``env`` (over the variables the file requires)."""
+    return interpolated(yaml.safe_load((ROOT / name).read_text()), {**REQUIRED.get(name, {}), **(env or {})})
 
 
 def compose_schema() -> dict:
@@ -91,12 +113,10 @@ def test_the_monitoring_profile_scrapes_the_gateway_into_grafana_with_the_dashbo
         assert (ROOT / path).exists(), path
 
 
-SCALE_OUT = "compose.scale-out.yaml"
-
 
 def test_the_scale_out_example_follows_the_specification_and_names_one_shared_store_and_books():
     schema = compose_schema()
-    env = {"SHARED_HOST": "10.0.0.5", "HOST_ADDRESS": "10.0.0.11", "WORKERS": "http://10.0.0.11:30000"}
+    env = {"SHARED_HOST": "10.0.0.5", "CLUSTER_ADDRESS": "10.0.0.11", "WORKERS": "http://10.0.0.11:30000"}
     config = compose_file(env, SCALE_OUT)
     jsonschema.validators.validator_for(schema)(schema).validate(config)
     services = config["services"]
@@ -116,7 +136,7 @@ def test_the_scale_out_example_follows_the_specification_and_names_one_shared_st
     # The master listens where the store names it; the storage node joins it there.
     master = " ".join(services["mooncake-master"]["command"])
     assert "--rpc_port=50051" in master and "--http_metadata_server_port=8080" in master
-    assert "--metrics_port=9003" in master and "50051:50051" in services["mooncake-master"]["ports"]
+    assert "--metrics_port=9003" in master and "10.0.0.11:50051:50051" in services["mooncake-master"]["ports"]
     node = " ".join(services["mooncake-store"]["command"])
     assert "--master_server_address=10.0.0.5:50051" in node and "--host=10.0.0.11" in node
     # Both gateways share one set of books, on the Valkey service, and sit behind the load balancer.
@@ -139,14 +159,19 @@ def test_an_installed_compose_tool_reads_the_file_the_same_way():
         pytest.skip("no Compose tool installed: nothing to compare with")
     for name, profiles in (("compose.yaml", ["monitoring"]), (SCALE_OUT, ["shared", "gpu-host"])):
         flags = [flag for profile in profiles for flag in ("--profile", profile)]
-        result = subprocess.run([*tool, "-f", str(ROOT / name), *flags, "config"],
-                                capture_output=True, text=True, cwd=ROOT, timeout=120, env={"PATH": "/usr/bin:/bin"})
+        result = subprocess.run([*tool, "-f", str(ROOT / name), *flags, "config"], capture_output=True, text=True,
+                                cwd=ROOT, timeout=120, env={"PATH": "/usr/bin:/bin", **REQUIRED.get(name, {})})
         assert result.returncode == 0, result.stderr
         theirs, ours = yaml.safe_load(result.stdout)["services"], compose_file(name=name)["services"]
         assert set(theirs) == set(ours)
         for service_name, service in ours.items():
             assert {k: str(v) for k, v in theirs[service_name].get("environment", {}).items()} == {
                 k: str(v) for k, v in service.get("environment", {}).items()}
+            assert sorted(published(theirs[service_name])) == sorted(published(service)), service_name
+        if name in REQUIRED:  # the tool refuses the file without what it requires, and says what to set
+            refused = subprocess.run([*tool, "-f", str(ROOT / name), *flags, "config"], capture_output=True,
+                                     text=True, cwd=ROOT, timeout=120, env={"PATH": "/usr/bin:/bin"})
+            assert refused.returncode != 0 and "CLUSTER_ADDRESS" in refused.stdout + refused.stderr
 
 
 @pytest.mark.parametrize("name", ["compose.yaml", "compose.scale-out.yaml"])
@@ -170,3 +195,93 @@ def test_the_gateways_and_workers_share_the_deployment_secret(name):
     for part in parts.values():
         assert "data_plane_secret" in part["secrets"]
         assert part["environment"]["REVISIT_STORE_SECRET_FILE"] == "/run/secrets/data_plane_secret"
+
+
+def published(service: dict) -> list[tuple[str, str, str]]:
+    """(host address, host port, container port) of each port a service publishes, in either of Compose's forms
+    ("ADDRESS:PORT:PORT", "PORT:PORT", or a mapping with host_ip, published and target); "" for no address."""
+    found = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            found.append((str(port.get("host_ip", "")), str(port.get("published", "")), str(port["target"])))
+            continue
+        parts = str(port).partition("/")[0].rsplit(":", 2)
+        address, host, container = ([""] * (3 - len(parts)) + parts)
+        found.append((address.strip("[]"), host, container))
+    return found
+
+
+ALL_INTERFACES = ("", "0.0.0.0", "::")
+PUBLIC = {"compose.yaml": {"gateway"}, SCALE_OUT: {"load-balancer"}}  # the one service each file publishes to all
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", SCALE_OUT])
+def test_only_the_gateway_or_its_load_balancer_is_published_to_every_network(name):
+    services = compose_file(name=name)["services"]
+    for service_name, service in services.items():
+        for address, _, container in published(service):
+            if service_name in PUBLIC[name]:
+                continue
+            assert address not in ALL_INTERFACES, f"{service_name} publishes {container} to every network"
+    assert all(published(services[s]) for s in PUBLIC[name])
+    # The Mooncake master's admin port (it lists every key) and its RPC and metadata ports, and Valkey's, on the
+    # cluster's address alone.
+    if name == SCALE_OUT:
+        assert {p for p in published(services["mooncake-master"])} == {
+            ("10.0.0.5", port, port) for port in ("50051", "8080", "9003")}
+        assert published(services["valkey"]) == [("10.0.0.5", "6379", "6379")]
+        assert not any(published(services[s]) for s in ("gateway-1", "gateway-2"))  # behind the load balancer
+    else:
+        assert {published(services[s])[0][0] for s in ("prometheus", "grafana")} == {"127.0.0.1"}
+
+
+def test_on_one_host_the_workers_share_an_internal_network_with_the_gateway_alone():
+    config = compose_file()
+    services = config["services"]
+    assert config["networks"]["workers"]["internal"] is True
+    workers = [n for n in services if n.startswith("worker")]
+    for worker in workers:
+        assert services[worker]["networks"] == ["workers"] and not published(services[worker])
+    assert set(services["gateway"]["networks"]) == {"default", "workers"}
+    assert {n for n, s in services.items() if "workers" in s.get("networks", [])} == {"gateway", *workers}
+
+
+def test_across_hosts_what_shares_the_host_network_listens_on_the_cluster_address():
+    """The GPU hosts' workers and storage nodes share the host's network (Mooncake's transfer engine takes
+    connections from its peers): SGLang and the storage node listen on the host's cluster address, not on every
+    interface; nothing on the shared host shares its network."""
+    with pytest.raises(MissingVariable, match="CLUSTER_ADDRESS"):
+        interpolated(yaml.safe_load((ROOT / SCALE_OUT).read_text()), {})
+    services = compose_file({"SHARED_HOST": "10.0.0.5", "CLUSTER_ADDRESS": "10.0.0.11"}, SCALE_OUT)["services"]
+    on_host = {n for n, s in services.items() if s.get("network_mode") == "host"}
+    assert on_host == {"mooncake-store", "worker-0", "worker-1"}
+    for worker in ("worker-0", "worker-1"):
+        command = services[worker]["command"]
+        assert command[command.index("--host") + 1] == "10.0.0.11"
+        assert services[worker]["environment"]["REVISIT_STORE_MOONCAKE_LOCAL_HOSTNAME"] == "10.0.0.11"
+    assert "--host=10.0.0.11" in services["mooncake-store"]["command"]
+    assert not any("0.0.0.0" in str(services[n].get("command", "")) for n in on_host)
+
+
+def test_valkey_requires_the_password_of_a_secret_and_every_client_reads_it():
+    config = compose_file({"BOOKS_PASSWORD_FILE": "/etc/revisit/books-password"}, SCALE_OUT)
+    assert config["secrets"]["books_password"] == {"file": "/etc/revisit/books-password"}
+    valkey = config["services"]["valkey"]
+    assert valkey["secrets"] == ["books_password"]
+    start = valkey["command"]
+    assert start[:2] == ["sh", "-c"] and "requirepass" in start[2]
+    assert '"$(cat /run/secrets/books_password)"' in start[2]
+    assert "--requirepass" not in start[2]  # the password goes into a config file, never on a command line
+    assert "exec docker-entrypoint.sh valkey-server /tmp/auth.conf" in start[2]  # the image's own start, as valkey
+    assert "/run/secrets/books_password" in valkey["healthcheck"]["test"][1]
+    assert "PONG" in valkey["healthcheck"]["test"][1]  # an authenticated answer, not any answer
+    clients = {n: s for n, s in config["services"].items() if n.startswith(("gateway", "worker"))}
+    assert len(clients) == 4
+    for client_name, client in clients.items():
+        assert "books_password" in client["secrets"], client_name
+        environment = client["environment"]
+        assert environment["REVISIT_STORE_OUTCOMES_PASSWORD_FILE"] == "/run/secrets/books_password"
+        store = StoreConfig.from_env({k: str(v) for k, v in environment.items() if k.startswith("REVISIT_STORE_")})
+        assert store.outcomes_url and store.outcomes_password_file == Path("/run/secrets/books_password")
+        if client_name.startswith("gateway"):
+            assert environment["REVISIT_BOOKS_PASSWORD_FILE"] == "/run/secrets/books_password"
