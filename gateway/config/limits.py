@@ -16,8 +16,8 @@ class AdmissionLimits:
     """``REVISIT_ADMISSION_<FIELD>``. Requests (``/v1/...``) in flight, and the bytes of their bodies held, overall
     and per API key: past a limit a request gets OpenAI's 429 (``Retry-After: 1``), so one caller cannot take
     the gateway's memory or CPU from the others. A body that no budget could ever take (more than
-    ``max_body_bytes_per_request``, or than the per-key budget) is a 413 instead. ``body_timeout_s`` bounds reading a request's whole body (a 408
-    after it), however slowly the client sends it."""
+    ``max_body_bytes_per_request``, or than the per-key budget) is a 413 instead. ``body_timeout_s`` bounds reading
+    a request's whole body (a 408 after it), however slowly the client sends it."""
 
     max_requests: int = 1024
     max_requests_per_key: int = 64
