@@ -94,7 +94,8 @@ class Services:
         if store_config is not None and books_address is not None:
             # Books shared with other replicas (gateway/books): the policy's changes and the match index's go
             # through one log in the books' server.
-            policy = SharedBooks(config.policy, BookLog(books_address, name=store_config.name), tiers=tiers)
+            policy = SharedBooks(config.policy, BookLog(books_address, name=store_config.name, secret=config.secret),
+                                 tiers=tiers)
         else:
             policy = CachePolicy(config.policy, tiers=tiers)
         matcher, extractor = None, None

@@ -18,6 +18,11 @@ events after it, and rebuilds its match index from the shared feature store; a r
 that events it had not applied were trimmed loads the snapshot again. A replica that dies loses nothing: the log,
 the snapshot and the features are in the server, and the entries in the shared store.
 
+Authentication. Only events and snapshots that carry a valid MAC under the deployment secret are applied
+(gateway/books/log.py): the others are stepped over, and counted in :meth:`SharedBooks.status` (/admin/stats). A
+replica whose snapshot stays behind the log's trim (removed, forged, or an older one put back) goes on from the
+trim with the books it has.
+
 Threading: the cache thread's, like the policy it extends.
 """
 
@@ -37,6 +42,7 @@ from gateway.policy import CacheEntry, CachePolicy, Decision, PolicyError, Prese
 log = logging.getLogger(__name__)
 
 SNAPSHOT_EVERY = 5000  # events applied by a replica between two of its snapshots
+MAX_RELOADS = 3  # snapshot reloads in one catch-up before going on from the trim without one
 
 
 def settings_fingerprint(settings: PolicySettings, tiers: tuple[Tier, ...]) -> str:
@@ -155,22 +161,34 @@ class SharedBooks(CachePolicy):
         return saved
 
     def _follow(self, until: str | None) -> tuple[Any, PolicyError | None] | None:
-        found = None
+        found, reloads = None, 0
         while True:
-            trimmed, self._snapshot_seen, events = self.log.after(self.cursor)
-            if trimmed:
-                log.warning("the shared books' log was trimmed past this replica's place (%s): reloading the "
-                            "snapshot", self.cursor)
-                self._load_snapshot()
+            read = self.log.after(self.cursor)
+            self._snapshot_seen = read.snapshot
+            if read.trimmed and read.trimmed_to is not None:
+                if reloads < MAX_RELOADS:
+                    log.warning("the shared books' log was trimmed past this replica's place (%s): reloading the "
+                                "snapshot", self.cursor)
+                    self._load_snapshot()
+                    reloads += 1
+                    continue
+                # The snapshot stays behind the trim (it was removed, replaced by an older one, or is not
+                # authenticated): go on from the trim with the books as they are; the periodic reconciliation
+                # with the store (Services._keep_books) takes in what they miss.
+                log.warning("the shared books' snapshot does not reach the trim of their log (%s): going on from "
+                            "the trim", read.trimmed_to)
+                self.cursor = read.trimmed_to
                 continue
-            for event_id, event in events:
+            for event_id, event in read.events:
                 outcome = self._apply(event)
                 self.cursor = event_id
                 self.applied += 1
                 self._since_snapshot += 1
                 if event_id == until:
                     found = outcome
-            if len(events) < READ_BATCH or until is not None and found is not None:
+            if read.last is not None and id_after(read.last, self.cursor):
+                self.cursor = read.last  # past the entries that were not authenticated (the log counted them)
+            if read.read < READ_BATCH or until is not None and found is not None:
                 return found  # caught up, or up to the caller's own event (the rest can wait for the next call)
 
     def _apply(self, event: dict[str, Any]) -> tuple[Any, PolicyError | None]:
@@ -215,5 +233,6 @@ class SharedBooks(CachePolicy):
 
     def status(self) -> dict[str, Any]:
         return {"shared": True, "cursor": self.cursor, "applied": self.applied, "snapshot_reloads": self._reloads,
-                "log": self.log.prefix}
+                "log": self.log.prefix, "refused_events": self.log.refused_events,
+                "refused_snapshots": self.log.refused_snapshots}
 
