@@ -105,7 +105,8 @@ class Services:
             # records, which only means those images cannot be aliases; a synced write per miss would hold up the
             # cache thread.
             extractor = extractor_for(reuse.match)
-            features: FeatureRecords = SharedFeatureStore(books_address, name=store_config.name) \
+            features: FeatureRecords = SharedFeatureStore(books_address, name=store_config.name,
+                                                          secret=config.secret) \
                 if isinstance(policy, SharedBooks) and books_address is not None \
                 else FeatureStore(store_config.features_path, sync=False)
             matcher = Matcher(reuse.match, scope=scope(config.model, config.processor, extractor), features=features)
