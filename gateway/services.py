@@ -140,7 +140,8 @@ class Services:
             tenants=Tenants(config.tenants, config.secret),
             admission=Admission(config.admission),
             plan_key=plan_key(config.secret),
-            outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_address, name=reuse.store.name)
+            outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_address, name=reuse.store.name,
+                                 secret=config.secret)
             if store is not None and reuse.store is not None else None,
             responses=responses,
         )

@@ -24,19 +24,27 @@ one of ours that others may read (earlier versions made it 0755) is tightened.
 
 Across hosts (a gateway in front of workers on other hosts) the folder cannot be shared: ``SharedOutcomeBox`` keeps
 the same records in a Redis or Valkey server instead (``REVISIT_STORE_OUTCOMES_URL``, the server of the gateways'
-shared books), each with an expiry that does what ``sweep`` does for files. ``outcome_box`` picks one by the store
-settings.
+shared books), each with an expiry that does what ``sweep`` does for files, and each behind a MAC (HMAC-SHA256
+under the deployment secret's "outcomes" key, settings/secret.py) over the box's prefix, the request id and the
+record: a record that someone with access to the server placed there, or copied from another request or store, is
+ignored (the gateway then reports what it planned, as when a worker reports nothing). ``outcome_box`` picks one by
+the store settings.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from settings.secret import DataPlaneSecret, mac, same_mac
+
+log = logging.getLogger(__name__)
 
 PLANNED, FULL_PREFILL, UNPLANNED = "planned", "full_prefill", "unplanned"
 RAN = (PLANNED, FULL_PREFILL, UNPLANNED)
@@ -54,6 +62,7 @@ CAUSES = {
     "plan_mismatch": "the plan did not fit the request's images",
 }
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_MAC_BYTES = 32
 FOLDER_MODE, FILE_MODE = 0o700, 0o600  # the box's folder and files: this user only
 
 # The other thing workers report: when their model's last forward started and ended (Unix seconds), as gauges on
@@ -124,26 +133,46 @@ class SharedOutcomeBox:
     """Outcomes in a Redis or Valkey server: ``outcome:<request id>`` under the store's prefix, expiring after
     ``expire_s``. The same interface as OutcomeBox; one round trip per call."""
 
-    def __init__(self, url: str, *, name: str, expire_s: int = 600, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, *, name: str, expire_s: int = 600, timeout_s: float = 2.0,
+                 secret: DataPlaneSecret | None = None) -> None:
         import redis  # only where outcomes cross hosts
 
         self.prefix = f"revisit:{name}:outcome:"
         self.expire_s = expire_s
+        self.refused = 0  # records ignored: their MAC was missing or wrong
+        self._mac_key = (secret if secret is not None else DataPlaneSecret()).key("outcomes")
         self._errors = (redis.RedisError,)
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
+    def _mac(self, request_id: str, body: bytes) -> bytes:
+        return mac(self._mac_key, b"revisit-outcome", self.prefix.encode(), request_id.encode(), body)
+
     def put(self, request_id: str, outcomes: dict[int, Outcome]) -> None:
-        body = json.dumps({str(i): [o.ran, o.cause] for i, o in sorted(outcomes.items())})
+        body = json.dumps({str(i): [o.ran, o.cause] for i, o in sorted(outcomes.items())}).encode()
+        name = _name(request_id)
         try:
-            self._redis.set(self.prefix + _name(request_id), body, ex=self.expire_s)
+            self._redis.set(self.prefix + name, self._mac(name, body) + body, ex=self.expire_s)
         except self._errors as exc:
             raise OSError(f"could not leave the outcome of {request_id}: {exc}") from exc
 
     def take(self, request_id: str) -> dict[int, Outcome] | None:
+        """What a worker wrote for the request, removed; None when nothing was written, or the record is not
+        authenticated (counted), or the server did not answer. A blocking round trip: call it off the event loop."""
         try:
-            text = self._redis.getdel(self.prefix + _name(request_id))
-            return None if text is None else {int(i): Outcome(ran, cause)
-                                              for i, (ran, cause) in json.loads(text).items()}
+            name = _name(request_id)
+            value = self._redis.getdel(self.prefix + name)
+            if value is None:
+                return None
+            data = bytes(value)  # type: ignore[arg-type]
+            tag, body = data[:_MAC_BYTES], data[_MAC_BYTES:]
+            if len(tag) < _MAC_BYTES or not same_mac(self._mac(name, body), tag):
+                self.refused += 1
+                if self.refused == 1:
+                    log.warning("an outcome in %s was not authenticated (forged, copied from another request or "
+                                "store, made under another secret or by a version that did not authenticate them): "
+                                "ignored; further ones are counted, not logged", self.prefix)
+                return None
+            return {int(i): Outcome(ran, cause) for i, (ran, cause) in json.loads(body).items()}
         except (*self._errors, ValueError, TypeError):
             return None
 
@@ -155,9 +184,11 @@ class SharedOutcomeBox:
 Outcomes = OutcomeBox | SharedOutcomeBox  # either box: the same interface
 
 
-def outcome_box(outcomes_path: Path, outcomes_url: str = "", *, name: str = "default") -> Outcomes:
-    """The box the store settings name: a Redis server when ``outcomes_url`` is set, else the host's folder."""
-    return SharedOutcomeBox(outcomes_url, name=name) if outcomes_url else OutcomeBox(outcomes_path)
+def outcome_box(outcomes_path: Path, outcomes_url: str = "", *, name: str = "default",
+                secret: DataPlaneSecret | None = None) -> Outcomes:
+    """The box the store settings name: a Redis server when ``outcomes_url`` is set (its records authenticated under
+    ``secret``; None: a public key), else the host's folder."""
+    return SharedOutcomeBox(outcomes_url, name=name, secret=secret) if outcomes_url else OutcomeBox(outcomes_path)
 
 
 def _private_folder(path: Path, *, create: bool) -> None:

@@ -373,7 +373,11 @@ def _plan_key() -> bytes:
 
 
 def _open_outcomes() -> Outcomes:
+    from settings.secret import DataPlaneSecret
     from store import StoreConfig
 
     config = StoreConfig.from_env()
-    return outcome_box(config.outcomes_path, config.outcomes_address, name=config.name)  # its password in it
+    # Outcomes through a Redis server are authenticated under the deployment secret the gateway shares; the
+    # address carries the server's password, if any.
+    return outcome_box(config.outcomes_path, config.outcomes_address, name=config.name,
+                       secret=DataPlaneSecret.read(config.secret_file) if config.outcomes_url else None)
