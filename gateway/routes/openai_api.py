@@ -17,7 +17,7 @@ from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
 from gateway.metrics import FRAMES_SEEN, RESPONSE_CACHED, reuse_label
-from gateway.offload import lane, off_loop
+from gateway.offload import lane, off_loop, on_thread
 from gateway.openai_shape import CHAT, TEXT, Shape
 from gateway.planner import REUSE_MODES, Planned
 from gateway.protocol import parse_completion_body
@@ -109,9 +109,9 @@ async def chat_completions(request: Request) -> Any:
     route = Route(prefer=planned.prefer, public_id=public_id, on_served=on_served,
                   shape=Shape(CHAT, extras=config.response_extras))
 
-    def reuse_header() -> None:
+    async def reuse_header() -> None:
         if planned.kinds:
-            headers[REUSE_HEADER] = _what_ran(services, planned, request_id)
+            headers[REUSE_HEADER] = await _what_ran(services, planned, request_id)
 
     return await _answer(request, services, upstream, route, stream=intake.params.stream, headers=headers,
                          after_prefill=reuse_header, keep=_keeper(services, question, found))
@@ -171,7 +171,7 @@ async def completions(request: Request) -> Any:
 
 
 async def _answer(request: Request, services: Services, upstream: UpstreamRequest, route: Route, *, stream: bool,
-                  headers: dict[str, str], after_prefill: Callable[[], None] | None = None,
+                  headers: dict[str, str], after_prefill: Callable[[], Awaitable[None]] | None = None,
                   keep: Callable[[Answer], Awaitable[object]] | None = None) -> Response:
     """Send the request to a worker and answer the client: a stream once the worker's first event is in, or the
     whole body. ``after_prefill`` runs once the prompt is prefilled (it may add headers); ``keep`` gets the answer
@@ -179,7 +179,7 @@ async def _answer(request: Request, services: Services, upstream: UpstreamReques
     if stream:
         relayed = await services.dispatcher.open_stream(upstream, route)  # returns once the prefill is done
         if after_prefill is not None:
-            after_prefill()
+            await after_prefill()
         if keep is not None:
             relayed = recorded(relayed, keep)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -187,17 +187,18 @@ async def _answer(request: Request, services: Services, upstream: UpstreamReques
     # A client that leaves meanwhile cancels this (gateway/admission.py), and so the upstream request.
     result = await services.dispatcher.complete(upstream, route)
     if after_prefill is not None:
-        after_prefill()
+        await after_prefill()
     if keep is not None and (answer := Answer.of(result)) is not None:
         await keep(answer)
     return JSONResponse(result, headers=headers)
 
 
-def _what_ran(services: Services, planned: Planned, request_id: str) -> str:
-    """The reuse header from what the worker reports it ran (plan.outcome), its fallbacks counted and logged.
-    Reads one file of a few hundred bytes from shared memory: no disk, so it stays on the loop."""
+async def _what_ran(services: Services, planned: Planned, request_id: str) -> str:
+    """The reuse header from what the worker reports it ran (plan.outcome), its fallbacks counted and logged. The
+    outcome is read on a thread: a round trip to the books' server (or a small file in shared memory), which the
+    event loop must not wait on."""
     reported = services.outcomes is not None and planned.plan is not None and planned.plan.reported
-    ran = services.outcomes.take(request_id) if reported and services.outcomes is not None else None
+    ran = await on_thread(services.outcomes.take, request_id) if reported and services.outcomes is not None else None
     if ran is None:
         if reported:
             services.requests.unreported.inc()
