@@ -1,10 +1,11 @@
 """The deployment's secret: what authenticates everything on the data plane that decides which KV a request gets.
 
-Stored entries (store/seal.py), the plans that ride to the workers in SGLang's request id (plan/request.py) and
-the books shared by gateway replicas are each authenticated with a key derived from one secret that the gateways
-and the workers share and nobody else holds (``REVISIT_STORE_SECRET_FILE``: a file of at least 32 random bytes, or
-64 hex digits; ``revisit keys secret FILE`` makes one). Whoever can reach the store, the books' server or a worker
-can then read what they hold, but cannot make a gateway or a worker use anything they placed there.
+Stored entries (store/seal.py), the plans that ride to the workers in SGLang's request id (plan/request.py), and
+the books, match-index features (gateway/books) and outcomes (plan/outcome.py) shared through Redis or Valkey are
+each authenticated with a key derived from one secret that the gateways and the workers share and nobody else
+holds (``REVISIT_STORE_SECRET_FILE``: a file of at least 32 random bytes, or 64 hex digits; ``revisit keys secret
+FILE`` makes one). Whoever can reach the store, the books' server or a worker can then read what they hold, but
+cannot make a gateway or a worker use anything they placed there.
 
 Without a secret (a laptop's ``revisit serve``) the same checks run under public keys: they still catch damage,
 but not forgery.
