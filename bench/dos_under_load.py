@@ -50,6 +50,7 @@ from launcher import live_group_members  # noqa: E402
 from soak.load import Load, Record  # noqa: E402
 from soak.stack import ATTACKER, MODEL_ID, Stack, StackSettings  # noqa: E402
 
+ATTACKS = ("big_text_images", "json_values", "pixel_bomb", "deep_json", "flood", "slow_body", "drip_url")
 SERVED = ("text", "new_image", "repeat", "near_duplicate", "other_tenant", "video", "answered", "stream")
 AUTH = {"Authorization": f"Bearer {ATTACKER}", "Content-Type": "application/json"}
 
@@ -125,7 +126,7 @@ class DripServer:
                 writer.write(b"\x89")
                 await writer.drain()
                 await asyncio.sleep(1.5)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
         finally:
             writer.close()
@@ -143,14 +144,16 @@ class Attack:
     statuses: Counter = field(default_factory=Counter)  # (kind, status) -> count
     serial: int = 0
 
+    kinds: frozenset[str] = frozenset(ATTACKS)
+
     async def run(self, until: float) -> None:
+        loops = [[k for k in kinds if k in self.kinds] for kinds in (
+            ("big_text_images", "json_values"), ("pixel_bomb", "deep_json"), ("big_text_images", "pixel_bomb"),
+            ("flood",), ("drip_url",), ("drip_url",))]
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=256)) as client:
             await asyncio.gather(
-                *(self._loop(client, until, kinds) for kinds in (
-                    ("big_text_images", "json_values"), ("pixel_bomb", "deep_json"),
-                    ("big_text_images", "pixel_bomb"), ("flood",))),
-                self._slow_body(until), self._slow_body(until),
-                self._loop(client, until, ("drip_url",)), self._loop(client, until, ("drip_url",)))
+                *(self._loop(client, until, tuple(kinds)) for kinds in loops if kinds),
+                *(self._slow_body(until) for _ in range(2 if "slow_body" in self.kinds else 0)))
 
     async def _loop(self, client: httpx.AsyncClient, until: float, kinds: tuple[str, ...]) -> None:
         rng = random.Random(kinds[0])
@@ -285,7 +288,7 @@ async def run(args: argparse.Namespace, stack: Stack) -> None:
             until = time.monotonic() + args.phase_s
             tasks = [load.run(args.clients, until, 10**9)]
             if attacked:
-                attack = Attack(stack.url, bodies, drip)
+                attack = Attack(stack.url, bodies, drip, kinds=frozenset(args.attacks.split(",")))
                 attacks.append(attack)
                 tasks.append(attack.run(until))
             await asyncio.gather(*tasks)
@@ -341,7 +344,10 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=3, help="the mixed load's concurrent clients")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attacks", default=",".join(ATTACKS), help="which of the attacks to send (comma-separated)")
     args = parser.parse_args()
+    if unknown := set(args.attacks.split(",")) - set(ATTACKS):
+        parser.error(f"unknown attacks: {', '.join(sorted(unknown))}; known: {', '.join(ATTACKS)}")
     # Private image URLs allowed: the drip server is on loopback. The store sized as the soak's.
     settings = StackSettings(workers=args.workers, gateway_env=(("REVISIT_ALLOW_PRIVATE_IMAGE_URLS", "1"),))
     stack = Stack.create(settings)
