@@ -68,8 +68,10 @@ class BodyTimeout(ClientError):
 class Admission:
     """The requests and body bytes in flight, overall and per caller (their key's id)."""
 
-    def __init__(self, limits: AdmissionLimits) -> None:
+    def __init__(self, limits: AdmissionLimits, max_request_bytes: int) -> None:
         self.limits = limits
+        # The most one request's body may hold: no budget takes more (REVISIT_MAX_REQUEST_BYTES, and the per-key one).
+        self.most_per_request = min(max_request_bytes, limits.max_body_bytes_per_key)
         self.requests: Counter[str] = Counter()
         self.body_bytes: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()  # by reason: what /admin/stats shows
@@ -128,8 +130,7 @@ class Ticket:
     def hold(self, size: int) -> None:
         """Hold ``size`` more body bytes (TooManyRequests past a budget; RequestTooLarge past what one request
         may ever hold)."""
-        limits = self._admission.limits
-        most = min(limits.max_body_bytes_per_request, limits.max_body_bytes_per_key)
+        most = self._admission.most_per_request
         if self.body_bytes + size > most:
             self._admission.refused["request_too_large"] += 1
             raise RequestTooLarge(most)
@@ -214,6 +215,8 @@ class _Connection:
             raise BodyTimeout(self._timeout_s) from None
         if message["type"] == "http.disconnect":
             self._client_left()
+            if asyncio.current_task() is self._task:
+                await asyncio.sleep(0)  # the handler's own read: its cancellation lands here, not as a 500 later
             return message
         if message["type"] == "http.request":
             self._received += len(message.get("body", b""))

@@ -138,7 +138,7 @@ class Services:
             requests=RequestMetrics(registry),
             loop_lag=LoopLag(registry, config.loop_lag_interval_s),
             tenants=Tenants(config.tenants, config.secret),
-            admission=Admission(config.admission),
+            admission=Admission(config.admission, config.max_request_bytes),
             plan_key=plan_key(config.secret),
             outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_address, name=reuse.store.name,
                                  secret=config.secret)

@@ -15,15 +15,14 @@ ADMISSION_ENV_PREFIX = PREFIX + "ADMISSION_"
 class AdmissionLimits:
     """``REVISIT_ADMISSION_<FIELD>``. Requests (``/v1/...``) in flight, and the bytes of their bodies held, overall
     and per API key: past a limit a request gets OpenAI's 429 (``Retry-After: 1``), so one caller cannot take
-    the gateway's memory or CPU from the others. A body that no budget could ever take (more than
-    ``max_body_bytes_per_request``, or than the per-key budget) is a 413 instead. ``body_timeout_s`` bounds reading
-    a request's whole body (a 408 after it), however slowly the client sends it."""
+    the gateway's memory or CPU from the others. A body that no budget could ever take (more than the per-key
+    budget, or than ``REVISIT_MAX_REQUEST_BYTES``) is a 413 instead. ``body_timeout_s`` bounds reading a request's
+    whole body (a 408 after it), however slowly the client sends it."""
 
     max_requests: int = 1024
     max_requests_per_key: int = 64
     max_body_bytes: int = 2 << 30
     max_body_bytes_per_key: int = 512 << 20
-    max_body_bytes_per_request: int = 256 << 20  # a body past this (or past the per-key budget) is a 413
     body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:

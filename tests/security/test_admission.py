@@ -6,6 +6,7 @@ Before, each of these held the gateway's resources for as long as the client (or
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
 import socket
 import threading
@@ -59,6 +60,15 @@ def response_of(sock: socket.socket) -> tuple[int, dict]:
     return int(head.split()[1]), orjson.loads(body)
 
 
+def holding(server: GatewayServer, body_bytes: int) -> None:
+    """Wait until the requests in flight hold ``body_bytes`` (a held request is admitted once the server reads its
+    headers, which a test's next request may overtake)."""
+    deadline = time.monotonic() + 10
+    while server.app.state.services.admission.stats()["body_bytes"] != body_bytes:
+        assert time.monotonic() < deadline, server.app.state.services.admission.stats()
+        time.sleep(0.01)
+
+
 def post(url: str, key: str, **kwargs) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30, **kwargs)
 
@@ -109,16 +119,31 @@ def test_one_key_cannot_hold_more_than_its_share_of_body_bytes(server):
     assert chunked.status_code == 413
     held = held_request(server.url, ALICE, declared=700 << 10)  # within the key's budget: retrying may help
     try:
+        holding(server, 700 << 10)
         refused = post(server.url, ALICE, content=b" " * (400 << 10))
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
     finally:
         held.close()
+    holding(server, 0)
     held = held_request(server.url, BOB, declared=1 << 20)  # BOB holds 1 MiB of the 1.5 MiB the gateway takes
     try:
+        holding(server, 1 << 20)
         assert post(server.url, CAROL, content=b" " * (600 << 10)).status_code == 429
         assert post(server.url, CAROL, content=b" " * (100 << 10)).status_code == 400  # within what is left
     finally:
         held.close()
+
+
+@pytest.mark.parametrize("server", [{}], indirect=True)
+def test_a_client_that_leaves_in_the_middle_of_its_body_is_no_error(server, caplog):
+    sock = held_request(server.url, ALICE, declared=1000)
+    sock.sendall(b'{"model": "revisit-tiny", "mess')
+    holding(server, 1000)
+    with caplog.at_level(logging.WARNING):
+        sock.close()
+        holding(server, 0)  # let go of at once
+        time.sleep(0.2)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []  # no traceback, no 500
 
 
 class DripHandler(BaseHTTPRequestHandler):
