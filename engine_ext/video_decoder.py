@@ -34,42 +34,9 @@ import av
 import numpy as np
 from sglang.srt.utils import video_decoder as sglang_video_decoder
 
-# What the gateway accepts (gateway/videos.py CODECS and its container sniffing); a test keeps the two equal.
-CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"})
-_MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")
+from plan.video import CODECS, DECODERS, demuxer_of
+
 SGLANG_WRAPPER = sglang_video_decoder.VideoDecoderWrapper
-
-
-def demuxer_of(head: bytes) -> str:
-    """The FFmpeg demuxer for a video whose first bytes are ``head``; ValueError for anything else (playlists
-    such as HLS or concat, which FFmpeg's probing would accept, name other files or URLs to read)."""
-    if head[4:8] in _MP4_BOXES:
-        return "mp4"
-    if head[:4] == b"\x1a\x45\xdf\xa3":
-        return "matroska"
-    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
-        return "avi"
-    raise ValueError("video data is not MP4, WebM/Matroska or AVI")
-
-
-HARDWARE = av.codec.Capabilities.hardware | av.codec.Capabilities.hybrid  # decoders on a device, not here
-
-
-def decoder_names(codecs: frozenset[str] = CODECS) -> str:
-    """FFmpeg's ``codec_whitelist``: every software decoder of the accepted codecs (FFmpeg's own, dav1d, libvpx)."""
-    wanted = {av.Codec(name, "r").id for name in codecs}
-    names = set()
-    for name in av.codecs_available:
-        try:
-            codec = av.Codec(name, "r")
-        except (ValueError, av.FFmpegError):  # an encoder only
-            continue
-        if codec.type == "video" and codec.id in wanted and not codec.capabilities & HARDWARE:
-            names.add(codec.name)
-    return ",".join(sorted(names))
-
-
-DECODERS = decoder_names()
 
 
 class PyAVVideoDecoder(sglang_video_decoder.VideoDecoderWrapper):

@@ -44,6 +44,7 @@ from PIL import Image
 from gateway.config import ProcessorSettings, VideoSettings
 from gateway.errors import PayloadTooLarge, UnprocessableVideo
 from gateway.images import content_key
+from plan.video import CODECS, DECODERS, demuxer_of
 
 KEY_VERSION = b"revisit-video-key-v2"  # v2: a video is named by the one-stream bytes the worker gets
 FRAME_FACTOR = 2  # the Qwen-VL processors take an even number of frames (two per temporal patch)
@@ -51,30 +52,6 @@ FRAME_FACTOR = 2  # the Qwen-VL processors take an even number of frames (two pe
 CONTAINERS = {"mp4": ("mp4", ("mp4", "mov")), "webm": ("matroska", ("webm", "matroska")), "avi": ("avi", ("avi",))}
 MIME = {"mp4": "video/mp4", "mov": "video/quicktime", "webm": "video/webm", "matroska": "video/x-matroska",
         "avi": "video/x-msvideo"}
-# The codecs accepted: the same list in the workers' decoder (engine_ext/video_decoder.py; a test keeps them equal).
-CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"})
-_MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")
-
-
-HARDWARE = av.codec.Capabilities.hardware | av.codec.Capabilities.hybrid  # decoders on a device, not here
-
-
-def _decoders(codecs: frozenset[str]) -> str:
-    """FFmpeg's ``codec_whitelist`` for ``codecs``: the names of every software decoder of them (FFmpeg's own,
-    dav1d, libvpx)."""
-    wanted = {av.Codec(name, "r").id for name in codecs}
-    names = set()
-    for name in av.codecs_available:
-        try:
-            codec = av.Codec(name, "r")
-        except (ValueError, av.FFmpegError):  # an encoder only
-            continue
-        if codec.type == "video" and codec.id in wanted and not codec.capabilities & HARDWARE:
-            names.add(codec.name)
-    return ",".join(sorted(names))
-
-
-DECODERS = _decoders(CODECS)  # FFmpeg opens no other decoder, not even to probe a stream it will not decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,13 +103,11 @@ def sampled_frames(total: int, fps: float, settings: VideoSettings) -> list[int]
 
 def container_of(data: bytes) -> str:
     """The container named by a video's first bytes (a key of CONTAINERS); else UnprocessableVideo."""
-    if data[4:8] in _MP4_BOXES:
-        return "mp4"
-    if data[:4] == b"\x1a\x45\xdf\xa3":
-        return "webm"
-    if data[:4] == b"RIFF" and data[8:12] == b"AVI ":
-        return "avi"
-    raise UnprocessableVideo("video data is not MP4, WebM/Matroska or AVI", code="invalid_video")
+    try:
+        demuxer = demuxer_of(data)
+    except ValueError as exc:
+        raise UnprocessableVideo(str(exc), code="invalid_video") from None
+    return {"mp4": "mp4", "matroska": "webm", "avi": "avi"}[demuxer]
 
 
 def video_key(data: bytes, *, model: str, namespace: str) -> str:

@@ -10,6 +10,8 @@ extension inside each worker; neither imports the other.
 - :mod:`plan.ratios`: per-layer recompute ratios (``check_ratios``, ``recompute_count``).
 - :mod:`plan.profile`: ``RecomputeProfile``, written by ``offline.profiler`` and read by the gateway.
 - :mod:`plan.checkpoint`: what a model folder's JSON files say (layers, dtype, image processor settings).
+- :mod:`plan.video`: which video containers and codecs may cross to a worker, and how FFmpeg is told so (PyAV;
+  imported by name, not from here).
 """
 
 from plan.errors import PlanError
