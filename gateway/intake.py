@@ -21,7 +21,7 @@ import json
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from gateway.config import GatewayConfig
 from gateway.errors import ClientError, InvalidRequest, ModelNotFound, PayloadTooLarge
@@ -192,13 +192,8 @@ async def _all(*aws: Awaitable[T]) -> list[T]:
 
 async def _both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
     """:func:`_all` of two of different types."""
-    tasks = asyncio.ensure_future(first), asyncio.ensure_future(second)
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
+    a, b = await _all(first, second)  # one T for both: typed again below
+    return cast(A, a), cast(B, b)
 
 
 @contextlib.contextmanager
