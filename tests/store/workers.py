@@ -25,19 +25,26 @@ class WorkerReport:
     absent_reads: int
     mismatches: int
     damaged_reads: int
+    slowest_s: float = 0.0  # the longest single operation: what to look at when a run is starved
 
 
 def slot_key(slot: int) -> str:
     return key_for(f"slot-{slot}")
 
 
-def writer(kind: str, config: StoreConfig, seed: int, barrier, duration_s: float, results) -> None:
+MIN_WRITES = 30
+
+
+def writer(kind: str, config: StoreConfig, seed: int, barrier, duration_s: float, results, writers_left) -> None:
+    """Writes for duration_s and at least MIN_WRITES operations (however slowly a busy machine schedules it), then
+    counts itself out of ``writers_left``: the readers read until it reaches 0, so every write overlaps reads."""
     rng = random.Random(seed)
     store = open_kind(kind, config)
     entries = {s * 100 + v: make_entry(s * 100 + v, **SHAPE)[0] for s in range(SLOTS) for v in range(VARIANTS)}
     barrier.wait(timeout=60)
-    deadline, ops = time.monotonic() + duration_s, 0
-    while time.monotonic() < deadline:
+    deadline, ops, slowest = time.monotonic() + duration_s, 0, 0.0
+    while time.monotonic() < deadline or ops < MIN_WRITES:
+        started = time.monotonic()
         slot = rng.randrange(SLOTS)
         action = rng.random()
         if action < 0.1:
@@ -50,12 +57,16 @@ def writer(kind: str, config: StoreConfig, seed: int, barrier, duration_s: float
             entry = entries[slot * 100 + rng.randrange(VARIANTS)]
             store.put(slot_key(slot), entry, **({"tier": tier} if tier else {}))
         ops += 1
-    results.put(WorkerReport("writer", ops, 0, 0, 0, store.stats().damaged_reads))
+        slowest = max(slowest, time.monotonic() - started)
+    with writers_left.get_lock():
+        writers_left.value -= 1
+    results.put(WorkerReport("writer", ops, 0, 0, 0, store.stats().damaged_reads, slowest))
     store.close()
 
 
-def reader(kind: str, config: StoreConfig, seed: int, barrier, duration_s: float, results) -> None:
-    """Reads whole and sparse; regenerates the arrays named by the header's model_id and compares every byte."""
+def reader(kind: str, config: StoreConfig, seed: int, barrier, duration_s: float, results, writers_left) -> None:
+    """Reads whole and sparse, for duration_s and until every writer is done; regenerates the arrays named by the
+    header's model_id and compares every byte."""
     rng = random.Random(seed)
     store = open_kind(kind, config)
     originals = {}
@@ -67,9 +78,11 @@ def reader(kind: str, config: StoreConfig, seed: int, barrier, duration_s: float
         return originals[entry_seed]
 
     barrier.wait(timeout=60)
-    deadline = time.monotonic() + duration_s
+    deadline, give_up = time.monotonic() + duration_s, time.monotonic() + 45  # give_up: a writer that died
     ops = verified = absent = mismatches = 0
-    while time.monotonic() < deadline:
+    slowest = 0.0
+    while time.monotonic() < deadline or (writers_left.value > 0 and time.monotonic() < give_up):
+        started = time.monotonic()
         key = slot_key(rng.randrange(SLOTS))
         ops += 1
         if rng.random() < 0.5:
@@ -92,7 +105,8 @@ def reader(kind: str, config: StoreConfig, seed: int, barrier, duration_s: float
                 _, k, v, _ = original(read.header.model_id)
                 mismatches += read.gather() != expected_sparse(k, v, tokens, start, SHAPE["layers"])
         verified += 1
-    results.put(WorkerReport("reader", ops, verified, absent, mismatches, store.stats().damaged_reads))
+        slowest = max(slowest, time.monotonic() - started)
+    results.put(WorkerReport("reader", ops, verified, absent, mismatches, store.stats().damaged_reads, slowest))
     store.close()
 
 
