@@ -31,6 +31,7 @@ from gateway.images import CanonicalImage, canonicalize, image_size
 from gateway.matching.features import Extractor
 from gateway.offload import lane, off_loop, on_thread
 from gateway.pools import FairPool
+from gateway.prompt_size import PromptSize, message_chars
 from gateway.protocol import (
     ChatCompletionParams,
     ImagePartRef,
@@ -73,8 +74,10 @@ class Intake:
     callers (default: one of gateway.pools.default_workers() threads); :meth:`aclose` shuts it down."""
 
     def __init__(self, config: GatewayConfig, fetcher: ImageFetcher, extractor: Extractor | None = None, *,
-                 pool: FairPool | None = None):
+                 pool: FairPool | None = None, prompt_size: PromptSize | None = None):
         self._config = config
+        # What refuses a prompt too long for the workers' context (gateway/prompt_size.py); None: nothing is.
+        self.prompt_size = prompt_size
         self._fetcher = fetcher
         self._extractor = extractor  # with one, every new image gets per-token features (approximate matching)
         self.pool = pool if pool is not None else FairPool(name="revisit-media")
@@ -104,8 +107,14 @@ class Intake:
             if count > limit:
                 raise InvalidRequest(f"request has {count} {what}; at most {limit} are allowed per request",
                                      param="messages", code=f"too_many_{what}")
+        size = self.prompt_size
+        text_tokens = size.text_tokens(message_chars(body["messages"])) if size is not None else 0
+        if size is not None:  # before any image is fetched: a prompt its text alone makes too long
+            size.check(text_tokens, param="messages")
         images, videos = await _both(self._resolve_images(refs, namespace),
                                      _all(*(self._resolve_video(ref, namespace) for ref in video_refs)))
+        if size is not None:
+            size.check(text_tokens + sum(image.grid.tokens for image in images), param="messages")
         media: list[tuple[MediaPartRef, CanonicalImage | CanonicalVideo]] = [
             *zip(refs, images, strict=True), *zip(video_refs, videos, strict=True)]
         payload_bytes = sum(len(item.payload) for ref, item in media if _needs_rewrite(ref, item))

@@ -25,6 +25,7 @@ from gateway.metrics import RequestMetrics, ResponseCacheMetrics, build_registry
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
 from gateway.policy.policy import DEFAULT_TIERS
+from gateway.prompt_size import PromptSize
 from gateway.response_cache import ResponseCache, TextEmbedder
 from gateway.tenancy import Tenants
 from gateway.workers import WorkerPool
@@ -130,7 +131,8 @@ class Services:
             client=client,
             pool=pool,
             fetcher=fetcher,
-            intake=Intake(config, fetcher, extractor),
+            intake=Intake(config, fetcher, extractor, prompt_size=PromptSize(config.max_token_chars,
+                                                                             context=pool.context_length)),
             dispatcher=Dispatcher(pool, client),
             cache=cache,
             planner=planner,

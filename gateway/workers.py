@@ -159,6 +159,13 @@ class WorkerPool:
         started, ended = clock.get(FORWARD_STARTED), clock.get(FORWARD_ENDED, 0.0)
         return True, started if started is not None and started > ended else None
 
+    def context_length(self) -> int | None:
+        """The workers' context length in tokens (the least any reported, as they serve one model); None until one
+        has reported its model card."""
+        lengths = [w.model_card["max_model_len"] for w in self.workers
+                   if w.model_card and isinstance(w.model_card.get("max_model_len"), int)]
+        return min(lengths, default=None)
+
     def choose(self, exclude: Iterable[Worker] = (), prefer: str | None = None) -> Worker:
         """The least-loaded healthy worker; the preferred one (cache affinity) unless it is busier than that by
         more than AFFINITY_SLACK requests."""

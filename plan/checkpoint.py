@@ -89,3 +89,20 @@ def image_max_pixels(model_dir: Path | str) -> int | None:
     raw = found[1]
     value = raw.get("max_pixels") or (raw.get("size") or {}).get("longest_edge")
     return int(value) if value else None
+
+
+def longest_token_chars(model_dir: Path | str) -> int | None:
+    """The most characters of text one token can stand for: the longest entry of the tokenizer's vocabulary
+    (tokenizer.json: its model's vocab, BPE's mapping or Unigram's list, and its added tokens, which a text that
+    spells one out is tokenized to). An entry of byte-level BPE has one character per byte it stands for, and a
+    SentencePiece one one per character; markers ("##", "<0x41>") only make entries longer than the text they stand
+    for, so this never undercounts. None without a readable tokenizer.json."""
+    try:
+        tokenizer = json.loads((Path(model_dir) / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        entries = vocab.keys() if isinstance(vocab, dict) else (entry[0] for entry in vocab)
+        lengths = [len(str(entry)) for entry in entries]
+        lengths += [len(str(added["content"])) for added in tokenizer.get("added_tokens") or ()]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    return max(lengths, default=0) or None

@@ -237,11 +237,11 @@ def gateway_config(model_path: Path, worker_urls: list[str], *, store: StoreConf
     settings = {"health_interval_s": 0.5, "tenants": TenantSettings.open(), **overrides}
     if store is not None:
         settings["reuse"] = ReuseSettings.for_model(model_path, store=store)
-    from plan.checkpoint import vocab_size
+    from plan.checkpoint import longest_token_chars, vocab_size
 
     return GatewayConfig(
         model=MODEL_ID, workers=tuple(worker_urls), processor=ProcessorSettings.from_model_dir(model_path),
-        vocab_size=vocab_size(model_path), **settings
+        vocab_size=vocab_size(model_path), max_token_chars=longest_token_chars(model_path), **settings
     )
 
 

@@ -21,7 +21,7 @@ from gateway.config.tenants import KEYS, OPEN, TenantSettings, read_key_file
 from plan import (
     DEFAULT_RECOMPUTE_RATIO,
 )
-from plan.checkpoint import vocab_size
+from plan.checkpoint import longest_token_chars, vocab_size
 from settings import PREFIX as ENV_PREFIX
 from settings import EnvReader
 from settings.redis_auth import RedisPasswordError, RedisURL, with_password
@@ -41,6 +41,9 @@ class GatewayConfig:
     # The model's vocabulary size (from REVISIT_MODEL_DIR): /v1/completions token-id prompts are checked against it,
     # since an id past it crashes an SGLang worker; unknown, such prompts are refused.
     vocab_size: int | None = None
+    # The most characters of text one token of the model's vocabulary stands for (from REVISIT_MODEL_DIR's
+    # tokenizer.json): what bounds a prompt's tokens from below (gateway/prompt_size.py); unknown, text is not counted.
+    max_token_chars: int | None = None
     images: ImageLimits = field(default_factory=ImageLimits)
     videos: VideoSettings = field(default_factory=VideoSettings)
     max_request_bytes: int = 64 * 1024 * 1024
@@ -163,6 +166,7 @@ class GatewayConfig:
         if (model_dir := get("MODEL_DIR", str)) is not None:
             kwargs["processor"] = ProcessorSettings.from_model_dir(model_dir)
             kwargs["vocab_size"] = vocab_size(model_dir)
+            kwargs["max_token_chars"] = longest_token_chars(model_dir)
         image_kwargs = {
             key: value
             for key, value in (

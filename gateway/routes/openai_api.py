@@ -20,6 +20,7 @@ from gateway.metrics import FRAMES_SEEN, RESPONSE_CACHED, reuse_label
 from gateway.offload import lane, off_loop, on_thread
 from gateway.openai_shape import CHAT, TEXT, Shape
 from gateway.planner import REUSE_MODES, Planned
+from gateway.prompt_size import prompt_tokens_at_least
 from gateway.protocol import parse_completion_body
 from gateway.response_cache import NOT_LOOKED_UP, Answer, Asked, Found, asked, recorded, replay_stream
 from gateway.services import Services
@@ -158,6 +159,8 @@ async def completions(request: Request) -> Any:
         body, params = await off_loop(len(raw), parse_completion_body, raw, config.vocab_size)
     if params.model != config.model:
         raise ModelNotFound(params.model)
+    if (size := services.intake.prompt_size) is not None:
+        size.check(prompt_tokens_at_least(params.prompt, size), param="prompt")
     request.state.reuse = reuse_label(())
     request.state.stream = params.stream
     request_id = uuid.uuid4().hex

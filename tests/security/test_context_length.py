@@ -1,0 +1,126 @@
+"""A prompt no worker could take is refused by the gateway (OpenAI's 400 ``context_length_exceeded``) before it
+fetches or decodes an image and before a worker tokenizes it (gateway/prompt_size.py).
+
+Before: 50 MB of text went to a worker, whose tokenizer spent seconds of the CPU every tenant of that worker shares
+only to find it was past the context, and 16 images after it were fetched, decoded and keyed first. The refusal was
+the worker's (no OpenAI code), after all of that.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from tokenizers import Tokenizer
+
+from gateway.config import ProcessorSettings
+from gateway.images import smart_resize
+from gateway.prompt_size import PromptSize, message_chars, prompt_tokens_at_least
+from plan.checkpoint import longest_token_chars
+from tests.conftest import MODEL_ID
+from tests.images_lib import data_url, encode, noise_image
+
+
+def context_of(gateway) -> int:
+    card = httpx.get(gateway.url + "/v1/models", timeout=30).json()["data"][0]
+    return int(card["max_model_len"])
+
+
+def chat(gateway, content, **fields) -> httpx.Response:
+    body = {"model": MODEL_ID, "max_tokens": 1, "messages": [{"role": "user", "content": content}], **fields}
+    return httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=300)
+
+
+def refused_by_the_gateway(response: httpx.Response, param: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded", error
+    assert error["param"] == param and "context length" in error["message"], error
+
+
+# --- the bound ---
+
+def test_no_token_of_the_bundled_vocabulary_stands_for_more_characters_than_the_bound(model_path: Path):
+    longest = longest_token_chars(model_path)
+    tokenizer = Tokenizer.from_file(str(model_path / "tokenizer.json"))
+    decoded = [len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(tokenizer.get_vocab_size(True))]
+    assert longest is not None and max(decoded) <= longest
+    assert max(decoded) >= longest // 2  # and it is not so loose that it refuses nothing
+
+
+def test_a_text_is_at_least_as_many_tokens_as_the_bound_says(model_path: Path):
+    tokenizer = Tokenizer.from_file(str(model_path / "tokenizer.json"))
+    size = PromptSize(longest_token_chars(model_path), context=lambda: None)
+    for text in ("lorem ipsum " * 500, "x" * 5000, "<|vision_start|>" * 100, "€uro " * 300, "a"):
+        assert size.text_tokens(len(text)) <= len(tokenizer.encode(text).ids)
+
+
+def test_the_bound_counts_text_parts_token_ids_and_the_longest_of_a_batch():
+    size = PromptSize(10, context=lambda: 100)
+    messages = [{"role": "system", "content": "x" * 25},
+                {"role": "user", "content": [{"type": "text", "text": "y" * 30},
+                                             {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    assert message_chars(messages) == 55 and size.text_tokens(55) == 6
+    assert prompt_tokens_at_least(list(range(40)), size) == 40
+    assert prompt_tokens_at_least(["x" * 10, "y" * 995], size) == 100
+    assert prompt_tokens_at_least([[1, 2], list(range(7))], size) == 7
+    size.check(99, param="prompt")
+    with pytest.raises(Exception, match="context length is 100 tokens"):
+        size.check(100, param="prompt")
+    PromptSize(None, context=lambda: 100).check(PromptSize(None, context=lambda: 100).text_tokens(10**9), param="x")
+    PromptSize(10, context=lambda: None).check(10**9, param="x")  # no worker has told its context: nothing refused
+
+
+def test_a_tokenizer_file_the_gateway_cannot_read_gives_no_bound(tmp_path: Path):
+    assert longest_token_chars(tmp_path) is None
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    assert longest_token_chars(tmp_path) is None
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Unigram", "vocab": [["▁hello", -1.0],
+                                                                                                 ["x", -2.0]]},
+                                                         "added_tokens": [{"content": "<|a-long-one|>"}]}))
+    assert longest_token_chars(tmp_path) == len("<|a-long-one|>")
+
+
+# --- through a real gateway and a real SGLang worker ---
+
+def test_text_past_the_context_is_refused_before_its_images_are_read(gateway):
+    context = context_of(gateway)
+    text = "lorem ipsum " * (context * 20 // 12 + 10)  # 20 characters per token at most: past the context
+    images = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,not-an-image"}} for _ in range(16)]
+    response = chat(gateway, [{"type": "text", "text": text}, *images])
+    # The images are not even read: they would have been a 422 (not an image) otherwise.
+    refused_by_the_gateway(response, "messages")
+
+
+def test_images_that_take_a_prompt_past_the_context_are_refused(gateway, model_path: Path):
+    context = context_of(gateway)
+    height, width = smart_resize(1400, 1400, ProcessorSettings.from_model_dir(model_path))
+    image_tokens = height * width // ProcessorSettings.from_model_dir(model_path).factor ** 2
+    free = context - 8 * image_tokens  # 8 images leave this many tokens for text
+    text = "z" * ((free + 10) * longest_token_chars(model_path))
+    image = {"type": "image_url", "image_url": {"url": data_url(encode(noise_image(1400, 1400)))}}
+    refused_by_the_gateway(chat(gateway, [{"type": "text", "text": text}, *[image] * 8]), "messages")
+    # The same images with a short text fit, and are answered by the worker.
+    answered = chat(gateway, [{"type": "text", "text": "what is this?"}, *[image] * 8])
+    assert answered.status_code == 200, answered.text
+
+
+def test_a_long_prompt_that_fits_is_still_answered(gateway):
+    text = "the quick brown fox jumps over the lazy dog. " * 400  # ~18k characters, far under the context in tokens
+    response = chat(gateway, text)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] > 1000
+
+
+@pytest.mark.parametrize("prompt", ["text", "ids"])
+def test_a_completion_prompt_past_the_context_is_refused(gateway, prompt):
+    context = context_of(gateway)
+    value = "lorem ipsum " * (context * 20 // 12 + 10) if prompt == "text" else [11] * context
+    response = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL_ID, "prompt": value, "max_tokens": 1},
+                          timeout=300)
+    refused_by_the_gateway(response, "prompt")
+    fits = httpx.post(gateway.url + "/v1/completions",
+                      json={"model": MODEL_ID, "prompt": [11] * 100, "max_tokens": 1}, timeout=300)
+    assert fits.status_code == 200, fits.text
