@@ -12,7 +12,8 @@ For each request it:
 4. once the body is in, watches the connection: a client that leaves cancels its request wherever it is (taking
    in images, planning, waiting for a worker, streaming), and so the upstream request; the handler's own reads
    see the disconnect too.
-What a request was admitted with is released when its response ends (a stream's last event) or it is cancelled.
+What a request was admitted with is released when its response ends (a stream's last event) or it is cancelled,
+and with it what the request took later (its turn at the workers, gateway/turns.py: ``Ticket.on_release``).
 Everything here runs on the event loop: no locks.
 """
 
@@ -126,6 +127,11 @@ class Ticket:
         self._key_id = key_id
         self.body_bytes = 0
         self._released = False
+        self._on_release: list[Callable[[], None]] = []
+
+    def on_release(self, call: Callable[[], None]) -> None:
+        """Call ``call`` when the request's response has ended or it was cancelled (what it holds elsewhere)."""
+        self._on_release.append(call)
 
     def hold(self, size: int) -> None:
         """Hold ``size`` more body bytes (TooManyRequests past a budget; RequestTooLarge past what one request
@@ -141,6 +147,8 @@ class Ticket:
         if not self._released:
             self._released = True
             self._admission._release(self._key_id, self.body_bytes)
+            for call in self._on_release:
+                call()
 
 
 class AdmissionMiddleware:
@@ -168,7 +176,7 @@ class AdmissionMiddleware:
             ticket.release()
             await _refuse(send, exc)
             return
-        scope.setdefault("state", {})["caller"] = caller
+        scope.setdefault("state", {}).update(caller=caller, ticket=ticket)
         try:
             await _Connection(self.app, scope, receive, send, ticket, services.admission.limits).run()
         finally:

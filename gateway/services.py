@@ -28,6 +28,7 @@ from gateway.policy.policy import DEFAULT_TIERS
 from gateway.prompt_size import PromptSize
 from gateway.response_cache import ResponseCache, TextEmbedder
 from gateway.tenancy import Tenants
+from gateway.turns import WorkerTurns
 from gateway.workers import WorkerPool
 from plan import plan_key
 from plan.outcome import Outcomes, outcome_box
@@ -57,6 +58,7 @@ class Services:
     loop_lag: LoopLag
     tenants: Tenants
     admission: Admission
+    turns: WorkerTurns  # each key's turns at the workers (gateway/turns.py)
     plan_key: bytes  # plans are authenticated with it (plan.plan_key), under the secret the workers share
     outcomes: Outcomes | None = None  # what workers ran, per request (plan.outcome); None without a store
     responses: ResponseCache | None = None  # answers served without the model; None when off everywhere
@@ -141,6 +143,7 @@ class Services:
             loop_lag=LoopLag(registry, config.loop_lag_interval_s),
             tenants=Tenants(config.tenants, config.secret),
             admission=Admission(config.admission, config.max_request_bytes),
+            turns=WorkerTurns(config.admission.worker_requests_per_key),
             plan_key=plan_key(config.secret),
             outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_address, name=reuse.store.name,
                                  secret=config.secret)

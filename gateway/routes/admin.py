@@ -156,7 +156,8 @@ async def stats(request: Request) -> dict:
     return {"object": "cache.stats", **await _on_cache_thread(
         request, lambda policy, cache: {**policy.stats().as_dict(), **planner_stats(planner),
                                         "books": books_status(policy)}),
-        "response_cache": responses, "admission": services.admission.stats()}
+        "response_cache": responses, "admission": services.admission.stats(),
+        "worker_turns": services.turns.stats()}
 
 
 def books_status(policy: CachePolicy) -> dict:

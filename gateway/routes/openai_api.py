@@ -178,7 +178,9 @@ async def _answer(request: Request, services: Services, upstream: UpstreamReques
                   keep: Callable[[Answer], Awaitable[object]] | None = None) -> Response:
     """Send the request to a worker and answer the client: a stream once the worker's first event is in, or the
     whole body. ``after_prefill`` runs once the prompt is prefilled (it may add headers); ``keep`` gets the answer
-    once it is complete (the response cache's)."""
+    once it is complete (the response cache's). It waits first for the caller's turn at the workers
+    (gateway/turns.py), which it holds until the response has ended."""
+    request.state.ticket.on_release(await services.turns.take(_caller(request).key_id))
     if stream:
         relayed = await services.dispatcher.open_stream(upstream, route)  # returns once the prefill is done
         if after_prefill is not None:

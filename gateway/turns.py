@@ -1,0 +1,100 @@
+"""Turns at the workers: while more than one API key has requests for the workers, each key may have at most
+``per_key`` of them at the workers at once; its others wait at the gateway, in the order they came, for one of its
+own to end.
+
+A worker serves the requests it has queued first come, first served (SGLang's scheduler), so a key that sends a
+hundred requests at once puts every other key's next request behind all of them, and into batches made mostly of
+its own. Admission (gateway/admission.py) bounds what a key has in the gateway; this bounds what it has in the
+workers' queues and batches, which is what the other keys wait for. One key alone is not held back (a batch job on
+a gateway of its own runs as fast as the workers take it): the bound holds from the moment a second key has a
+request for the workers, and a key already past it sends nothing more until it is back under it. Everything here
+runs on the event loop: no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+
+class WorkerTurns:
+    """``per_key``: the most requests one key may have at the workers while another key has any there or waiting."""
+
+    def __init__(self, per_key: int) -> None:
+        if per_key < 1:
+            raise ValueError(f"per_key must be at least 1, got {per_key}")
+        self.per_key = per_key
+        self._at_workers: dict[str, int] = {}  # key id -> its requests at the workers now
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}  # key id -> its requests waiting, in order
+        self.waited = 0  # requests that had to wait, ever
+
+    def _contended(self, key_id: str) -> bool:
+        """Whether a key other than ``key_id`` has requests at the workers or waiting for them."""
+        return any(other != key_id for other in self._at_workers) or any(other != key_id for other in self._waiting)
+
+    def _may_go(self, key_id: str) -> bool:
+        return self._at_workers.get(key_id, 0) < self.per_key or not self._contended(key_id)
+
+    async def take(self, key_id: str) -> Callable[[], None]:
+        """Wait for ``key_id``'s turn to send a request to the workers; returns what gives the turn back (once,
+        whenever it is called: when the response has ended or the request was cancelled)."""
+        if not self._waiting.get(key_id) and self._may_go(key_id):
+            self._go(key_id)
+        else:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.setdefault(key_id, deque()).append(waiter)
+            self.waited += 1
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():  # its turn came as it was cancelled: hand it on
+                    self._end(key_id)
+                else:
+                    self._withdraw(key_id, waiter)
+                raise
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                self._end(key_id)
+
+        return give_back
+
+    def _go(self, key_id: str) -> None:
+        self._at_workers[key_id] = self._at_workers.get(key_id, 0) + 1
+
+    def _end(self, key_id: str) -> None:
+        left = self._at_workers[key_id] - 1
+        if left:
+            self._at_workers[key_id] = left
+        else:
+            del self._at_workers[key_id]
+        self._wake()
+
+    def _withdraw(self, key_id: str, waiter: asyncio.Future[None]) -> None:
+        queue = self._waiting.get(key_id)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+            if not queue:
+                del self._waiting[key_id]
+        self._wake()  # a key that stops waiting may leave another alone, and so unbounded
+
+    def _wake(self) -> None:
+        """Start every waiting request that may go now, each key's in order."""
+        for key_id in list(self._waiting):
+            queue = self._waiting[key_id]
+            while queue and self._may_go(key_id):
+                waiter = queue.popleft()
+                if waiter.cancelled():
+                    continue
+                self._go(key_id)
+                waiter.set_result(None)
+            if not queue:
+                del self._waiting[key_id]
+
+    def stats(self) -> dict[str, int]:
+        return {"per_key": self.per_key, "at_workers": sum(self._at_workers.values()), "keys": len(self._at_workers),
+                "waiting": sum(len(queue) for queue in self._waiting.values()), "waited": self.waited}

@@ -1,0 +1,96 @@
+"""Each key's turns at the workers (gateway/turns.py), on an event loop of their own."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.turns import WorkerTurns
+
+
+async def started(turns: WorkerTurns, key: str, count: int) -> tuple[list[asyncio.Task], list]:
+    """``count`` requests of ``key`` asking for a turn, and the list their give-backs land in as they get one."""
+    given: list = []
+
+    async def one(i: int) -> None:
+        given.append((i, await turns.take(key)))
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(count)]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    return tasks, given
+
+
+def test_one_key_alone_is_not_held_back():
+    async def main() -> None:
+        turns = WorkerTurns(per_key=2)
+        _, given = await started(turns, "a", 10)
+        assert len(given) == 10 and turns.stats()["waiting"] == 0
+
+    asyncio.run(main())
+
+
+def test_a_second_key_goes_at_once_and_the_first_waits_until_it_is_under_its_share():
+    async def main() -> None:
+        turns = WorkerTurns(per_key=2)
+        _, a_given = await started(turns, "a", 5)  # alone: all five go
+        _, b_given = await started(turns, "b", 1)
+        assert len(b_given) == 1
+        more_a, more_given = await started(turns, "a", 2)
+        assert more_given == [] and turns.stats()["waiting"] == 2
+        for _, give_back in a_given[:3]:  # a is back to 2 at the workers: still at its share
+            give_back()
+        await asyncio.sleep(0)
+        assert more_given == []
+        a_given[3][1]()  # now 1: the first of its waiting requests goes, in order
+        await asyncio.sleep(0)
+        assert [i for i, _ in more_given] == [0]
+        b_given[0][1]()  # b leaves: a is alone again and not held back
+        await asyncio.sleep(0)
+        assert [i for i, _ in more_given] == [0, 1] and turns.stats()["waiting"] == 0
+        await asyncio.gather(*more_a)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_wait_is_withdrawn_and_a_turn_given_back_twice_counts_once():
+    async def main() -> None:
+        turns = WorkerTurns(per_key=1)
+        _, a_given = await started(turns, "a", 1)
+        _, b_given = await started(turns, "b", 1)
+        waiting, waiting_given = await started(turns, "a", 2)
+        waiting[0].cancel()
+        await asyncio.sleep(0)
+        assert turns.stats()["waiting"] == 1
+        a_given[0][1]()
+        a_given[0][1]()  # a second call changes nothing
+        await asyncio.sleep(0)
+        assert [i for i, _ in waiting_given] == [1] and turns.stats()["at_workers"] == 2
+        b_given[0][1]()
+        waiting_given[0][1]()
+        assert turns.stats() == {"per_key": 1, "at_workers": 0, "keys": 0, "waiting": 0, "waited": 2}
+
+    asyncio.run(main())
+
+
+def test_a_turn_that_came_as_its_request_was_cancelled_is_handed_on():
+    async def main() -> None:
+        turns = WorkerTurns(per_key=1)
+        _, a_given = await started(turns, "a", 1)
+        _, _ = await started(turns, "b", 1)
+        waiting, waiting_given = await started(turns, "a", 2)
+        a_given[0][1]()  # the first waiter's turn is granted ...
+        waiting[0].cancel()  # ... and its request is cancelled before it runs: the turn goes to the next
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert [i for i, _ in waiting_given] == [1]
+        with pytest.raises(asyncio.CancelledError):
+            await waiting[0]
+
+    asyncio.run(main())
+
+
+def test_per_key_must_be_positive():
+    with pytest.raises(ValueError):
+        WorkerTurns(per_key=0)
