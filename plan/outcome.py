@@ -37,11 +37,11 @@ import json
 import logging
 import os
 import re
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from settings.folders import FILE_MODE, private_folder
 from settings.secret import DataPlaneSecret, mac, same_mac
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,6 @@ CAUSES = {
 }
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _MAC_BYTES = 32
-FOLDER_MODE, FILE_MODE = 0o700, 0o600  # the box's folder and files: this user only
 
 # The other thing workers report: when their model's last forward started and ended (Unix seconds), as gauges on
 # their /metrics (engine_ext.executor.events.ForwardClock), which the gateway reads to tell busy from hung.
@@ -192,37 +191,9 @@ def outcome_box(outcomes_path: Path, outcomes_url: str = "", *, name: str = "def
 
 
 def _private_folder(path: Path, *, create: bool) -> None:
-    """Create the box's folder 0700 (``create``; missing parents as the umask says) or check the one there: raises
-    PermissionError for a symbolic link, something not a folder, a folder of another user's or one that group or
-    others may write to; tightens one of ours that others may read to 0700 and its files to 0600. Without
-    ``create`` a missing folder raises FileNotFoundError."""
-    if create:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.mkdir(path, FOLDER_MODE)
-            os.chmod(path, FOLDER_MODE)  # mkdir's mode is under the umask
-            return
-        except FileExistsError:
-            pass
-    st = os.lstat(path)
-    fix = "remove it, or point the store at another path, and start again: it is then created, mode 0700"
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(f"the outcomes folder {path} is a symbolic link or not a folder: {fix}")
-    if st.st_uid != os.geteuid():
-        raise PermissionError(f"the outcomes folder {path} is owned by uid {st.st_uid}, not by this process's uid "
-                              f"{os.geteuid()}: {fix}")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise PermissionError(f"the outcomes folder {path} is writable by group or others (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}): {fix}")
-    if st.st_mode & 0o077:
-        os.chmod(path, FOLDER_MODE)
-        for child in path.iterdir():
-            try:
-                held = child.lstat()
-                if stat.S_ISREG(held.st_mode) and held.st_uid == os.geteuid() and held.st_mode & 0o077:
-                    os.chmod(child, FILE_MODE)
-            except FileNotFoundError:
-                continue  # taken meanwhile
+    """The box's folder made (``create``) or checked private (settings/folders.py): PermissionError when it is not
+    one only this user can use; without ``create`` a missing one raises FileNotFoundError."""
+    private_folder(path, what="the outcomes folder", create=create)
 
 
 def _name(request_id: str) -> str:

@@ -8,7 +8,7 @@ Directory layout (default /dev/shm/revisit-store-<name>):
 The directory is this user's alone (0700, files 0600): the entries are every tenant's KV, and its default path is
 predictable in a folder every local user may write to. An existing directory is used only if it is a real directory
 (not a symbolic link) owned by this effective uid that neither group nor others may write to; one of an earlier
-version, readable by others, is tightened (``private_folder``). Every process of the store (gateway, workers) runs
+version, readable by others, is tightened (settings/folders.py). Every process of the store (gateway, workers) runs
 as the same user.
 """
 
@@ -18,7 +18,6 @@ import errno
 import mmap
 import os
 import secrets
-import stat
 import threading
 import time
 from collections import OrderedDict
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from settings.folders import FILE_MODE, private_folder
 from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, opened, validate_key
 from store.errors import EntryPinnedError, StoreClosedError, StoreError, StoreFullError
 from store.seal import PUBLIC, EntrySeal
@@ -36,8 +36,6 @@ ENTRY_SUFFIX = ".kv"
 PIN_SUFFIX = ".pin"
 TEMP_PREFIX = ".tmp."
 STALE_TEMP_AGE_S = 3600.0
-FOLDER_MODE = 0o700  # the directory: this user only
-FILE_MODE = 0o600  # entries and pins
 _CUDA_HOST_REGISTER_PORTABLE = 0x01
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08
 
@@ -74,7 +72,7 @@ class DramTier(BufferTier):
         self.path = Path(path)
         self.seal = seal
         self.capacity_bytes = capacity_bytes
-        private_folder(self.path)
+        _private_store_folder(self.path)
         self._lock = threading.Lock()
         self._damaged = 0
         self.host_register_failures = 0
@@ -397,57 +395,14 @@ class _MappingCache:
                     self._drop(key)
 
 
-def private_folder(path: Path) -> bool:
-    """Make ``path`` a directory only this user can use, creating it 0700 (its missing parents as umask says), or
-    check an existing one: refused with StoreError when it is a symbolic link, not a directory, owned by another uid
-    than this process's effective one, or writable by group or others (someone else could have planted entries in
-    it). One of ours that others can only read or enter (0755, as earlier versions made it) is tightened to 0700,
-    its files to 0600. Returns whether the directory was created."""
+def _private_store_folder(path: Path) -> None:
+    """The tier's folder made or checked private (settings/folders.py); StoreError when it cannot be."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.mkdir(path, FOLDER_MODE)
-        os.chmod(path, FOLDER_MODE)  # mkdir's mode is under the umask; exactly this one is wanted
-        return True
-    except FileExistsError:
-        pass
+        private_folder(path, what="the DRAM store's folder")
+    except PermissionError as exc:
+        raise StoreError(str(exc)) from None
     except OSError as exc:
-        raise StoreError(f"cannot create {path}: {exc}") from exc
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        raise StoreError(f"cannot check {path}: {exc}") from exc
-    fix = "remove it, or point the store at another path, and start again: the store then creates it, mode 0700"
-    if stat.S_ISLNK(st.st_mode):
-        raise StoreError(f"{path} is a symbolic link, not the store's directory: {fix}")
-    if not stat.S_ISDIR(st.st_mode):
-        raise StoreError(f"{path} exists and is not a directory: {fix}")
-    if st.st_uid != os.geteuid():
-        raise StoreError(f"{path} is owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}, so another "
-                         f"user could read or plant entries: {fix}")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise StoreError(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}), so another "
-                         f"user could have planted entries: {fix}")
-    if st.st_mode & 0o077:
-        try:
-            os.chmod(path, FOLDER_MODE)
-            with os.scandir(path) as children:
-                for child in children:
-                    _make_file_private(child)
-        except OSError as exc:
-            raise StoreError(f"cannot make {path} private (mode {stat.S_IMODE(st.st_mode):o}): {exc}") from exc
-    return False
-
-
-def _make_file_private(child: os.DirEntry[str]) -> None:
-    """chmod 0600 a file of ours that others may read (files only: a link is left as it is)."""
-    try:
-        if not child.is_file(follow_symlinks=False):
-            return
-        st = child.stat(follow_symlinks=False)
-        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
-            os.chmod(child.path, FILE_MODE)
-    except FileNotFoundError:
-        pass  # removed meanwhile by another process of the store
+        raise StoreError(f"cannot use {path} as the DRAM store's folder: {exc}") from exc
 
 
 def _pid_alive(pid: int) -> bool:

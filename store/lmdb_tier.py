@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import lmdb
 
+from settings.folders import FOLDER_MODE, make_private_folder, tighten
 from store.base import BufferTier, EntryLike, StoreStats, entry_bytes, opened, validate_key
 from store.errors import EntryPinnedError, StoreClosedError, StoreError, StoreFullError
 from store.seal import PUBLIC, EntrySeal
@@ -19,7 +20,7 @@ T = TypeVar("T")
 
 ENTRIES_DB = b"entries"  # key (64 hex chars, ascii) -> entry bytes
 PINS_DB = b"pins"  # key -> b"" while the entry is pinned
-FOLDER_MODE = 0o700  # lmdb.open's mode: the folder's; its data and lock files get it less the execute bits (0600)
+# lmdb.open(mode=FOLDER_MODE): the folder's mode; its data and lock files get it less the execute bits (0600)
 
 
 def private_lmdb_folder(path: Path) -> None:
@@ -28,24 +29,12 @@ def private_lmdb_folder(path: Path) -> None:
     that others may read (earlier versions made it 0755, its files 0644) is tightened likewise; a symbolic link is
     followed (a folder put on another disk), and one of another user's is left as its owner made it. Raises
     OSError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(path, FOLDER_MODE)
-        os.chmod(path, FOLDER_MODE)  # mkdir's mode is under the umask
+    if make_private_folder(path):
         return
-    except FileExistsError:
-        pass
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or not st.st_mode & 0o077:
         return  # not a folder (lmdb.open says so), another user's, or private already
-    os.chmod(path, FOLDER_MODE)
-    for name in ("data.mdb", "lock.mdb"):
-        try:
-            file = os.lstat(path / name)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(file.st_mode) and file.st_uid == os.geteuid() and file.st_mode & 0o077:
-            os.chmod(path / name, 0o600)  # what lmdb.open(mode=FOLDER_MODE) makes them
+    tighten(path, ("data.mdb", "lock.mdb"))
 
 
 def grown_map_size(current: int, needed: int, *, factor: float, maximum: int, path: Path) -> int:
