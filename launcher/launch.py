@@ -18,6 +18,7 @@ and image preprocessing in SGLang's tokenizer process shares the same cores.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from launcher.errors import SGLangVersionError
 from launcher.process import DEFAULT_STOP_GRACE_S, WorkerProcess
 from launcher.spec import WorkerSpec
 from plan.checkpoint import image_max_pixels, weights_dtype
+from settings.folders import FILE_MODE, private_folder
 from settings.redis_auth import read_password
 from settings.secret import DataPlaneSecret, worker_api_key
 
@@ -164,6 +166,25 @@ def build_launch(spec: WorkerSpec, base_env: Mapping[str, str] | None = None) ->
     return LaunchPlan(argv=argv, env=env)
 
 
+KEY_FILE_NAME = "sglang-api-key.yaml"
+
+
+def key_off_the_command_line(argv: list[str], folder: Path) -> list[str]:
+    """``argv`` with SGLang's ``--api-key KEY`` replaced by ``--config FILE``: a YAML file in ``folder`` (made
+    private: settings/folders.py) holding the key alone, mode 0600. A command line is readable by every user of the
+    host (``ps``, /proc/PID/cmdline), the file only by this one; SGLang reads it once, as it starts. A command line
+    with a ``--config`` of its own (SGLang takes one) is returned as it is."""
+    if "--api-key" not in argv or "--config" in argv:
+        return argv
+    at = argv.index("--api-key")
+    private_folder(folder, what="the worker's key folder")
+    path = folder / KEY_FILE_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    with open(fd, "w", closefd=True) as file:
+        file.write(f"api-key: {json.dumps(argv[at + 1])}\n")  # a JSON string is a YAML one
+    return [*argv[:at], "--config", str(path), *argv[at + 2 :]]
+
+
 def start_worker(spec: WorkerSpec) -> WorkerProcess:
     """Start ``spec`` in a new process group and return at once (see ``WorkerProcess.wait_ready``).
 
@@ -172,6 +193,8 @@ def start_worker(spec: WorkerSpec) -> WorkerProcess:
     """
     check_sglang_version()
     argv, env = build_launch(spec)
+    key_folder = Path(tempfile.mkdtemp(prefix=f"revisit-worker-{spec.port}-"))  # removed when the worker stops
+    argv = key_off_the_command_line(argv, key_folder)
     if spec.log_file is not None:
         log_file = spec.log_file
         log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -190,7 +213,7 @@ def start_worker(spec: WorkerSpec) -> WorkerProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return WorkerProcess(spec, process, log_file)
+    return WorkerProcess(spec, process, log_file, key_folder=key_folder)
 
 
 def stop_worker(worker: WorkerProcess, grace: float = DEFAULT_STOP_GRACE_S) -> int:

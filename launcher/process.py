@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -31,10 +32,12 @@ class WorkerProcess:
     stops the worker on exit.
     """
 
-    def __init__(self, spec: WorkerSpec, process: subprocess.Popen[bytes], log_file: Path) -> None:
+    def __init__(self, spec: WorkerSpec, process: subprocess.Popen[bytes], log_file: Path, *,
+                 key_folder: Path | None = None) -> None:
         self.spec = spec
         self.process = process
         self.log_file = log_file
+        self.key_folder = key_folder  # the private folder of its API key's file (launch.key_off_the_command_line)
         self.started_at = time.time()
 
     @property
@@ -99,6 +102,8 @@ class WorkerProcess:
     def _reap(self, held: set[Path]) -> int:
         """Wait for the leader's exit code and the group's end; then remove what it left in shared memory."""
         code = self.process.wait()
+        if self.key_folder is not None:
+            shutil.rmtree(self.key_folder, ignore_errors=True)
         deadline = time.monotonic() + _KILL_SETTLE_S
         while self.live_processes() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -14,13 +14,14 @@ import argparse
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from bundled import ARCHS, DEFAULT_ARCH, DEFAULT_SIZE, SIZES, build_model
 from bundled.errors import BuildError
 from launcher import WorkerSpec, build_launch, check_sglang_version
 from launcher.errors import LauncherError
-from launcher.launch import shown
+from launcher.launch import key_off_the_command_line, shown
 
 BUNDLED = "bundled"
 
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LauncherError, BuildError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # The worker's API key goes in a file only this user reads, not on the command line every user of the host
+    # sees; the exec'd worker leaves it for the container's life.
+    argv_ = key_off_the_command_line(argv_, Path(tempfile.mkdtemp(prefix="revisit-worker-")))
     print(f"starting: {shlex.join(shown(argv_))}", file=sys.stderr, flush=True)
     os.execvpe(argv_[0], argv_, env)
 

@@ -244,3 +244,28 @@ def test_what_a_killed_worker_left_in_shared_memory_is_removed(tmp_path: Path, e
         stamped = Path("/dev/shm").glob(f"sgl_shm_mm_*_{tag}")
         for path in [orphan, elsewhere, *stamped, *(Path("/dev/shm") / name for name in names.values())]:
             path.unlink(missing_ok=True)
+
+
+def test_the_workers_api_key_goes_in_a_private_file_that_sglang_reads_back(tmp_path: Path) -> None:
+    import argparse
+    import stat
+
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    from launcher.launch import key_off_the_command_line
+
+    key = "sk-worker-" + "a1" * 20
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--api-key", key, "--port", "1"]
+    folder = tmp_path / "keys"
+    moved = key_off_the_command_line(argv, folder)
+    assert key not in " ".join(moved) and "--api-key" not in moved
+    path = Path(moved[moved.index("--config") + 1])
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)  # SGLang's own parser and its own reading of --config
+    merged = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(moved[3:]))
+    assert merged.api_key == key and merged.model_path == "/m" and merged.port == 1
+    assert key_off_the_command_line(argv[:5], folder) == argv[:5]  # no key: nothing to move
+    own = [*argv, "--config", "/etc/mine.yaml"]
+    assert key_off_the_command_line(own, folder) == own  # SGLang takes one --config: the operator's stays

@@ -148,6 +148,8 @@ def test_a_worker_takes_requests_only_with_the_key_derived_from_the_secret(secur
     assert httpx.get(worker.url + "/health", timeout=60).status_code == 200  # probes need no key
     assert ask(gateway.url, picture("chelsea.png")).status_code == 200  # the gateway holds it
     assert api_key is not None and api_key not in worker.log_file.read_text()  # nor do the worker's logs show it
+    for pid in worker.live_processes():  # nor any of its processes' command lines, which every local user can read
+        assert api_key not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
 
 
 def test_a_plan_posted_to_a_worker_without_the_secret_is_refused(secure):
