@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 import time
@@ -103,3 +104,34 @@ def test_non_streaming_client_gone_aborts_the_upstream_request(gateway):
         assert errors.messages == []
     finally:
         logging.getLogger("uvicorn.error").removeHandler(errors)
+
+
+def test_stream_client_gone_before_the_first_token_aborts_the_upstream_request(gateway):
+    """The client leaves while the worker is still prefilling: nothing was sent back yet (a stream's response
+    starts with the worker's first event), and the worker stops all the same."""
+    import select
+    import socket
+
+    from tests.images_lib import noise_image
+
+    # A 1,024-token image and a long text: a prefill of a second or more on a CPU worker, during which the gateway
+    # has sent the request and the client nothing back.
+    big = data_url(encode(noise_image(1400, 1400, seed=int(time.time()))))
+    payload = body(True)
+    payload["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": big}},
+                                         {"type": "text", "text": "describe " * 2000}]
+    raw = json.dumps(payload).encode()
+    host, port = gateway.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    deadline = time.monotonic() + 60
+    while not any(w.inflight for w in gateway.app.state.services.pool.workers):  # sent to the worker
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    worker = busy_worker(gateway)
+    readable, _, _ = select.select([sock], [], [], 0)
+    assert not readable, "the first token came before the client could leave; make the prefill longer"
+    sock.close()
+    wait_for(lambda: worker.inflight == 0, timeout=10)
+    wait_for(lambda: running_requests(worker.url) == 0, timeout=20)
