@@ -181,6 +181,7 @@ class AdmissionMiddleware:
             await _Connection(self.app, scope, receive, send, ticket, services.admission.limits).run()
         finally:
             ticket.release()
+            services.memory.after(ticket.body_bytes)  # a large body's freed memory back to the system
 
 
 class _Connection:

@@ -194,6 +194,9 @@ class FairPool:
                 else:
                     del self._running[job.caller]
             _settle(job, result, error)
+            # Not held while the thread waits for its next job: a job's arguments and result can be a request's
+            # whole body and its parse (100 MB for 50 MB of text), which an idle thread kept alive until then.
+            del job, result, error
 
 
 def _settle(job: _Job, result: Any, error: BaseException | None) -> None:

@@ -21,6 +21,7 @@ from gateway.intake import Intake
 from gateway.loop_lag import LoopLag
 from gateway.matching import extractor_for, scope
 from gateway.matching.matcher import FeatureRecords, Matcher
+from gateway.memory import MemoryTrim
 from gateway.metrics import RequestMetrics, ResponseCacheMetrics, build_registry
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
@@ -59,6 +60,7 @@ class Services:
     tenants: Tenants
     admission: Admission
     turns: WorkerTurns  # each key's turns at the workers (gateway/turns.py)
+    memory: MemoryTrim  # gives a large body's freed memory back (gateway/memory.py)
     plan_key: bytes  # plans are authenticated with it (plan.plan_key), under the secret the workers share
     outcomes: Outcomes | None = None  # what workers ran, per request (plan.outcome); None without a store
     responses: ResponseCache | None = None  # answers served without the model; None when off everywhere
@@ -144,6 +146,7 @@ class Services:
             tenants=Tenants(config.tenants, config.secret),
             admission=Admission(config.admission, config.max_request_bytes),
             turns=WorkerTurns(config.admission.worker_requests_per_key),
+            memory=MemoryTrim(),
             plan_key=plan_key(config.secret),
             outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_address, name=reuse.store.name,
                                  secret=config.secret)
