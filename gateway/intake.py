@@ -29,7 +29,7 @@ from gateway.image_fetch import ImageFetcher
 from gateway.image_memo import CanonicalMemo
 from gateway.images import CanonicalImage, canonicalize, image_size
 from gateway.matching.features import Extractor
-from gateway.offload import lane, off_loop, on_thread
+from gateway.offload import lane, off_loop, on_thread_costing
 from gateway.pools import FairPool
 from gateway.prompt_size import PromptSize, message_chars
 from gateway.protocol import (
@@ -80,7 +80,8 @@ class Intake:
         self.prompt_size = prompt_size
         self._fetcher = fetcher
         self._extractor = extractor  # with one, every new image gets per-token features (approximate matching)
-        self.pool = pool if pool is not None else FairPool(name="revisit-media")
+        self.pool = pool if pool is not None else FairPool(name="revisit-media",
+                                                           cost_budget=config.images.max_decoding_pixels)
         self.memo: CanonicalMemo[CanonicalImage] = CanonicalMemo(config.image_memo_bytes)
         # Videos are remembered for their frame keys (decoding is what costs), within a quarter of that budget.
         self.video_memo: CanonicalMemo[CanonicalVideo] = CanonicalMemo(config.image_memo_bytes // 4)
@@ -181,7 +182,8 @@ class Intake:
         return _Fetched(ref, data, digest, width, height)
 
     async def _decode(self, item: _Fetched, namespace: str) -> CanonicalImage:
-        image = await _in_part(item.ref, canonicalize, item.data, limits=self._config.images,
+        image = await _in_part(item.ref, canonicalize, item.data, cost=item.width * item.height,
+                               limits=self._config.images,
                                processor=self._config.processor, model=self._config.model, namespace=namespace,
                                extractor=self._extractor)
         self.memo.put(namespace, item.digest, image)
@@ -217,11 +219,11 @@ def _naming(ref: MediaPartRef) -> Iterator[None]:
         raise
 
 
-async def _in_part(ref: MediaPartRef, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """Run ``work`` on a thread (the request's lane of the pool, gateway/offload.py); a client error it raises names
-    the part."""
+async def _in_part(ref: MediaPartRef, work: Callable[..., T], /, *args: Any, cost: int = 0, **kwargs: Any) -> T:
+    """Run ``work`` on a thread (the request's lane of the pool, gateway/offload.py; ``cost``: the pixels it decodes,
+    held to the pool's budget); a client error it raises names the part."""
     with _naming(ref):
-        return await on_thread(work, *args, **kwargs)
+        return await on_thread_costing(cost, work, *args, **kwargs)
 
 
 # Top-level fields that the chat template renders before the messages (a tool list goes into the system turn).

@@ -44,11 +44,16 @@ def lane(pool: FairPool, caller: str) -> Iterator[None]:
 
 async def on_thread(work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """``work(*args, **kwargs)`` on a thread: the lane's pool in the caller's turn, else the default executor."""
+    return await on_thread_costing(0, work, *args, **kwargs)
+
+
+async def on_thread_costing(cost: int, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """:func:`on_thread` for work of this cost (an image's pixels), started within the lane's pool's cost budget."""
     current = _LANE.get()
     if current is None:
         return await asyncio.to_thread(work, *args, **kwargs)
     pool, caller = current
-    return await pool.run(caller, work, *args, **kwargs)
+    return await pool.run_costing(caller, cost, work, *args, **kwargs)
 
 
 async def off_loop(size: int, work: Callable[..., T], /, *args: object) -> T:

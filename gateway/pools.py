@@ -7,6 +7,12 @@ a free thread takes the next job of the caller with the fewest jobs running, cal
 (round robin), so one caller's single image waits for at most about one job per thread, however many the others
 have queued. Jobs of one caller start in the order they were submitted.
 
+Jobs may also have a cost (an image's pixels, whose decoding holds ~5 bytes of memory per pixel), and the pool a
+budget for the cost of the jobs running at once: a job starts only within it, so what decoding holds in memory is
+bounded by the budget, not by the number of threads (on a 32-core host, 32 images of 40 Mpx at once would be ~6 GB).
+A job costlier than the whole budget runs when nothing else costly does. Among the callers whose next job fits, the
+order above holds.
+
 A job whose awaiting coroutine is cancelled (the client left) is taken off its queue if it has not started; one
 that has started runs to its end (a thread cannot be interrupted), and its result is dropped. Threads start as jobs
 need them and leave after IDLE_S without one, so a pool nobody closes holds no threads for long.
@@ -48,6 +54,7 @@ class _Job:
     call: Callable[[], Any]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
+    cost: int = 0
     started: bool = field(default=False)
 
 
@@ -55,10 +62,15 @@ class FairPool:
     """At most ``workers`` threads (default: :func:`default_workers`), started as jobs need them; :meth:`aclose`
     (or :meth:`close`) on shutdown. :meth:`run` may be called from any event loop."""
 
-    def __init__(self, workers: int | None = None, *, name: str = "revisit-media", idle_s: float = IDLE_S) -> None:
+    def __init__(self, workers: int | None = None, *, name: str = "revisit-media", idle_s: float = IDLE_S,
+                 cost_budget: int | None = None) -> None:
         self.workers = default_workers() if workers is None else workers
         if self.workers < 1:
             raise ValueError(f"a pool needs at least one thread, got {workers}")
+        if cost_budget is not None and cost_budget < 1:
+            raise ValueError(f"a cost budget must be positive, got {cost_budget}")
+        self.cost_budget = cost_budget  # None: jobs' costs are not limited
+        self._cost_running = 0
         self._name = name
         self._idle_s = idle_s
         self._lock = threading.Lock()
@@ -75,9 +87,14 @@ class FairPool:
     async def run(self, caller: str, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """``work(*args, **kwargs)`` on one of the pool's threads, in ``caller``'s turn; its result or exception.
         Context variables reach the job as asyncio.to_thread passes them."""
+        return await self.run_costing(caller, 0, work, *args, **kwargs)
+
+    async def run_costing(self, caller: str, cost: int, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """:meth:`run` for a job of this ``cost``, started within the pool's cost budget."""
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
-        job = _Job(caller, functools.partial(context.run, work, *args, **kwargs), loop, loop.create_future())
+        job = _Job(caller, functools.partial(context.run, work, *args, **kwargs), loop, loop.create_future(),
+                   cost=max(0, cost))
         self._submit(job)
         try:
             return await job.future
@@ -93,7 +110,7 @@ class FairPool:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"threads": len(self._threads), "max_threads": self.workers, "callers_waiting": len(self._queues),
-                    "queued": self._queued, "running": sum(self._running.values())}
+                    "queued": self._queued, "running": sum(self._running.values()), "cost_running": self._cost_running}
 
     def close(self, *, wait: bool = True) -> None:
         """Stop taking jobs; jobs not yet started fail with PoolClosed; with ``wait``, join the threads (jobs that
@@ -146,12 +163,19 @@ class FairPool:
                 if not queue:
                     del self._queues[job.caller]
 
+    def _fits(self, job: _Job) -> bool:
+        budget = self.cost_budget
+        return budget is None or not job.cost or self._cost_running + job.cost <= budget or not self._cost_running
+
     def _next(self) -> _Job | None:
-        """The next job to run (under the lock): the first caller in turn order among those with the fewest jobs
-        running, which then goes to the back of the order. None once closed, or after idle_s without a job (the
-        thread then leaves)."""
-        while not self._queues:
-            if self._closed:
+        """The next job to run (under the lock): among the callers whose next job fits the cost budget, the first
+        in turn order of those with the fewest jobs running, which then goes to the back of the order. None once
+        closed, or after idle_s without a job (the thread then leaves)."""
+        while True:
+            ready = [name for name, queue in self._queues.items() if self._fits(queue[0])]
+            if ready:
+                break
+            if self._closed and not self._queues:
                 return None
             self._idle += 1
             try:
@@ -161,7 +185,7 @@ class FairPool:
             if not woken and not self._queues:
                 return None
         running = self._running
-        caller = min(self._queues, key=lambda name: running.get(name, 0))  # the first of the least served
+        caller = min(ready, key=lambda name: running.get(name, 0))  # the first of the least served
         queue = self._queues[caller]
         job = queue.popleft()
         self._queued -= 1
@@ -171,6 +195,7 @@ class FairPool:
             del self._queues[caller]
         job.started = True
         running[caller] = running.get(caller, 0) + 1
+        self._cost_running += job.cost
         return job
 
     def _serve(self) -> None:
@@ -193,6 +218,9 @@ class FairPool:
                     self._running[job.caller] = left
                 else:
                     del self._running[job.caller]
+                if job.cost:
+                    self._cost_running -= job.cost
+                    self._wake.notify_all()  # a job held back by the budget may fit now
             _settle(job, result, error)
             # Not held while the thread waits for its next job: a job's arguments and result can be a request's
             # whole body and its parse (100 MB for 50 MB of text), which an idle thread kept alive until then.

@@ -174,6 +174,7 @@ class GatewayConfig:
                 ("max_image_bytes", get("MAX_IMAGE_BYTES", int)),
                 ("max_image_pixels", get("MAX_IMAGE_PIXELS", int)),
                 ("max_request_pixels", get("MAX_REQUEST_PIXELS", int)),
+                ("max_decoding_pixels", get("MAX_DECODING_PIXELS", int)),
                 ("allow_private_urls", get("ALLOW_PRIVATE_IMAGE_URLS", bool)),
                 ("fetch_deadline_s", get("FETCH_DEADLINE_S", float)),
             )

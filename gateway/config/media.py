@@ -73,6 +73,9 @@ class ImageLimits:
     # Every image's width x height together, from the headers before any is decoded: what decoding and keying a
     # request's images may cost (a few-colour PNG of 170 KB can hold 40 Mpx: seconds of CPU and ~800 MB to decode).
     max_request_pixels: int = 64_000_000
+    # Every image being decoded at once, all callers together (decoding holds ~5 bytes a pixel): what decoding may
+    # hold in memory, whatever the number of threads. An image larger than this is decoded when no other is.
+    max_decoding_pixels: int = 64_000_000
     fetch_timeout_s: float = 10.0  # the longest wait for the next byte of a fetched image or video
     fetch_deadline_s: float = 30.0  # the longest a whole fetch may take, redirects included, however it drips
     max_redirects: int = 3
@@ -80,7 +83,7 @@ class ImageLimits:
 
     def __post_init__(self) -> None:
         if self.max_images_per_request < 1 or self.max_image_bytes < 1 or self.max_image_pixels < 1 \
-                or self.max_request_pixels < 1:
+                or self.max_request_pixels < 1 or self.max_decoding_pixels < 1:
             raise ConfigError("image limits must be positive")
         if self.fetch_timeout_s <= 0 or self.fetch_deadline_s <= 0:
             raise ConfigError("fetch_timeout_s and fetch_deadline_s must be positive")

@@ -183,12 +183,10 @@ def token_digests(image: Image.Image, grid: tuple[int, int], factor: int, *,
     """(n,) uint64: per token, xxh3 of the canonical pixels it is resized from (see the module docstring).
     ``resized_pixels``: the image as :func:`resized` gives it, when the caller has it already."""
     rows, cols = grid
-    if image.size == (cols * factor, rows * factor) and image.mode == "RGB":
-        pixels = resized_pixels if resized_pixels is not None else np.asarray(image, dtype=np.uint8)
-    else:
-        pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
-    height, width = pixels.shape[:2]
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    width, height = rgb.size
     if (height, width) == (rows * factor, cols * factor):
+        pixels = resized_pixels if resized_pixels is not None else np.asarray(rgb, dtype=np.uint8)
         blocks = np.ascontiguousarray(token_blocks(pixels, factor)).reshape(rows * cols, -1)  # (n, f*f*3)
         return np.fromiter((xxhash.xxh3_64_intdigest(row.tobytes()) for row in blocks), np.uint64, rows * cols)
     scale_y, scale_x = height / (rows * factor), width / (cols * factor)
@@ -198,10 +196,13 @@ def token_digests(image: Image.Image, grid: tuple[int, int], factor: int, *,
     for r in range(rows):
         top = max(0, math.floor(r * factor * scale_y) - margin_y)
         bottom = min(height, math.ceil((r + 1) * factor * scale_y) + margin_y)
+        # One band of rows at a time: a copy of the whole image (120 MB at 40 Mpx, and as much again for numpy's)
+        # is what digesting cost before.
+        band = np.asarray(rgb.crop((0, top, width, bottom)), dtype=np.uint8)
         for c in range(cols):
             left = max(0, math.floor(c * factor * scale_x) - margin_x)
             right = min(width, math.ceil((c + 1) * factor * scale_x) + margin_x)
-            block = np.ascontiguousarray(pixels[top:bottom, left:right])
+            block = np.ascontiguousarray(band[:, left:right])
             digests[r * cols + c] = xxhash.xxh3_64_intdigest(struct.pack("<4I", top, bottom, left, right)
                                                              + block.tobytes())
     return digests

@@ -475,6 +475,50 @@ async def test_an_idle_thread_holds_neither_its_last_jobs_arguments_nor_its_resu
         await pool.aclose()
 
 
+async def test_costly_jobs_start_only_within_the_pools_budget_and_one_past_it_runs_alone() -> None:
+    """What decoding holds in memory is bounded by the pixels being decoded at once, not by the thread count."""
+    pool = FairPool(4, cost_budget=100)
+    gates = {name: threading.Event() for name in ("a", "b", "c", "huge")}
+    started: list[str] = []
+
+    def job(name: str) -> str:
+        started.append(name)
+        gates[name].wait(5)
+        return name
+
+    async def until(condition) -> None:
+        for _ in range(500):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"not reached; started {started}, {pool.stats()}")
+
+    try:
+        a = asyncio.ensure_future(pool.run_costing("A", 60, job, "a"))
+        await until(lambda: started == ["a"])
+        b = asyncio.ensure_future(pool.run_costing("B", 60, job, "b"))  # 120 > 100: waits for a
+        c = asyncio.ensure_future(pool.run_costing("C", 30, job, "c"))  # 90: fits beside a, goes first
+        await until(lambda: started == ["a", "c"])
+        assert pool.stats()["cost_running"] == 90 and pool.queued() == 1
+        gates["a"].set()
+        await until(lambda: started == ["a", "c", "b"])
+        huge = asyncio.ensure_future(pool.run_costing("A", 150, job, "huge"))  # past the budget: alone
+        await asyncio.sleep(0.1)
+        assert started == ["a", "c", "b"]
+        gates["b"].set()
+        gates["c"].set()
+        await until(lambda: started[-1] == "huge")
+        assert pool.stats()["cost_running"] == 150
+        assert await pool.run("B", lambda: "free") == "free"  # a job of no cost is not held back
+        gates["huge"].set()
+        assert await asyncio.gather(a, b, c, huge) == ["a", "b", "c", "huge"]
+        assert pool.stats()["cost_running"] == 0
+    finally:
+        for gate in gates.values():
+            gate.set()
+        await pool.aclose()
+
+
 async def test_intake_decodes_in_its_callers_turn() -> None:
     """A caller whose images wait behind another's full queue on the default executor is served next here."""
     intake = Intake(config(), ImageFetcher(ImageLimits()), pool=FairPool(2))

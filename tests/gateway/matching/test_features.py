@@ -83,3 +83,31 @@ def test_regional_descriptors_are_four_unit_quadrant_means_projected() -> None:
     assert (regional == features(aligned("rocket.jpg", 6, 8)).regional()).all()  # fixed, not drawn per call
     assert not np.allclose(regional, other)
     assert features(aligned("rocket.jpg", 1, 5)).regional().shape == (4, COARSE_DIM)  # a one-row grid
+
+
+def test_digesting_a_large_image_holds_a_band_of_it_not_copies_of_all_of_it():
+    """A 40 Mpx image cost ~350 MB more to digest than to decode (two whole copies: a conversion and numpy's);
+    a band of rows at a time is all the digests need, and they are the same digests."""
+    import tracemalloc
+
+    from gateway.matching.features import token_digests
+
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (3000, 4000, 3), dtype=np.uint8))  # 36 MB
+    tracemalloc.start()
+    try:
+        digests = token_digests(image, (24, 32), 28)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+    # The first token's block, digested from a whole copy of the image, as before: the same digest.
+    import math
+    import struct
+
+    import xxhash
+
+    scale_y, scale_x = 3000 / (24 * 28), 4000 / (32 * 28)
+    bottom = math.ceil(28 * scale_y) + math.ceil(2 * scale_y) + 1
+    right = math.ceil(28 * scale_x) + math.ceil(2 * scale_x) + 1
+    block = np.ascontiguousarray(np.asarray(image)[:bottom, :right])
+    assert int(digests[0]) == xxhash.xxh3_64_intdigest(struct.pack("<4I", 0, bottom, 0, right) + block.tobytes())
