@@ -22,6 +22,14 @@ async def started(turns: WorkerTurns, key: str, count: int) -> tuple[list[asynci
     return tasks, given
 
 
+async def contended(turns: WorkerTurns):
+    """Keys a and b with one request each at the workers (a share of one), and two more of a's waiting."""
+    _, a_given = await started(turns, "a", 1)
+    _, b_given = await started(turns, "b", 1)
+    waiting, waiting_given = await started(turns, "a", 2)
+    return a_given, b_given, waiting, waiting_given
+
+
 def test_one_key_alone_is_not_held_back():
     async def main() -> None:
         turns = WorkerTurns(per_key=2)
@@ -57,9 +65,7 @@ def test_a_second_key_goes_at_once_and_the_first_waits_until_it_is_under_its_sha
 def test_a_cancelled_wait_is_withdrawn_and_a_turn_given_back_twice_counts_once():
     async def main() -> None:
         turns = WorkerTurns(per_key=1)
-        _, a_given = await started(turns, "a", 1)
-        _, b_given = await started(turns, "b", 1)
-        waiting, waiting_given = await started(turns, "a", 2)
+        a_given, b_given, waiting, waiting_given = await contended(turns)
         waiting[0].cancel()
         await asyncio.sleep(0)
         assert turns.stats()["waiting"] == 1
@@ -77,9 +83,7 @@ def test_a_cancelled_wait_is_withdrawn_and_a_turn_given_back_twice_counts_once()
 def test_a_turn_that_came_as_its_request_was_cancelled_is_handed_on():
     async def main() -> None:
         turns = WorkerTurns(per_key=1)
-        _, a_given = await started(turns, "a", 1)
-        _, _ = await started(turns, "b", 1)
-        waiting, waiting_given = await started(turns, "a", 2)
+        a_given, _, waiting, waiting_given = await contended(turns)
         a_given[0][1]()  # the first waiter's turn is granted ...
         waiting[0].cancel()  # ... and its request is cancelled before it runs: the turn goes to the next
         await asyncio.sleep(0)
