@@ -27,11 +27,22 @@ class WorkerTurns:
         self.per_key = per_key
         self._at_workers: dict[str, int] = {}  # key id -> its requests at the workers now
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}  # key id -> its requests waiting, in order
+        self._present: dict[str, int] = {}  # key id -> its requests at the workers or waiting (keys with none absent)
         self.waited = 0  # requests that had to wait, ever
 
     def _contended(self, key_id: str) -> bool:
         """Whether a key other than ``key_id`` has requests at the workers or waiting for them."""
-        return any(other != key_id for other in self._at_workers) or any(other != key_id for other in self._waiting)
+        return len(self._present) > (key_id in self._present)
+
+    def _arrive(self, key_id: str) -> None:
+        self._present[key_id] = self._present.get(key_id, 0) + 1
+
+    def _leave(self, key_id: str) -> None:
+        left = self._present[key_id] - 1
+        if left:
+            self._present[key_id] = left
+        else:
+            del self._present[key_id]
 
     def _may_go(self, key_id: str) -> bool:
         return self._at_workers.get(key_id, 0) < self.per_key or not self._contended(key_id)
@@ -39,6 +50,7 @@ class WorkerTurns:
     async def take(self, key_id: str) -> Callable[[], None]:
         """Wait for ``key_id``'s turn to send a request to the workers; returns what gives the turn back (once,
         whenever it is called: when the response has ended or the request was cancelled)."""
+        self._arrive(key_id)
         if not self._waiting.get(key_id) and self._may_go(key_id):
             self._go(key_id)
         else:
@@ -67,6 +79,7 @@ class WorkerTurns:
         self._at_workers[key_id] = self._at_workers.get(key_id, 0) + 1
 
     def _end(self, key_id: str) -> None:
+        self._leave(key_id)
         left = self._at_workers[key_id] - 1
         if left:
             self._at_workers[key_id] = left
@@ -80,6 +93,7 @@ class WorkerTurns:
             queue.remove(waiter)
             if not queue:
                 del self._waiting[key_id]
+        self._leave(key_id)
         self._wake()  # a key that stops waiting may leave another alone, and so unbounded
 
     def _wake(self) -> None:
@@ -88,7 +102,7 @@ class WorkerTurns:
             queue = self._waiting[key_id]
             while queue and self._may_go(key_id):
                 waiter = queue.popleft()
-                if waiter.cancelled():
+                if waiter.cancelled():  # (its task's CancelledError handler finds it gone: it leaves there)
                     continue
                 self._go(key_id)
                 waiter.set_result(None)

@@ -76,6 +76,8 @@ def test_a_cancelled_wait_is_withdrawn_and_a_turn_given_back_twice_counts_once()
         b_given[0][1]()
         waiting_given[0][1]()
         assert turns.stats() == {"per_key": 1, "at_workers": 0, "keys": 0, "waiting": 0, "waited": 2}
+        _, again = await started(turns, "b", 3)  # nothing of a's is left counted: b alone is not held back
+        assert len(again) == 3
 
     asyncio.run(main())
 
@@ -83,7 +85,7 @@ def test_a_cancelled_wait_is_withdrawn_and_a_turn_given_back_twice_counts_once()
 def test_a_turn_that_came_as_its_request_was_cancelled_is_handed_on():
     async def main() -> None:
         turns = WorkerTurns(per_key=1)
-        a_given, _, waiting, waiting_given = await contended(turns)
+        a_given, b_given, waiting, waiting_given = await contended(turns)
         a_given[0][1]()  # the first waiter's turn is granted ...
         waiting[0].cancel()  # ... and its request is cancelled before it runs: the turn goes to the next
         await asyncio.sleep(0)
@@ -91,6 +93,10 @@ def test_a_turn_that_came_as_its_request_was_cancelled_is_handed_on():
         assert [i for i, _ in waiting_given] == [1]
         with pytest.raises(asyncio.CancelledError):
             await waiting[0]
+        for _, give_back in (*b_given, *waiting_given):  # b and a's last leave: a has nothing left counted
+            give_back()
+        _, again = await started(turns, "a", 3)
+        assert len(again) == 3
 
     asyncio.run(main())
 
