@@ -14,7 +14,6 @@ import hashlib
 import json
 import random
 import string
-import threading
 import time
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -28,7 +27,7 @@ from gateway.config import GatewayConfig, ImageLimits
 from gateway.errors import PayloadTooLarge, UnprocessableImage
 from gateway.image_fetch import ImageFetcher
 from gateway.intake import Intake, prefix_digests
-from gateway.pools import FairPool, PoolClosed
+from gateway.pools import FairPool
 from gateway.protocol import ImagePartRef, iter_media_parts
 from tests.images_lib import data_url, encode, noise_image
 
@@ -354,169 +353,7 @@ def test_max_request_pixels_is_read_from_the_environment() -> None:
     assert GatewayConfig.from_env({**env, "REVISIT_MAX_REQUEST_PIXELS": "1000"}).images.max_request_pixels == 1000
 
 
-# --- 3. decoding on a bounded pool, fair between callers ---
-
-
-async def test_one_callers_single_job_waits_for_about_one_job_per_thread_not_for_another_callers_queue() -> None:
-    pool = FairPool(2)
-    done: list[str] = []
-
-    async def job(caller: str) -> float:
-        await pool.run(caller, time.sleep, 0.2)
-        done.append(caller)
-        return time.perf_counter()
-
-    try:
-        a_jobs = [asyncio.ensure_future(job("A")) for _ in range(20)]
-        await asyncio.sleep(0)  # A's 20 are queued (two of them running) before B's one
-        submitted = time.perf_counter()
-        b_done = await job("B")
-        waited = b_done - submitted
-        a_before_b = done.index("B")
-        await asyncio.gather(*a_jobs)
-    finally:
-        await pool.aclose()
-    assert waited < 0.5, f"B's job took {waited:.2f} s behind A's 20 (2 threads x 0.2 s)"
-    assert a_before_b <= 4
-    assert time.perf_counter() - submitted > 1.9  # A's 20 took their 2 s: only the order was fair
-
-
-async def test_results_and_exceptions_reach_the_awaiting_coroutine() -> None:
-    pool = FairPool(2)
-
-    def fail() -> None:
-        raise ValueError("broken image")
-
-    try:
-        assert await pool.run("A", lambda x, *, y: x + y, 2, y=3) == 5
-        assert await pool.run("A", threading.current_thread) is not threading.current_thread()
-        with pytest.raises(ValueError, match="broken image"):
-            await pool.run("B", fail)
-        with pytest.raises(RuntimeError, match="StopIteration"):
-            await pool.run("B", next, iter(()))
-    finally:
-        await pool.aclose()
-    with pytest.raises(PoolClosed):
-        await pool.run("A", int)
-
-
-async def test_a_cancelled_coroutines_job_that_has_not_started_leaves_the_queue_and_never_runs() -> None:
-    pool = FairPool(1)
-    release, ran = threading.Event(), threading.Event()
-    try:
-        blocker = asyncio.ensure_future(pool.run("A", release.wait, 5))
-        waiting = asyncio.ensure_future(pool.run("B", ran.set))
-        await asyncio.sleep(0.05)
-        assert pool.queued("B") == 1
-        waiting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        assert pool.queued() == 0
-        release.set()
-        assert await blocker is True
-        assert await pool.run("C", lambda: "after") == "after"
-        assert not ran.is_set()
-    finally:
-        release.set()
-        await pool.aclose()
-
-
-async def test_jobs_not_started_fail_when_the_pool_closes() -> None:
-    pool = FairPool(1)
-    release = threading.Event()
-    started = asyncio.ensure_future(pool.run("A", release.wait, 5))
-    queued = asyncio.ensure_future(pool.run("A", int))
-    await asyncio.sleep(0.05)
-    closing = asyncio.ensure_future(pool.aclose())
-    with pytest.raises(PoolClosed):
-        await queued
-    release.set()
-    await closing
-    assert await started is True
-
-
-async def test_idle_threads_leave_and_come_back_when_jobs_do() -> None:
-    pool = FairPool(2, idle_s=0.05)
-    try:
-        assert await asyncio.gather(*(pool.run("A", time.sleep, 0.05) for _ in range(4))) == [None] * 4
-        assert pool.stats()["threads"] == 2
-        await asyncio.sleep(0.3)
-        assert pool.stats()["threads"] == 0
-        assert await pool.run("A", lambda: 7) == 7
-    finally:
-        await pool.aclose()
-
-
-async def test_an_idle_thread_holds_neither_its_last_jobs_arguments_nor_its_result() -> None:
-    """A job's arguments and result can be a request's whole body and its parse: an idle thread kept both alive
-    until its next job (measured: ~95 MB after one 50 MB body, for as long as the gateway was quiet)."""
-    import gc
-    import weakref
-
-    class Big:
-        pass
-
-    pool = FairPool(1)
-    try:
-        argument, made = Big(), []
-
-        def parse(body: Big) -> Big:
-            made.append(weakref.ref(result := Big()))
-            return result
-
-        answer = weakref.ref(await pool.run("A", parse, argument))
-        sent = weakref.ref(argument)
-        del argument
-        await asyncio.sleep(0.05)  # the thread is idle, waiting for a job
-        gc.collect()
-        assert pool.stats()["threads"] == 1
-        assert sent() is None and answer() is None and made[0]() is None
-    finally:
-        await pool.aclose()
-
-
-async def test_costly_jobs_start_only_within_the_pools_budget_and_one_past_it_runs_alone() -> None:
-    """What decoding holds in memory is bounded by the pixels being decoded at once, not by the thread count."""
-    pool = FairPool(4, cost_budget=100)
-    gates = {name: threading.Event() for name in ("a", "b", "c", "huge")}
-    started: list[str] = []
-
-    def job(name: str) -> str:
-        started.append(name)
-        gates[name].wait(5)
-        return name
-
-    async def until(condition) -> None:
-        for _ in range(500):
-            if condition():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"not reached; started {started}, {pool.stats()}")
-
-    try:
-        a = asyncio.ensure_future(pool.run_costing("A", 60, job, "a"))
-        await until(lambda: started == ["a"])
-        b = asyncio.ensure_future(pool.run_costing("B", 60, job, "b"))  # 120 > 100: waits for a
-        c = asyncio.ensure_future(pool.run_costing("C", 30, job, "c"))  # 90: fits beside a, goes first
-        await until(lambda: started == ["a", "c"])
-        assert pool.stats()["cost_running"] == 90 and pool.queued() == 1
-        gates["a"].set()
-        await until(lambda: started == ["a", "c", "b"])
-        huge = asyncio.ensure_future(pool.run_costing("A", 150, job, "huge"))  # past the budget: alone
-        await asyncio.sleep(0.1)
-        assert started == ["a", "c", "b"]
-        gates["b"].set()
-        gates["c"].set()
-        await until(lambda: started[-1] == "huge")
-        assert pool.stats()["cost_running"] == 150
-        assert await pool.run("B", lambda: "free") == "free"  # a job of no cost is not held back
-        gates["huge"].set()
-        assert await asyncio.gather(a, b, c, huge) == ["a", "b", "c", "huge"]
-        assert pool.stats()["cost_running"] == 0
-    finally:
-        for gate in gates.values():
-            gate.set()
-        await pool.aclose()
+# --- 3. decoding on a bounded pool, fair between callers (the pool itself: tests/gateway/test_pools.py) ---
 
 
 async def test_intake_decodes_in_its_callers_turn() -> None:
