@@ -56,6 +56,7 @@ class IntakeResult:
     # Per image: a digest of everything the prompt holds before it (see prefix_digests).
     prefix_digests: tuple[str, ...] = ()
     videos: tuple[CanonicalVideo, ...] = ()
+    body_bytes: int = 0  # the size of the request body as it came
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +91,19 @@ class Intake:
         """Shut the pool down (jobs not started fail; started ones finish)."""
         await self.pool.aclose()
 
-    async def process(self, raw: bytes, *, namespace: str, caller: str | None = None) -> IntakeResult:
+    async def process(self, raw: bytes | bytearray, *, namespace: str, caller: str | None = None) -> IntakeResult:
         """Intake of one request body. ``caller`` (the id of the caller's API key; default: the namespace) is whose
-        turn its CPU work waits for on the pool: parsing, base64, hashing, decoding."""
+        turn its CPU work waits for on the pool: parsing, base64, hashing, decoding. Hand the body over (keep no
+        reference to it): it is let go once parsed, so a large body is not held beside its parse while the
+        request's images are fetched and decoded."""
         with lane(self.pool, namespace if caller is None else caller):
-            return await self._process(raw, namespace)
+            body_bytes = len(raw)
+            body, params = await off_loop(body_bytes, parse_body, raw)
+            del raw
+            return await self._process(body, params, body_bytes, namespace)
 
-    async def _process(self, raw: bytes, namespace: str) -> IntakeResult:
-        body, params = await off_loop(len(raw), parse_body, raw)
+    async def _process(self, body: dict[str, Any], params: ChatCompletionParams, body_bytes: int,
+                       namespace: str) -> IntakeResult:
         if params.model != self._config.model:
             raise ModelNotFound(params.model)
         parts = list(iter_media_parts(body["messages"]))
@@ -121,7 +127,7 @@ class Intake:
         payload_bytes = sum(len(item.payload) for ref, item in media if _needs_rewrite(ref, item))
         upstream_body = await off_loop(payload_bytes, _rewrite_media, body, media)
         # What prefix_digests reads: the body less its media URLs, which it names by key instead.
-        text_bytes = len(raw) - sum(len(ref.url) for ref in parts)
+        text_bytes = body_bytes - sum(len(ref.url) for ref in parts)
         digests = await off_loop(text_bytes if refs else 0, prefix_digests, body, refs, images, media)
         return IntakeResult(
             upstream_body=upstream_body,
@@ -130,6 +136,7 @@ class Intake:
             namespace=namespace,
             prefix_digests=digests,
             videos=tuple(videos),
+            body_bytes=body_bytes,
         )
 
     async def _resolve_video(self, ref: VideoPartRef, namespace: str) -> CanonicalVideo:

@@ -212,6 +212,9 @@ class FairPool:
                     result = job.call()
                 except BaseException as exc:  # handed to the awaiting coroutine, as asyncio.to_thread does
                     error = exc
+            # Its arguments let go before its outcome is handed over: the awaiting coroutine may run on before this
+            # thread does, and should not find a whole request body still held here.
+            job.call = _called
             with self._lock:
                 left = self._running[job.caller] - 1
                 if left:
@@ -225,6 +228,10 @@ class FairPool:
             # Not held while the thread waits for its next job: a job's arguments and result can be a request's
             # whole body and its parse (100 MB for 50 MB of text), which an idle thread kept alive until then.
             del job, result, error
+
+
+def _called() -> None:
+    raise RuntimeError("a pool job runs once")
 
 
 def _settle(job: _Job, result: Any, error: BaseException | None) -> None:

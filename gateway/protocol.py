@@ -236,14 +236,14 @@ class VideoPartRef:
 MediaPartRef = ImagePartRef | VideoPartRef
 
 
-def parse_body(raw: bytes) -> tuple[dict[str, Any], ChatCompletionParams]:
+def parse_body(raw: bytes | bytearray) -> tuple[dict[str, Any], ChatCompletionParams]:
     """Decode and validate a chat request body; raise :class:`InvalidRequest` with a precise message."""
     body, params = _parse(raw, ChatCompletionParams)
     check_fields(body, "chat")
     return body, params
 
 
-def parse_completion_body(raw: bytes, vocab_size: int | None = None) -> tuple[dict[str, Any], CompletionParams]:
+def parse_completion_body(raw: bytes | bytearray, vocab_size: int | None = None) -> tuple[dict[str, Any], CompletionParams]:
     """Decode and validate a /v1/completions body, as parse_body does a chat one. Token-id prompts must name ids
     of the model's vocabulary (``vocab_size``): SGLang takes any id, and one past the embedding crashes the
     worker's scheduler (and, retried, the next worker's)."""
@@ -272,7 +272,7 @@ def _token_ids(prompt: str | list[str] | list[int] | list[list[int]]) -> list[in
                                            else [])]
 
 
-def decode_json(raw: bytes) -> Any:
+def decode_json(raw: bytes | bytearray) -> Any:
     """Parse a request body, within MAX_JSON_CONTAINERS objects and arrays and MAX_JSON_DEPTH levels."""
     containers = raw.count(b"{") + raw.count(b"[")
     if containers > MAX_JSON_CONTAINERS:
@@ -301,7 +301,7 @@ def _too_deep() -> InvalidRequest:
                           code="json_too_deep")
 
 
-def _parse(raw: bytes, model: type[P]) -> tuple[dict[str, Any], P]:
+def _parse(raw: bytes | bytearray, model: type[P]) -> tuple[dict[str, Any], P]:
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")

@@ -54,17 +54,18 @@ def _caller(request: Request) -> Caller:
     return request.state.caller
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The whole body, in one buffer grown in place as it arrives (a large one is resized where it lies, not copied:
+    chunks joined at the end held the body twice)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    chunks, size = [], 0
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+        if len(body) + len(chunk) > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+    return body
 
 
 @router.post("/v1/chat/completions")
@@ -73,12 +74,13 @@ async def chat_completions(request: Request) -> Any:
     config = services.config
     caller = _caller(request)
     namespace = caller.namespace
-    raw = await _read_body(request, config.max_request_bytes)
     strategy = _requested_strategy(request, config.reuse.match)
     mode = _requested_mode(request)
     wanted = _requested_response_level(request)
     level = config.responses.level_for(namespace, wanted)
-    intake = await services.intake.process(raw, namespace=namespace, caller=caller.key_id)
+    # The body handed over, not kept here: intake lets it go once parsed.
+    intake = await services.intake.process(await _read_body(request, config.max_request_bytes), namespace=namespace,
+                                           caller=caller.key_id)
     headers = {IMAGE_KEYS_HEADER: ",".join(image.key for image in intake.images)} if intake.images else {}
     question, found = None, NOT_LOOKED_UP
     if services.responses is not None and level != RESPONSE_CACHE_OFF:
@@ -103,7 +105,8 @@ async def chat_completions(request: Request) -> Any:
     plan = scoped_plan(planned.plan, intake, caller.scope)
     body = upstream_body(intake.upstream_body, scope=caller.scope,
                          rid=plan.to_rid(request_id, key=services.plan_key) if plan else public_id, kinds=planned.kinds)
-    upstream = await UpstreamRequest.encode(body, size_hint=len(raw))
+    upstream = await UpstreamRequest.encode(body, size_hint=intake.body_bytes)
+
     def on_served(worker: Worker) -> None:
         services.planner.served(intake, worker.url)
 
@@ -157,6 +160,8 @@ async def completions(request: Request) -> Any:
     raw = await _read_body(request, config.max_request_bytes)
     with lane(services.intake.pool, caller.key_id):  # a large body is parsed in the caller's turn
         body, params = await off_loop(len(raw), parse_completion_body, raw, config.vocab_size)
+    body_bytes = len(raw)
+    del raw  # not held beside its parse while the request is answered
     if params.model != config.model:
         raise ModelNotFound(params.model)
     if (size := services.intake.prompt_size) is not None:
@@ -167,7 +172,7 @@ async def completions(request: Request) -> Any:
     public_id = f"cmpl-{request_id}"
     # A batch of prompts is a batch of SGLang requests: one id each.
     rid: str | list[str] = public_id if params.prompts == 1 else [f"{public_id}-{i}" for i in range(params.prompts)]
-    upstream = await UpstreamRequest.encode(upstream_body(body, scope=caller.scope, rid=rid), size_hint=len(raw),
+    upstream = await UpstreamRequest.encode(upstream_body(body, scope=caller.scope, rid=rid), size_hint=body_bytes,
                                             path=COMPLETIONS_PATH)
     route = Route(public_id=public_id, shape=Shape(TEXT, extras=config.response_extras))
     return await _answer(request, services, upstream, route, stream=params.stream, headers={})
