@@ -6,9 +6,13 @@ For each request it:
 2. admits it, or refuses it with OpenAI's 429 (``Retry-After: 1``) when the caller, or everyone together, already
    has ``max_requests`` requests or ``max_body_bytes`` of request bodies in flight (gateway.config.AdmissionLimits):
    one caller cannot take the gateway's memory, or its CPU for decoding and planning, from the others;
-3. counts the body's bytes against both budgets as they arrive (a declared Content-Length is reserved at once; a
-   body larger than one request may ever send is a 413),
-   and ends a body that is not complete ``body_timeout_s`` after the request came in (408), however slowly it drips;
+3. counts the body's bytes against both budgets as they arrive (a declared Content-Length is reserved before a byte
+   of the body is read; a body larger than one request may ever send is a 413). A declared body that the key's
+   budget has no room for yet waits for room, in the order the key's requests came, unread (its bytes stay in the
+   client's socket, costing the gateway nothing), for up to ``body_timeout_s``: one key's large requests are taken
+   in a few at a time, not refused. A chunked body that grows past a budget, and a body the whole gateway's budget
+   has no room for, are a 429. A body not complete ``body_timeout_s`` after its reading began is a 408, however
+   slowly it drips;
 4. once the body is in, watches the connection: a client that leaves cancels its request wherever it is (taking
    in images, planning, waiting for a worker, streaming), and so the upstream request; the handler's own reads
    see the disconnect too.
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -76,8 +80,11 @@ class Admission:
         self.requests: Counter[str] = Counter()
         self.body_bytes: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()  # by reason: what /admin/stats shows
+        self.waited = 0  # declared bodies that waited for room in their key's budget, ever
         self._total_requests = 0
         self._total_bytes = 0
+        # key id -> its declared bodies waiting for room in its budget, in order: (size, granted when taken)
+        self._waiting: dict[str, deque[tuple[int, asyncio.Future[None]]]] = {}
 
     def admit(self, caller: Caller) -> Ticket:
         """A ticket for one more request of ``caller``; TooManyRequests when either budget is spent."""
@@ -106,16 +113,77 @@ class Admission:
         self.body_bytes[key_id] += size
         self._total_bytes += size
 
+    async def _take_bytes_in_turn(self, key_id: str, size: int, timeout_s: float) -> None:
+        """Take ``size`` bytes of the key's budget when it has room, waiting for it in the key's order for up to
+        ``timeout_s``; TooManyRequests when it had none in that time, or the whole gateway's budget has none."""
+        queue = self._waiting.get(key_id)
+        if not queue and self.body_bytes[key_id] + size <= self.limits.max_body_bytes_per_key:
+            self._take_bytes(key_id, size)
+            return
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(key_id, deque()).append((size, granted))
+        self.waited += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                await granted
+        except BaseException as exc:
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
+                if isinstance(exc, TimeoutError):
+                    return  # room came as the time ran out: taken
+                self._give_back_bytes(key_id, size)  # room came as the request was cancelled: given back
+                raise
+            self._withdraw(key_id, granted)
+            if isinstance(exc, TimeoutError):
+                self.refused["body_bytes_per_key"] += 1
+                raise TooManyRequests(f"this API key's requests in flight held {self.limits.max_body_bytes_per_key}"
+                                      f" bytes of request bodies, as much as the gateway allows one key, for the "
+                                      f"{timeout_s:g} s this one waited: retry when fewer are in flight") from None
+            raise
+
+    def _withdraw(self, key_id: str, granted: asyncio.Future[None]) -> None:
+        queue = self._waiting.get(key_id)
+        if queue is not None:
+            for entry in queue:
+                if entry[1] is granted:
+                    queue.remove(entry)
+                    break
+            if not queue:
+                del self._waiting[key_id]
+        self._wake(key_id)  # the next in line may fit where this one did not
+
+    def _wake(self, key_id: str) -> None:
+        """Take room for the key's waiting bodies that fit now, in order (a body the whole gateway's budget has no
+        room for is refused there and then)."""
+        queue = self._waiting.get(key_id)
+        while queue and self.body_bytes[key_id] + queue[0][0] <= self.limits.max_body_bytes_per_key:
+            size, granted = queue.popleft()
+            if granted.done():
+                continue
+            try:
+                self._take_bytes(key_id, size)
+            except TooManyRequests as exc:
+                granted.set_exception(exc)
+            else:
+                granted.set_result(None)
+        if queue is not None and not queue:
+            del self._waiting[key_id]
+
+    def _give_back_bytes(self, key_id: str, size: int) -> None:
+        self.body_bytes[key_id] -= size
+        self._total_bytes -= size
+        if size:
+            self._wake(key_id)
+
     def _release(self, key_id: str, size: int) -> None:
         self.requests[key_id] -= 1
         self._total_requests -= 1
-        self.body_bytes[key_id] -= size
-        self._total_bytes -= size
+        self._give_back_bytes(key_id, size)
         if not self.requests[key_id]:
             del self.requests[key_id], self.body_bytes[key_id]
 
     def stats(self) -> dict[str, Any]:
         return {"requests": self._total_requests, "body_bytes": self._total_bytes, "keys": len(self.requests),
+                "waiting_for_room": sum(len(queue) for queue in self._waiting.values()), "waited": self.waited,
                 "refused": dict(self.refused)}
 
 
@@ -136,12 +204,23 @@ class Ticket:
     def hold(self, size: int) -> None:
         """Hold ``size`` more body bytes (TooManyRequests past a budget; RequestTooLarge past what one request
         may ever hold)."""
+        self._check_size(size)
+        self._admission._take_bytes(self._key_id, size)
+        self.body_bytes += size
+
+    async def hold_declared(self, size: int, timeout_s: float) -> None:
+        """Hold a declared body's ``size`` bytes before it is read, waiting up to ``timeout_s`` for room in the
+        key's budget (TooManyRequests when none came, or the whole gateway's budget has none; RequestTooLarge past
+        what one request may ever hold)."""
+        self._check_size(size)
+        await self._admission._take_bytes_in_turn(self._key_id, size, timeout_s)
+        self.body_bytes += size
+
+    def _check_size(self, size: int) -> None:
         most = self._admission.most_per_request
         if self.body_bytes + size > most:
             self._admission.refused["request_too_large"] += 1
             raise RequestTooLarge(most)
-        self._admission._take_bytes(self._key_id, size)
-        self.body_bytes += size
 
     def release(self) -> None:
         if not self._released:
@@ -171,11 +250,14 @@ class AdmissionMiddleware:
         try:
             declared = _header(scope, b"content-length")
             if declared is not None and declared.isdigit():
-                ticket.hold(int(declared))
+                await ticket.hold_declared(int(declared), services.admission.limits.body_timeout_s)
         except GatewayError as exc:
             ticket.release()
             await _refuse(send, exc)
             return
+        except BaseException:
+            ticket.release()
+            raise
         scope.setdefault("state", {}).update(caller=caller, ticket=ticket)
         try:
             await _Connection(self.app, scope, receive, send, ticket, services.admission.limits).run()

@@ -1,5 +1,6 @@
 """Bounded work per request and per key (gateway/admission.py), through a real gateway server on loopback: a body
-that drips is cut at its deadline, one key cannot hold more than its share of requests or body bytes, an image URL
+that drips is cut at its deadline, one key cannot hold more than its share of requests or body bytes (a declared
+body past its share waits for room, unread, up to the body deadline), an image URL
 that drips ends at the fetch deadline, and a client that leaves while its images are fetched cancels the fetch.
 Before, each of these held the gateway's resources for as long as the client (or the image server) liked."""
 
@@ -12,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
 
 import httpx
@@ -117,11 +119,22 @@ def test_one_key_cannot_hold_more_than_its_share_of_body_bytes(server):
     assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
     chunked = post(server.url, ALICE, content=iter([big[: 1 << 19]] * 4))  # no Content-Length: counted as it comes
     assert chunked.status_code == 413
-    held = held_request(server.url, ALICE, declared=700 << 10)  # within the key's budget: retrying may help
+    held = held_request(server.url, ALICE, declared=700 << 10)  # within the key's budget
     try:
         holding(server, 700 << 10)
-        refused = post(server.url, ALICE, content=b" " * (400 << 10))
-        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+        # A second body the key's budget has no room for waits for room, unread ...
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(post, server.url, ALICE, content=b" " * (400 << 10))
+            admission = server.app.state.services.admission
+            deadline = time.monotonic() + 10
+            while admission.stats()["waiting_for_room"] != 1:
+                assert time.monotonic() < deadline, admission.stats()
+                time.sleep(0.01)
+            assert post(server.url, BOB, json={}).status_code == 400  # ... while another key is served
+            assert not waiting.done() and admission.stats()["body_bytes"] == 700 << 10
+            held.close()  # room: it is read and answered (a 400: spaces are no JSON)
+            assert waiting.result(timeout=20).status_code == 400
+        assert admission.stats()["waited"] == 1
     finally:
         held.close()
     holding(server, 0)
@@ -176,6 +189,31 @@ class DripHandler(BaseHTTPRequestHandler):
 def image_request(image_url: str) -> bytes:
     return orjson.dumps({"model": "revisit-tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "What is it?"}]}]})
+
+
+@pytest.mark.parametrize("server", [{"admission": AdmissionLimits(max_body_bytes_per_key=1 << 20, body_timeout_s=1),
+                                     "images": ImageLimits(allow_private_urls=True)}], indirect=True)
+def test_a_body_that_waits_for_room_longer_than_the_body_deadline_is_a_429(server):
+    """A key's bytes are held by a request whose body is in and whose image drips: longer than the next one may wait."""
+    with serve_handler(DripHandler) as images:
+        body = orjson.loads(image_request(images + "/drip.png"))
+        body["messages"][0]["content"].append({"type": "text", "text": " " * (700 << 10)})
+        raw = orjson.dumps(body)
+        held = held_request(server.url, ALICE, declared=len(raw))
+        try:
+            held.sendall(raw)
+            holding(server, len(raw))
+            started = time.monotonic()
+            refused = post(server.url, ALICE, content=b" " * (400 << 10))
+            waited = time.monotonic() - started
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+            assert 0.9 < waited < 5, waited
+            stats = server.app.state.services.admission.stats()
+            assert stats["refused"] == {"body_bytes_per_key": 1} and stats["waiting_for_room"] == 0
+        finally:
+            held.close()
+    holding(server, 0)
 
 
 @pytest.mark.parametrize("server", [{"images": ImageLimits(allow_private_urls=True, fetch_deadline_s=1.5)}],
