@@ -19,7 +19,14 @@ RSS per phase, and the attacked/quiet ratios. The machine's CPUs are split betwe
 (the load generator runs beside the gateway), as a GPU host's would be: on a shared CPU, an attacker's decoding
 would otherwise slow the model's own forward, which is no property of the gateway.
 
-    .venv/bin/python bench/dos_under_load.py [--phase-s 90] [--rounds 2] [--workers 1]
+The attacker is a process of its own, beside the gateway, at a low CPU priority (``--attacker-nice``, 19): a real
+attacker makes its requests on its own machine, so what the tenants lose should be what the gateway spends on the
+attack, not what the attacker's client spends making, sending and reading it (in the tenants' own event loop, as it
+once ran, its 100-request bursts alone delayed the tenants' clients). At nice 19 it still sends whenever the
+gateway's CPU has a moment idle; the counts of what it sent are printed, and ``--attacker-nice 0`` shows the
+attack with the attacker's client competing for the gateway's CPU as an equal.
+
+    .venv/bin/python bench/dos_under_load.py [--phase-s 90] [--rounds 2] [--workers 1] [--attacker-nice 19]
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import argparse
 import asyncio
 import base64
 import io
+import multiprocessing
 import os
 import random
 import statistics
@@ -212,6 +220,48 @@ class Attack:
             self.statuses[("slow_body", status)] += 1
 
 
+class Attacker:
+    """The attacker's process: makes its bodies once, then runs an attack phase each time it is asked."""
+
+    def __init__(self, url: str, kinds: frozenset[str], nice: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._pipe, child = context.Pipe()
+        self.process = context.Process(target=_attacker_main, args=(child, url, kinds, nice), daemon=True)
+        self.process.start()
+        if self._pipe.recv() != "ready":
+            raise RuntimeError("the attacker's process did not start")
+
+    async def phase(self, until: float) -> Counter:
+        """Attack until ``until`` (time.monotonic(), one clock for every process); what it sent, by status."""
+        self._pipe.send(until)
+        return Counter(await asyncio.to_thread(self._pipe.recv))
+
+    def close(self) -> None:
+        self._pipe.send(None)
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def _attacker_main(pipe: Any, url: str, kinds: frozenset[str], nice: int) -> None:
+    os.nice(nice)  # before any thread starts: threads inherit it
+
+    async def serve() -> None:
+        bodies = await asyncio.to_thread(Bodies)
+        drip = DripServer()
+        await drip.start()
+        pipe.send("ready")
+        try:
+            while (until := await asyncio.to_thread(pipe.recv)) is not None:
+                attack = Attack(url, bodies, drip, kinds=kinds)
+                await attack.run(until)
+                pipe.send(dict(attack.statuses))
+        finally:
+            await drip.close()
+
+    asyncio.run(serve())
+
+
 # --- measuring ---
 
 class RssPeak(threading.Thread):
@@ -232,16 +282,16 @@ class RssPeak(threading.Thread):
         self.peak = self.gateway_rss()
 
 
-def split_cpus(stack: Stack) -> str:
-    """Pin the gateway (and this process) to the first CPU and the workers to the others: every thread of every
-    process of each part."""
+def split_cpus(stack: Stack, attacker: Attacker) -> str:
+    """Pin the gateway (and this process, and the attacker's) to the first CPU and the workers to the others: every
+    thread of every process of each part."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return f"not split ({len(cpus)} CPU)"
     half = max(1, len(cpus) // 4) if len(cpus) >= 8 else 1
     front, back = set(cpus[:half]), set(cpus[half:])
     assert stack.gateway is not None
-    parts = [(live_group_members(stack.gateway.pid), front), ([os.getpid()], front)]
+    parts = [(live_group_members(stack.gateway.pid), front), ([os.getpid(), attacker.process.pid], front)]
     parts += [(live_group_members(w.pid), back) for w in stack.workers]
     for pids, chosen in parts:
         for pid in pids:
@@ -269,15 +319,12 @@ def p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def run(args: argparse.Namespace, stack: Stack) -> None:
-    bodies = await asyncio.to_thread(Bodies)
-    drip = DripServer()
-    await drip.start()
+async def run(args: argparse.Namespace, stack: Stack, attacker: Attacker) -> None:
     rss = RssPeak(stack)
     rss.start()
     load = Load(stack.url, stack.worker_urls, seed=args.seed, check_share=0.0, worker_api_key=stack.worker_api_key)
     phases: list[dict] = []
-    attacks: list[Attack] = []
+    sent: Counter = Counter()  # the attacker's requests, (kind, status) -> count
     try:
         print("warming up (the mixed load alone)")
         await load.run(args.clients, time.monotonic() + args.warmup_s, 10**9)
@@ -288,10 +335,10 @@ async def run(args: argparse.Namespace, stack: Stack) -> None:
             until = time.monotonic() + args.phase_s
             tasks = [load.run(args.clients, until, 10**9)]
             if attacked:
-                attack = Attack(stack.url, bodies, drip, kinds=frozenset(args.attacks.split(",")))
-                attacks.append(attack)
-                tasks.append(attack.run(until))
-            await asyncio.gather(*tasks)
+                tasks.append(attacker.phase(until))
+            for result in await asyncio.gather(*tasks):
+                if isinstance(result, Counter):
+                    sent.update(result)
             records = load.records[first:]
             phase: dict[str, Any] = {"attacked": attacked, "latency": latencies(records), "rss": rss.peak,
                      "outcomes": Counter(r.outcome for r in records)}
@@ -302,11 +349,10 @@ async def run(args: argparse.Namespace, stack: Stack) -> None:
     finally:
         rss.stopping.set()
         await load.close()
-        await drip.close()
-    report(phases, attacks)
+    report(phases, sent)
 
 
-def report(phases: list[dict], attacks: list[Attack]) -> None:
+def report(phases: list[dict], statuses: Counter) -> None:
     quiet = [ph for ph in phases if not ph["attacked"]]
     attacked = [ph for ph in phases if ph["attacked"]]
 
@@ -328,9 +374,6 @@ def report(phases: list[dict], attacks: list[Attack]) -> None:
     per_phase = [f"{'A' if ph['attacked'] else 'Q'} {statistics.median(ph['latency']['all']) * 1e3:.0f} ms"
                  for ph in phases if ph["latency"]["all"]]
     print("p50 per phase, in order: " + ", ".join(per_phase))
-    statuses: Counter = Counter()
-    for attack in attacks:
-        statuses.update(attack.statuses)
     print("\nthe attacker's requests (kind, status: count):")
     for (kind, status), count in sorted(statuses.items(), key=lambda item: (item[0][0], str(item[0][1]))):
         print(f"  {kind:16} {status!s:24} {count}")
@@ -345,17 +388,24 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="which of the attacks to send (comma-separated)")
+    parser.add_argument("--attacker-nice", type=int, default=19,
+                        help="the attacker's process's nice value (19: it takes only what the gateway leaves idle)")
     args = parser.parse_args()
     if unknown := set(args.attacks.split(",")) - set(ATTACKS):
         parser.error(f"unknown attacks: {', '.join(sorted(unknown))}; known: {', '.join(ATTACKS)}")
     # Private image URLs allowed: the drip server is on loopback. The store sized as the soak's.
     settings = StackSettings(workers=args.workers, gateway_env=(("REVISIT_ALLOW_PRIVATE_IMAGE_URLS", "1"),))
     stack = Stack.create(settings)
+    attacker = None
     try:
         stack.start()
-        print(f"stack ready: gateway {stack.url}, workers {stack.worker_urls}; {split_cpus(stack)}")
-        asyncio.run(run(args, stack))
+        attacker = Attacker(stack.url, frozenset(args.attacks.split(",")), args.attacker_nice)
+        print(f"stack ready: gateway {stack.url}, workers {stack.worker_urls}; {split_cpus(stack, attacker)}; "
+              f"the attacker at nice {args.attacker_nice}")
+        asyncio.run(run(args, stack, attacker))
     finally:
+        if attacker is not None:
+            attacker.close()
         stack.close()
 
 
