@@ -16,9 +16,10 @@ with access to the server placed there, or copied from another store's books, is
 counted (``refused_events``, ``refused_snapshots``; /admin/stats shows them) and logged once. A forged snapshot
 reads as none, a forged trim mark as no trim, and forged settings as none recorded (they are then recorded anew).
 Books written before events were authenticated are skipped the same way. Without a secret the MACs are under a
-public key: they catch damage, not forgery. A valid event of this log copied into it again is applied again: it
-repeats a change of the books (an eviction, an unpin), and cannot make a gateway use an entry no gateway wrote
-(entries are sealed: store/seal.py).
+public key: they catch damage, not forgery. Every event also names its writer (a random id per BookLog, that is per
+replica run) and its place in that writer's events (1, 2, 3, ...), under the MAC: a valid event of this log copied
+into it again (a replay, which would repeat an eviction or an unpin) comes after the writer's later events, and the
+books refuse it (gateway/books/shared.py keeps each writer's last number in the books and their snapshots).
 
 Every call is one or two round trips on a connection of the calling thread's (redis-py's pool); errors from the
 server or the network become :class:`BooksUnavailable`.
@@ -26,8 +27,10 @@ server or the network become :class:`BooksUnavailable`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -66,6 +69,8 @@ class BookLog:
         self._mac_key = (secret if secret is not None else DataPlaneSecret()).key("books")
         self.refused_events = 0  # events not applied: their MAC was missing or wrong
         self.refused_snapshots = 0  # snapshots read as none: their MAC was missing or wrong
+        self.writer = secrets.token_hex(8)  # this log's writer id: its events are (writer, 1), (writer, 2), ...
+        self._numbers = itertools.count(1)
         self._warned: set[str] = set()
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
@@ -106,8 +111,8 @@ class BookLog:
     # ---- the log ---------------------------------------------------------------------
 
     def append(self, event: dict[str, Any]) -> str:
-        """Add an event at the end of the log; its id."""
-        body = json.dumps(event, separators=(",", ":"))
+        """Add an event at the end of the log, marked with this writer and its number; its id."""
+        body = json.dumps({**event, "by": self.writer, "n": next(self._numbers)}, separators=(",", ":"))
         tag = self._mac(b"event", body.encode())
         return _text(_answer(lambda: self._redis.xadd(self._key("log"), {"event": body, "mac": tag})))
 

@@ -20,8 +20,10 @@ the snapshot and the features are in the server, and the entries in the shared s
 
 Authentication. Only events and snapshots that carry a valid MAC under the deployment secret are applied
 (gateway/books/log.py): the others are stepped over, and counted in :meth:`SharedBooks.status` (/admin/stats). A
-replica whose snapshot stays behind the log's trim (removed, forged, or an older one put back) goes on from the
-trim with the books it has.
+valid event copied into the log again is stepped over too: each event carries its writer and its number among that
+writer's events, and the books keep each writer's last number applied (in their state, so in snapshots too): an
+event numbered at or below it is a replay (counted as ``replayed_events``). A replica whose snapshot stays behind
+the log's trim (removed, forged, or an older one put back) goes on from the trim with the books it has.
 
 Threading: the cache thread's, like the policy it extends.
 """
@@ -64,6 +66,18 @@ class SharedBooks(CachePolicy):
         self.forget: Callable[[str], None] | None = None  # forget an image another replica's index dropped
         self._reloads = 0
         self._snapshot_seen = False  # whether the last read of the log found a snapshot stored
+        self._writers: dict[str, int] = {}  # writer id -> the number of its last event applied (part of the books)
+        self.replayed_events = 0  # authenticated events stepped over: numbered at or below their writer's last
+
+    # ---- the books' state: the policy's, and each writer's last event ---------------------------------
+
+    def state(self) -> dict:
+        return {**super().state(), "writers": dict(self._writers)}
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        writers = state.get("writers", {})
+        self._writers = {str(w): int(n) for w, n in writers.items()} if isinstance(writers, dict) else {}
 
     # ---- start ------------------------------------------------------------------------
 
@@ -180,7 +194,7 @@ class SharedBooks(CachePolicy):
                 self.cursor = read.trimmed_to
                 continue
             for event_id, event in read.events:
-                outcome = self._apply(event)
+                outcome = self._apply(event) if self._first_sight(event_id, event) else (None, None)
                 self.cursor = event_id
                 self.applied += 1
                 self._since_snapshot += 1
@@ -190,6 +204,20 @@ class SharedBooks(CachePolicy):
                 self.cursor = read.last  # past the entries that were not authenticated (the log counted them)
             if read.read < READ_BATCH or until is not None and found is not None:
                 return found  # caught up, or up to the caller's own event (the rest can wait for the next call)
+
+    def _first_sight(self, event_id: str, event: dict[str, Any]) -> bool:
+        """Whether the event comes after its writer's last one applied (and records it); a replay, or an event with
+        no writer's number (as versions before them wrote), is counted and not applied."""
+        writer, number = event.get("by"), event.get("n")
+        if not isinstance(writer, str) or type(number) is not int or number <= self._writers.get(writer, 0):
+            self.replayed_events += 1
+            if self.replayed_events == 1:
+                log.warning("the shared books' log holds an event (%s) whose writer's number is not past that "
+                            "writer's last one applied: a copy of an earlier event, not applied (further ones are "
+                            "counted in the books' status)", event_id)
+            return False
+        self._writers[writer] = number
+        return True
 
     def _apply(self, event: dict[str, Any]) -> tuple[Any, PolicyError | None]:
         """One event on this replica's books: (result, None), or (None, the error it raised here and everywhere)."""
@@ -234,5 +262,5 @@ class SharedBooks(CachePolicy):
     def status(self) -> dict[str, Any]:
         return {"shared": True, "cursor": self.cursor, "applied": self.applied, "snapshot_reloads": self._reloads,
                 "log": self.log.prefix, "refused_events": self.log.refused_events,
-                "refused_snapshots": self.log.refused_snapshots}
+                "replayed_events": self.replayed_events, "refused_snapshots": self.log.refused_snapshots}
 

@@ -85,6 +85,26 @@ def test_an_event_made_under_another_secret_is_refused(redis_server, name):
     assert key(1) not in ours and ours.status()["refused_events"] == 1
 
 
+def test_a_valid_event_copied_into_the_log_again_is_not_applied_again(redis_server, server, name):
+    """Before: a replayed removal removed the image again from every replica's books, as often as it was copied."""
+    a, b = replica(redis_server, name), replica(redis_server, name)
+    a.insert(key(1), 10)
+    a.remove(key(1))
+    a.insert(key(1), 10)  # the image is back
+    log_key = f"revisit:{name}:books:log"
+    removal = next(fields for _, fields in server.xrange(log_key) if json.loads(fields[b"event"])["kind"] == "remove")
+    server.xadd(log_key, removal)  # its MAC holds: it is a genuine event of these books, sent again
+    b.catch_up()  # b reads the copy (and saves the books' first snapshot, past it)
+    a.catch_up()  # a takes that snapshot in
+    assert b.status()["replayed_events"] == 1
+    assert key(1) in a and key(1) in b and a.state() == b.state()
+    a.save_snapshot()  # the writers' last numbers are in the snapshot: a replica that starts from it refuses it too
+    server.xadd(log_key, removal)
+    late = replica(redis_server, name)
+    assert key(1) in late and late.status()["replayed_events"] == 1
+    assert books_status(late)["replayed_events"] == 1  # what /admin/stats shows
+
+
 def test_a_forged_snapshot_is_ignored(redis_server, server, name):
     books = replica(redis_server, name)
     books.insert(key(1), 10)
