@@ -29,6 +29,7 @@ from gateway.image_fetch import ImageFetcher
 from gateway.image_memo import CanonicalMemo
 from gateway.images import CanonicalImage, canonicalize, image_size
 from gateway.matching.features import Extractor
+from gateway.memory import MemoryTrim
 from gateway.offload import lane, off_loop, on_thread_costing
 from gateway.pools import FairPool
 from gateway.prompt_size import PromptSize, message_chars
@@ -45,6 +46,10 @@ from gateway.videos import CanonicalVideo, open_video
 T = TypeVar("T")
 A = TypeVar("A")
 B = TypeVar("B")
+
+# What decoding an image holds at its peak, per pixel: the decoded image and its RGB copy (a 40 Mpx greyscale PNG:
+# ~150 MiB), told to gateway/memory.py once it is done.
+DECODED_BYTES_PER_PIXEL = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +80,10 @@ class Intake:
     callers (default: one of gateway.pools.default_workers() threads); :meth:`aclose` shuts it down."""
 
     def __init__(self, config: GatewayConfig, fetcher: ImageFetcher, extractor: Extractor | None = None, *,
-                 pool: FairPool | None = None, prompt_size: PromptSize | None = None):
+                 pool: FairPool | None = None, prompt_size: PromptSize | None = None,
+                 memory: MemoryTrim | None = None):
         self._config = config
+        self._memory = memory  # told how much each decoding held, to give a large one's memory back
         # What refuses a prompt too long for the workers' context (gateway/prompt_size.py); None: nothing is.
         self.prompt_size = prompt_size
         self._fetcher = fetcher
@@ -189,10 +196,14 @@ class Intake:
         return _Fetched(ref, data, digest, width, height)
 
     async def _decode(self, item: _Fetched, namespace: str) -> CanonicalImage:
-        image = await _in_part(item.ref, canonicalize, item.data, cost=item.width * item.height,
-                               limits=self._config.images,
-                               processor=self._config.processor, model=self._config.model, namespace=namespace,
-                               extractor=self._extractor)
+        pixels = item.width * item.height
+        try:
+            image = await _in_part(item.ref, canonicalize, item.data, cost=pixels, limits=self._config.images,
+                                   processor=self._config.processor, model=self._config.model, namespace=namespace,
+                                   extractor=self._extractor)
+        finally:
+            if self._memory is not None:  # what decoding held (the decoded image and its RGB copy) is free now
+                self._memory.after(DECODED_BYTES_PER_PIXEL * pixels)
         self.memo.put(namespace, item.digest, image)
         return image
 

@@ -243,7 +243,8 @@ def parse_body(raw: bytes | bytearray) -> tuple[dict[str, Any], ChatCompletionPa
     return body, params
 
 
-def parse_completion_body(raw: bytes | bytearray, vocab_size: int | None = None) -> tuple[dict[str, Any], CompletionParams]:
+def parse_completion_body(raw: bytes | bytearray,
+                          vocab_size: int | None = None) -> tuple[dict[str, Any], CompletionParams]:
     """Decode and validate a /v1/completions body, as parse_body does a chat one. Token-id prompts must name ids
     of the model's vocabulary (``vocab_size``): SGLang takes any id, and one past the embedding crashes the
     worker's scheduler (and, retried, the next worker's)."""

@@ -60,7 +60,7 @@ class Services:
     tenants: Tenants
     admission: Admission
     turns: WorkerTurns  # each key's turns at the workers (gateway/turns.py)
-    memory: MemoryTrim  # gives a large body's freed memory back (gateway/memory.py)
+    memory: MemoryTrim  # gives a large body's or image's freed memory back (gateway/memory.py)
     plan_key: bytes  # plans are authenticated with it (plan.plan_key), under the secret the workers share
     outcomes: Outcomes | None = None  # what workers ran, per request (plan.outcome); None without a store
     responses: ResponseCache | None = None  # answers served without the model; None when off everywhere
@@ -130,13 +130,14 @@ class Services:
                 else None
             responses = ResponseCache(config.responses, embedder=embedder, matcher=planner.matcher,
                                       on_cache_thread=cache.run, metrics=response_metrics)
+        memory = MemoryTrim()
         return cls(
             config=config,
             client=client,
             pool=pool,
             fetcher=fetcher,
-            intake=Intake(config, fetcher, extractor, prompt_size=PromptSize(config.max_token_chars,
-                                                                             context=pool.context_length)),
+            intake=Intake(config, fetcher, extractor, memory=memory,
+                          prompt_size=PromptSize(config.max_token_chars, context=pool.context_length)),
             dispatcher=Dispatcher(pool, client),
             cache=cache,
             planner=planner,
@@ -146,7 +147,7 @@ class Services:
             tenants=Tenants(config.tenants, config.secret),
             admission=Admission(config.admission, config.max_request_bytes),
             turns=WorkerTurns(config.admission.worker_requests_per_key),
-            memory=MemoryTrim(),
+            memory=memory,
             plan_key=plan_key(config.secret),
             outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_address, name=reuse.store.name,
                                  secret=config.secret)

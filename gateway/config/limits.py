@@ -18,9 +18,9 @@ class AdmissionLimits:
     the gateway's memory or CPU from the others; a declared body that its key's budget has no room for yet first
     waits for room, unread, for up to ``body_timeout_s`` (the 429 after). A body that no budget could ever take
     (more than the per-key budget, or than ``REVISIT_MAX_REQUEST_BYTES``) is a 413 instead. ``body_timeout_s``
-    bounds reading a request's whole body (a 408 after it), however slowly the client sends it. ``worker_requests_per_key`` bounds how many of
-a key's requests are at the workers at once while another key has requests for them (gateway/turns.py); the
-others wait at the gateway."""
+    bounds reading a request's whole body (a 408 after it), however slowly the client sends it.
+    ``worker_requests_per_key`` bounds how many of a key's requests are at the workers at once while another key has
+    requests for them (gateway/turns.py); the others wait at the gateway."""
 
     max_requests: int = 1024
     max_requests_per_key: int = 64

@@ -7,7 +7,9 @@ import ctypes
 import ctypes.util
 import platform
 
+import orjson
 import pytest
+from PIL import Image
 
 from gateway.memory import MemoryTrim
 
@@ -49,3 +51,32 @@ def test_without_glibcs_trim_nothing_is_done(monkeypatch):
     trim = MemoryTrim(threshold_bytes=1)
     trim.after(1 << 30)  # no running loop needed: nothing is scheduled
     assert trim.trims == 0
+
+
+def test_a_large_images_decoding_gives_its_memory_back_and_a_small_ones_does_not():
+    """A 170 KB PNG can decode to hundreds of MB: what its decoding held is given back once it is done, whatever the
+    size of the body it came in."""
+    from gateway.config import GatewayConfig
+    from gateway.image_fetch import ImageFetcher
+    from gateway.intake import DECODED_BYTES_PER_PIXEL, Intake
+    from tests.images_lib import data_url, encode, noise_image
+
+    def chat(url: str) -> bytes:
+        return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}]}]})
+
+    async def main() -> None:
+        config = GatewayConfig(model="m", workers=("http://127.0.0.1:1",))
+        trim = MemoryTrim(threshold_bytes=DECODED_BYTES_PER_PIXEL * 1000 * 1000)
+        intake = Intake(config, ImageFetcher(config.images), memory=trim)
+        try:
+            await intake.process(chat(data_url(encode(noise_image(64, 64)))), namespace="n")
+            assert trim._task is None
+            await intake.process(chat(data_url(encode(Image.new("L", (1000, 1000))))), namespace="n")  # ~5 KB
+            assert trim._task is not None
+            await trim._task
+            assert trim.trims == 1
+        finally:
+            await intake.aclose()
+
+    asyncio.run(main())
