@@ -25,7 +25,7 @@ class AdmissionLimits:
     max_requests: int = 1024
     max_requests_per_key: int = 64
     max_body_bytes: int = 2 << 30
-    max_body_bytes_per_key: int = 128 << 20
+    max_body_bytes_per_key: int = 64 << 20
     body_timeout_s: float = 60.0
     worker_requests_per_key: int = 16
 
