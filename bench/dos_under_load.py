@@ -392,6 +392,9 @@ def main() -> None:
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="which of the attacks to send (comma-separated)")
     parser.add_argument("--gateway-env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the gateway (repeatable), e.g. REVISIT_ADMISSION_WORKER_REQUESTS_PER_KEY=4")
+    parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                        help="an argument for SGLang (repeatable), e.g. --worker-arg=--prefill-decode-interval "
+                             "--worker-arg=4")
     parser.add_argument("--attacker-nice", type=int, default=19,
                         help="the attacker's process's nice value (19: it takes only what the gateway leaves idle)")
     args = parser.parse_args()
@@ -401,7 +404,8 @@ def main() -> None:
     if bad := [item for item in args.gateway_env if "=" not in item]:
         parser.error(f"--gateway-env takes NAME=VALUE, got {bad[0]!r}")
     extra = tuple(tuple(item.split("=", 1)) for item in args.gateway_env)
-    settings = StackSettings(workers=args.workers, gateway_env=(("REVISIT_ALLOW_PRIVATE_IMAGE_URLS", "1"), *extra))
+    settings = StackSettings(workers=args.workers, gateway_env=(("REVISIT_ALLOW_PRIVATE_IMAGE_URLS", "1"), *extra),
+                             worker_args=tuple(args.worker_arg))
     stack = Stack.create(settings)
     attacker = None
     try:

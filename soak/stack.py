@@ -58,6 +58,7 @@ class StackSettings:
     health_timeout_s: float = 2.0  # SGLang answers /health in 1 s at best
     books_interval_s: float = 2.0
     gateway_env: tuple[tuple[str, str], ...] = ()  # more REVISIT_* settings for the gateway
+    worker_args: tuple[str, ...] = ()  # more arguments for SGLang, last on each worker's command line
 
 
 @dataclass
@@ -137,7 +138,8 @@ class Stack:
 
     def _launch_worker(self, index: int) -> WorkerProcess:
         spec = WorkerSpec(model_path=self.model_path, port=self.worker_ports[index], served_model_name=MODEL_ID,
-                          log_file=self.root / "logs" / f"worker-{index}.log", env=self.store_env())
+                          log_file=self.root / "logs" / f"worker-{index}.log", env=self.store_env(),
+                          extra_args=self.settings.worker_args)
         return start_worker(spec)
 
     def kill_worker(self, index: int) -> None:
