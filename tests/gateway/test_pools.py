@@ -13,6 +13,15 @@ import pytest
 from gateway.pools import FairPool, PoolClosed
 
 
+async def until(condition, what: object = "") -> None:
+    """Wait, polling, for ``condition()`` (5 s at most)."""
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not reached: {what}")
+
+
 async def test_one_callers_single_job_waits_for_about_one_job_per_thread_not_for_another_callers_queue() -> None:
     pool = FairPool(2)
     done: list[str] = []
@@ -62,8 +71,7 @@ async def test_a_cancelled_coroutines_job_that_has_not_started_leaves_the_queue_
     try:
         blocker = asyncio.ensure_future(pool.run("A", release.wait, 5))
         waiting = asyncio.ensure_future(pool.run("B", ran.set))
-        await asyncio.sleep(0.05)
-        assert pool.queued("B") == 1
+        await until(lambda: pool.queued("B") == 1, pool.stats())
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -82,7 +90,7 @@ async def test_jobs_not_started_fail_when_the_pool_closes() -> None:
     release = threading.Event()
     started = asyncio.ensure_future(pool.run("A", release.wait, 5))
     queued = asyncio.ensure_future(pool.run("A", int))
-    await asyncio.sleep(0.05)
+    await until(lambda: pool.queued("A") == 1, pool.stats())
     closing = asyncio.ensure_future(pool.aclose())
     with pytest.raises(PoolClosed):
         await queued
@@ -96,8 +104,7 @@ async def test_idle_threads_leave_and_come_back_when_jobs_do() -> None:
     try:
         assert await asyncio.gather(*(pool.run("A", time.sleep, 0.05) for _ in range(4))) == [None] * 4
         assert pool.stats()["threads"] == 2
-        await asyncio.sleep(0.3)
-        assert pool.stats()["threads"] == 0
+        await until(lambda: pool.stats()["threads"] == 0, pool.stats())
         assert await pool.run("A", lambda: 7) == 7
     finally:
         await pool.aclose()
@@ -123,10 +130,10 @@ async def test_an_idle_thread_holds_neither_its_last_jobs_arguments_nor_its_resu
         answer = weakref.ref(await pool.run("A", parse, argument))
         sent = weakref.ref(argument)
         del argument
-        await asyncio.sleep(0.05)  # the thread is idle, waiting for a job
-        gc.collect()
+        # The thread is idle, waiting for a job: it lets go of both.
+        await until(lambda: gc.collect() is not None and sent() is None and answer() is None and made[0]() is None,
+                    "the idle thread still holds its last job's argument or result")
         assert pool.stats()["threads"] == 1
-        assert sent() is None and answer() is None and made[0]() is None
     finally:
         await pool.aclose()
 
@@ -142,28 +149,21 @@ async def test_costly_jobs_start_only_within_the_pools_budget_and_one_past_it_ru
         gates[name].wait(5)
         return name
 
-    async def until(condition) -> None:
-        for _ in range(500):
-            if condition():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"not reached; started {started}, {pool.stats()}")
-
     try:
         a = asyncio.ensure_future(pool.run_costing("A", 60, job, "a"))
-        await until(lambda: started == ["a"])
+        await until(lambda: started == ["a"], started)
         b = asyncio.ensure_future(pool.run_costing("B", 60, job, "b"))  # 120 > 100: waits for a
         c = asyncio.ensure_future(pool.run_costing("C", 30, job, "c"))  # 90: fits beside a, goes first
-        await until(lambda: started == ["a", "c"])
+        await until(lambda: started == ["a", "c"], started)
         assert pool.stats()["cost_running"] == 90 and pool.queued() == 1
         gates["a"].set()
-        await until(lambda: started == ["a", "c", "b"])
+        await until(lambda: started == ["a", "c", "b"], started)
         huge = asyncio.ensure_future(pool.run_costing("A", 150, job, "huge"))  # past the budget: alone
         await asyncio.sleep(0.1)
         assert started == ["a", "c", "b"]
         gates["b"].set()
         gates["c"].set()
-        await until(lambda: started[-1] == "huge")
+        await until(lambda: started[-1] == "huge", started)
         assert pool.stats()["cost_running"] == 150
         assert await pool.run("B", lambda: "free") == "free"  # a job of no cost is not held back
         gates["huge"].set()
