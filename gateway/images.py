@@ -6,6 +6,19 @@ composited over white, RGB. The exact cache key hashes those pixels together wit
 model, the processor settings and the cache namespace, so the same picture sent as
 PNG or as a rotated JPEG with an orientation tag gets the same key, while two tenants
 never share one unless an operator maps them to one namespace.
+
+An image of more pixels than the model keeps (the processor's ``max_pixels``) is resized
+here, once, to the size the model's processor would resize it to (Qwen ``smart_resize``,
+bicubic), and those are its canonical pixels: the worker receives them (a lossless PNG)
+and its processor's resize to the size they already have leaves them as they are
+(torchvision's resize returns an image of the requested size untouched). A worker then
+never decodes more pixels than the model sees, however many the upload declares (a
+170 KB PNG can declare 40 Mpx), and the key, the token digests and the features are of
+the pixels the model sees. A JPEG is decoded at 1/2, 1/4 or 1/8 scale where that still
+leaves at least the model's size (libjpeg's scaled decoding: a fraction of the memory
+and the time). The pixels differ from the worker's own resize of the original by
+Pillow's bicubic against torchvision's (a level or two of 255, measured in
+tests/gateway/test_images.py); ``ImageLimits.resize_to_model`` off forwards originals.
 """
 
 from __future__ import annotations
@@ -55,7 +68,7 @@ class CanonicalImage:
     """One request image, ready to key, plan and forward."""
 
     key: str  # hex digest: the exact cache key
-    width: int
+    width: int  # as uploaded (oriented), not as resized to the model's size: what the request's pixels count
     height: int
     grid: TokenGrid
     payload: bytes  # what the worker receives: bytes that decode to exactly the keyed pixels
@@ -132,8 +145,7 @@ def image_size(data: bytes, limits: ImageLimits) -> tuple[int, int]:
     return size
 
 
-def _open_checked(data: bytes, limits: ImageLimits) -> Image.Image:
-    image = _open_header(data, limits)
+def _load(image: Image.Image) -> Image.Image:
     try:
         image.load()  # decode now, under the cap, so truncation surfaces here
     except Image.DecompressionBombError as exc:
@@ -174,6 +186,40 @@ def content_key(rgb: Image.Image, *, model: str, namespace: str, processor: Proc
     return digest.hexdigest()
 
 
+def _canonical_pixels(image: Image.Image, rotated: bool, target: tuple[int, int] | None) -> Image.Image:
+    """The decoded ``image`` oriented, made RGB (alpha over white) and resized to ``target`` if given."""
+    oriented = ImageOps.exif_transpose(image) if rotated else image
+    if target is not None and oriented.mode == "L":  # resized grey, then made RGB: the same pixels, 1/4 the memory
+        return oriented.resize(target, Image.Resampling.BICUBIC).convert("RGB")
+    rgb = _to_rgb(oriented)
+    del oriented  # (a converted copy's source: freed as the resize below runs)
+    return rgb if target is None else rgb.resize(target, Image.Resampling.BICUBIC)
+
+
+def model_size(width: int, height: int, processor: ProcessorSettings, limits: ImageLimits) -> tuple[int, int] | None:
+    """(width, height) the gateway resizes an image of ``width x height`` (as oriented) to, or None to keep its
+    size: an image of more pixels than the model keeps is resized to the size its processor would give it."""
+    if not limits.resize_to_model or width * height <= processor.max_pixels:
+        return None
+    h_bar, w_bar = smart_resize(height, width, processor)
+    return w_bar, h_bar
+
+
+def _oriented_size(size: tuple[int, int], orientation: int) -> tuple[int, int]:
+    """(width, height) once an EXIF orientation is applied: 5 to 8 turn the image by 90 degrees."""
+    return (size[1], size[0]) if orientation in (5, 6, 7, 8) else size
+
+
+def _draft_jpeg(image: Image.Image, processor: ProcessorSettings, limits: ImageLimits) -> None:
+    """Have libjpeg decode ``image`` (a JPEG, its header read, not yet decoded) at the smallest of 1/1, 1/2, 1/4
+    and 1/8 scale that still leaves at least the size the gateway resizes it to (a JPEG's EXIF is in its header,
+    so its orientation is known before decoding)."""
+    orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+    target = model_size(*_oriented_size(image.size, orientation), processor, limits)
+    if target is not None:
+        image.draft(None, _oriented_size(target, orientation))
+
+
 def canonicalize(
     data: bytes,
     *,
@@ -186,23 +232,29 @@ def canonicalize(
     """Decode, orient and key one image, and with an extractor compute its per-token features on the grid the
     model will see. CPU-bound: run it off the event loop.
 
-    An RGB PNG or JPEG with no orientation to apply is forwarded as it came: the worker
-    decodes those bytes with the same Pillow to the same pixels. Anything else (a rotation,
-    alpha, palette, CMYK, another format) is re-encoded as a lossless PNG of the keyed pixels.
+    An RGB PNG or JPEG the model keeps at its size, with no orientation to apply, is forwarded as it came: the
+    worker decodes those bytes with the same Pillow to the same pixels. Anything else (a rotation, alpha, palette,
+    CMYK, another format, more pixels than the model keeps) is re-encoded as a lossless PNG of the keyed pixels.
     """
-    image = _open_checked(data, limits)
-    source_format, source_mode = image.format, image.mode
+    image = _open_header(data, limits)
+    source_format, source_size = image.format, image.size
     try:  # metadata (EXIF) and mode conversions read more of the file, which may be damaged there too
-        rotated = image.getexif().get(_EXIF_ORIENTATION, 1) not in (0, 1)
-        oriented = ImageOps.exif_transpose(image) if rotated else image
-        rgb = _to_rgb(oriented)
+        if source_format == "JPEG":
+            _draft_jpeg(image, processor, limits)
+        image = _load(image)
+        source_mode = image.mode
+        orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+        rotated = orientation not in (0, 1)
+        width, height = _oriented_size(source_size, orientation)
+        target = model_size(width, height, processor, limits)
+        rgb = _canonical_pixels(image, rotated, target)
     except _DECODE_ERRORS as exc:
         raise UnprocessableImage(f"image data is corrupt: {exc}", code="invalid_image") from exc
-    del image, oriented  # the decoded source, when it was converted: up to 160 MB that need not stay
-    grid = token_grid(rgb.height, rgb.width, processor)
+    del image  # the decoded source, when it was converted or resized: up to 160 MB that need not stay
+    grid = token_grid(height, width, processor)
     key = content_key(rgb, model=model, namespace=namespace, processor=processor)
     forwarded_mime = _FORWARDED_AS_IS.get(source_format or "")
-    as_uploaded = forwarded_mime is not None and source_mode == "RGB" and not rotated
+    as_uploaded = forwarded_mime is not None and source_mode == "RGB" and not rotated and target is None
     if forwarded_mime is not None and as_uploaded:
         payload, mime = data, forwarded_mime
     else:
@@ -210,5 +262,5 @@ def canonicalize(
         rgb.save(out, format="PNG", compress_level=1)
         payload, mime = out.getvalue(), "image/png"
     features = extractor.extract(rgb, (grid.rows, grid.cols), processor.factor) if extractor is not None else None
-    return CanonicalImage(key=key, width=rgb.width, height=rgb.height, grid=grid, payload=payload, mime=mime,
+    return CanonicalImage(key=key, width=width, height=height, grid=grid, payload=payload, mime=mime,
                           as_uploaded=as_uploaded, features=features)

@@ -175,6 +175,7 @@ class GatewayConfig:
                 ("max_image_pixels", get("MAX_IMAGE_PIXELS", int)),
                 ("max_request_pixels", get("MAX_REQUEST_PIXELS", int)),
                 ("max_decoding_pixels", get("MAX_DECODING_PIXELS", int)),
+                ("resize_to_model", get("RESIZE_IMAGES_TO_MODEL", bool)),
                 ("allow_private_urls", get("ALLOW_PRIVATE_IMAGE_URLS", bool)),
                 ("fetch_deadline_s", get("FETCH_DEADLINE_S", float)),
             )

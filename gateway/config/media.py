@@ -76,6 +76,9 @@ class ImageLimits:
     # Every image being decoded at once, all callers together (decoding holds ~5 bytes a pixel): what decoding may
     # hold in memory, whatever the number of threads. An image larger than this is decoded when no other is.
     max_decoding_pixels: int = 64_000_000
+    # An image of more pixels than the model keeps is resized at the gateway to the model's size, and the worker
+    # gets those pixels (gateway/images.py); off, the worker gets the original and resizes it itself.
+    resize_to_model: bool = True
     fetch_timeout_s: float = 10.0  # the longest wait for the next byte of a fetched image or video
     fetch_deadline_s: float = 30.0  # the longest a whole fetch may take, redirects included, however it drips
     max_redirects: int = 3

@@ -1,7 +1,8 @@
 import io
 
+import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as reference_smart_resize
 
 from gateway.config import ImageLimits, ProcessorSettings
@@ -114,3 +115,78 @@ def test_truncated_image_is_unprocessable():
     data = encode(load("astronaut.png").convert("RGB"), "JPEG")
     with pytest.raises(UnprocessableImage, match="corrupt or truncated"):
         canon(data[: len(data) // 2])
+
+
+# --- images of more pixels than the model keeps: resized at the gateway, once ---
+
+TINY = ProcessorSettings(min_pixels=56 * 56, max_pixels=1024 * 28 * 28)  # the bundled model's processor
+
+
+def photo(width: int, height: int, seed: int = 0) -> Image.Image:
+    """Smooth colour with fine noise: what a camera's picture looks like to a resize (edges and grain)."""
+    rng = np.random.default_rng(seed)
+    coarse = Image.fromarray(rng.integers(0, 256, (height // 16 + 1, width // 16 + 1, 3), dtype=np.uint8))
+    pixels = np.asarray(coarse.resize((width, height), Image.Resampling.BICUBIC), dtype=np.int16)
+    grain = rng.integers(-20, 21, pixels.shape, dtype=np.int16)
+    return Image.fromarray(np.clip(pixels + grain, 0, 255).astype(np.uint8))
+
+
+def tiny(data: bytes, limits: ImageLimits = LIMITS):
+    return canonicalize(data, limits=limits, processor=TINY, model="m", namespace="ns")
+
+
+def test_an_image_larger_than_the_model_keeps_is_forwarded_at_the_models_size():
+    source = photo(2400, 1800)
+    image = tiny(encode(source))
+    h_bar, w_bar = smart_resize(1800, 2400, TINY)
+    forwarded = Image.open(io.BytesIO(image.payload))
+    assert forwarded.size == (w_bar, h_bar) and forwarded.mode == "RGB" and image.mime == "image/png"
+    assert not image.as_uploaded
+    assert (image.width, image.height) == (2400, 1800)  # what the request's pixels are counted by
+    assert (image.grid.rows * 28, image.grid.cols * 28) == (h_bar, w_bar)
+    assert tiny(image.payload).key == image.key  # the key is of the pixels the model sees
+    assert tiny(encode(source.resize((1200, 900), Image.Resampling.BICUBIC))).key != image.key
+
+
+def test_the_workers_processor_keeps_the_forwarded_pixels_and_they_are_within_two_levels_of_its_own_resize():
+    import torch
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessor
+
+    processor = Qwen2VLImageProcessor(size={"shortest_edge": TINY.min_pixels, "longest_edge": TINY.max_pixels})
+    for width, height, seed in ((2400, 1800, 0), (1601, 1999, 1), (6320, 700, 2)):
+        source = photo(width, height, seed)
+        forwarded = Image.open(io.BytesIO(tiny(encode(source)).payload))
+        as_sent = processor(images=[forwarded], return_tensors="pt")
+        unresized = processor(images=[forwarded], do_resize=False, return_tensors="pt")
+        own = processor(images=[source], return_tensors="pt")
+        assert torch.equal(as_sent["pixel_values"], unresized["pixel_values"])  # its resize leaves them as they are
+        assert torch.equal(as_sent["image_grid_thw"], own["image_grid_thw"])
+        # Pillow's bicubic against torchvision's: a level or two of 255 apart, after the processor's normalisation
+        two_levels = 2.5 / 255 / min(processor.image_std)
+        difference = (as_sent["pixel_values"] - own["pixel_values"]).abs()
+        assert difference.max().item() <= two_levels and difference.mean().item() < 0.2 / 255 / min(processor.image_std)
+
+
+def test_a_large_grey_image_is_resized_as_grey_to_the_same_pixels_as_its_rgb_copy():
+    grey = photo(3000, 2000).convert("L")  # what a 170 KB PNG declaring 40 Mpx usually is: resized in 1/4 the memory
+    assert tiny(encode(grey)).key == tiny(encode(grey.convert("RGB"))).key
+
+
+def test_a_large_jpeg_is_decoded_scaled_close_to_its_full_decoding_turned_as_its_exif_says():
+    source = photo(4000, 3000)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turned by 90 degrees: the model sees it 3000 wide and 4000 high
+    data = encode(source, "JPEG", quality=90, exif=exif)
+    image = tiny(data)
+    h_bar, w_bar = smart_resize(4000, 3000, TINY)
+    forwarded = Image.open(io.BytesIO(image.payload))
+    assert forwarded.size == (w_bar, h_bar) and (image.width, image.height) == (3000, 4000)
+    full = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
+    reference = np.asarray(full.resize((w_bar, h_bar), Image.Resampling.BICUBIC), dtype=np.int16)
+    assert np.abs(np.asarray(forwarded, dtype=np.int16) - reference).mean() < 2.0  # levels of 255
+
+
+def test_resize_to_model_off_forwards_the_original():
+    data = encode(photo(2400, 1800), "JPEG")
+    image = tiny(data, limits=ImageLimits(resize_to_model=False))
+    assert image.payload is data and image.as_uploaded
