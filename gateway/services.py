@@ -131,6 +131,8 @@ class Services:
             responses = ResponseCache(config.responses, embedder=embedder, matcher=planner.matcher,
                                       on_cache_thread=cache.run, metrics=response_metrics)
         memory = MemoryTrim()
+        turns = WorkerTurns(config.admission.worker_requests_per_key)
+        pool.on_devices = turns.workers_run_on
         return cls(
             config=config,
             client=client,
@@ -146,7 +148,7 @@ class Services:
             loop_lag=LoopLag(registry, config.loop_lag_interval_s),
             tenants=Tenants(config.tenants, config.secret),
             admission=Admission(config.admission, config.max_request_bytes),
-            turns=WorkerTurns(config.admission.worker_requests_per_key),
+            turns=turns,
             memory=memory,
             plan_key=plan_key(config.secret),
             outcomes=outcome_box(reuse.store.outcomes_path, reuse.store.outcomes_address, name=reuse.store.name,

@@ -9,26 +9,50 @@ workers' queues and batches, which is what the other keys wait for. One key alon
 a gateway of its own runs as fast as the workers take it): the bound holds from the moment a second key has a
 request for the workers, and a key already past it sends nothing more until it is back under it. Everything here
 runs on the event loop: no locks.
+
+The bound, unless set: ``CPU_PER_KEY`` while every worker that has said what it runs on is a CPU worker, else
+``ACCELERATOR_PER_KEY``. On a GPU a batch of 16 costs a forward little more than one request does, so a key held
+to fewer would lose throughput and give the others nothing; on a CPU every request in a batch adds its own compute,
+so each of another key's requests at the worker slows everyone's forward (the soak's tenants' p50, under a flood of
+small requests from a third key on one CPU worker: 1.60x its quiet figure with 16, 1.18x with 2;
+bench/dos_under_load.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+
+CPU_PER_KEY = 2
+ACCELERATOR_PER_KEY = 16
 
 
 class WorkerTurns:
-    """``per_key``: the most requests one key may have at the workers while another key has any there or waiting."""
+    """``per_key``: the most requests one key may have at the workers while another key has any there or waiting;
+    None: by the workers' devices (:meth:`workers_run_on`)."""
 
-    def __init__(self, per_key: int) -> None:
-        if per_key < 1:
+    def __init__(self, per_key: int | None = None) -> None:
+        if per_key is not None and per_key < 1:
             raise ValueError(f"per_key must be at least 1, got {per_key}")
-        self.per_key = per_key
+        self._set = per_key
+        self.per_key = per_key or ACCELERATOR_PER_KEY
+        self.devices: tuple[str, ...] = ()  # what the workers said they run on, when the bound follows them
         self._at_workers: dict[str, int] = {}  # key id -> its requests at the workers now
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}  # key id -> its requests waiting, in order
         self._present: dict[str, int] = {}  # key id -> its requests at the workers or waiting (keys with none absent)
         self.waited = 0  # requests that had to wait, ever
+
+    def workers_run_on(self, devices: Collection[str]) -> None:
+        """The devices the workers have said they run on (SGLang's ``device``: "cpu", "cuda", ...): the bound
+        follows them unless it was set."""
+        if self._set is not None:
+            return
+        self.devices = tuple(sorted(set(devices)))
+        per_key = CPU_PER_KEY if self.devices == ("cpu",) else ACCELERATOR_PER_KEY
+        if per_key != self.per_key:
+            self.per_key = per_key
+            self._wake()
 
     def _contended(self, key_id: str) -> bool:
         """Whether a key other than ``key_id`` has requests at the workers or waiting for them."""
@@ -109,6 +133,8 @@ class WorkerTurns:
             if not queue:
                 del self._waiting[key_id]
 
-    def stats(self) -> dict[str, int]:
-        return {"per_key": self.per_key, "at_workers": sum(self._at_workers.values()), "keys": len(self._at_workers),
-                "waiting": sum(len(queue) for queue in self._waiting.values()), "waited": self.waited}
+    def stats(self) -> dict[str, int | str]:
+        by = "setting" if self._set is not None else "devices:" + ",".join(self.devices or ("unknown",))
+        return {"per_key": self.per_key, "per_key_by": by, "at_workers": sum(self._at_workers.values()),
+                "keys": len(self._at_workers), "waiting": sum(len(queue) for queue in self._waiting.values()),
+                "waited": self.waited}

@@ -22,7 +22,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -50,6 +50,7 @@ class Worker:
     last_checked: float = 0.0
     # What the worker's /v1/models says of its model: {"root": ..., "max_model_len": ...}; read each time it comes up.
     model_card: dict | None = None
+    device: str | None = None  # what its SGLang runs on ("cpu", "cuda", ...: /server_info), once it has said
     _last_used: int = field(default=0, repr=False)
 
     def snapshot(self) -> dict:
@@ -61,6 +62,7 @@ class Worker:
             "failures": self.failures,
             "busy_s": None if self.busy_since is None else round(max(0.0, time.time() - self.busy_since), 1),
             "last_error": self.last_error,
+            "device": self.device,
         }
 
 
@@ -76,6 +78,7 @@ class WorkerPool:
         self._misses_allowed = misses_allowed
         self._task: asyncio.Task | None = None
         self._ticket = itertools.count(1)
+        self.on_devices: Callable[[list[str]], None] | None = None  # told the devices the workers run on, as learnt
 
     @property
     def ready(self) -> bool:
@@ -128,6 +131,11 @@ class WorkerPool:
         worker.last_error = None if ok else error if not busy else f"busy with a forward ({error})"
         if ok and (worker.model_card is None or came_back):  # a worker back may have been restarted with another
             worker.model_card = await self._model_card(worker) or worker.model_card  # context length
+            device = await self._device(worker) or worker.device  # (or on another device)
+            if device != worker.device:
+                worker.device = device
+                if self.on_devices is not None:
+                    self.on_devices([w.device for w in self.workers if w.device is not None])
 
     async def _model_card(self, worker: Worker) -> dict | None:
         """The fields of the worker's model card that clients size prompts by (None when it gives none)."""
@@ -140,6 +148,15 @@ class WorkerPool:
             return None
         card = {k: cards[0][k] for k in ("root", "max_model_len") if cards[0].get(k) is not None}
         return card or None
+
+    async def _device(self, worker: Worker) -> str | None:
+        """What the worker's SGLang runs on, from its /server_info (None when it does not say)."""
+        try:
+            response = await self._client.get(worker.url + "/server_info", timeout=self._timeout_s)
+            device = response.json().get("device") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return device if isinstance(device, str) and device else None
 
     async def _forward_clock(self, worker: Worker) -> tuple[bool, float | None]:
         """Whether the worker's HTTP process answers /metrics, and when the forward it is running started (None

@@ -20,18 +20,20 @@ class AdmissionLimits:
     (more than the per-key budget, or than ``REVISIT_MAX_REQUEST_BYTES``) is a 413 instead. ``body_timeout_s``
     bounds reading a request's whole body (a 408 after it), however slowly the client sends it.
     ``worker_requests_per_key`` bounds how many of a key's requests are at the workers at once while another key has
-    requests for them (gateway/turns.py); the others wait at the gateway."""
+    requests for them (gateway/turns.py); the others wait at the gateway. Unset, it follows the workers' devices:
+    2 while they are all CPU workers, 16 otherwise."""
 
     max_requests: int = 1024
     max_requests_per_key: int = 64
     max_body_bytes: int = 2 << 30
     max_body_bytes_per_key: int = 64 << 20
     body_timeout_s: float = 60.0
-    worker_requests_per_key: int = 16
+    worker_requests_per_key: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if getattr(self, f.name) <= 0:
+            value = getattr(self, f.name)
+            if value is not None and value <= 0:
                 raise ConfigError(f"{ADMISSION_ENV_PREFIX}{f.name.upper()} must be positive")
         if self.max_requests_per_key > self.max_requests or self.max_body_bytes_per_key > self.max_body_bytes:
             raise ConfigError("a per-key admission limit must not exceed the overall one")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.turns import WorkerTurns
+from gateway.turns import ACCELERATOR_PER_KEY, CPU_PER_KEY, WorkerTurns
 
 
 async def started(turns: WorkerTurns, key: str, count: int) -> tuple[list[asyncio.Task], list]:
@@ -75,7 +75,8 @@ def test_a_cancelled_wait_is_withdrawn_and_a_turn_given_back_twice_counts_once()
         assert [i for i, _ in waiting_given] == [1] and turns.stats()["at_workers"] == 2
         b_given[0][1]()
         waiting_given[0][1]()
-        assert turns.stats() == {"per_key": 1, "at_workers": 0, "keys": 0, "waiting": 0, "waited": 2}
+        assert turns.stats() == {"per_key": 1, "per_key_by": "setting", "at_workers": 0, "keys": 0, "waiting": 0,
+                                 "waited": 2}
         _, again = await started(turns, "b", 3)  # nothing of a's is left counted: b alone is not held back
         assert len(again) == 3
 
@@ -104,3 +105,29 @@ def test_a_turn_that_came_as_its_request_was_cancelled_is_handed_on():
 def test_per_key_must_be_positive():
     with pytest.raises(ValueError):
         WorkerTurns(per_key=0)
+
+
+def test_unset_the_bound_follows_the_workers_devices():
+    async def main() -> None:
+        turns = WorkerTurns()
+        assert turns.per_key == ACCELERATOR_PER_KEY and turns.stats()["per_key_by"] == "devices:unknown"
+        _, a_given = await started(turns, "a", CPU_PER_KEY + 1)
+        _, b_given = await started(turns, "b", 1)
+        more_a, more_given = await started(turns, "a", 1)
+        assert len(more_given) == 1  # under the accelerators' bound
+        turns.workers_run_on(["cpu", "cpu"])  # every worker is a CPU worker: a is past its share and waits
+        assert turns.per_key == CPU_PER_KEY and turns.stats()["per_key_by"] == "devices:cpu"
+        waiting, waiting_given = await started(turns, "a", 1)
+        assert waiting_given == [] and turns.stats()["waiting"] == 1
+        turns.workers_run_on(["cpu", "cuda"])  # a GPU worker joins: the bound rises and a's waiting one goes
+        await asyncio.sleep(0)
+        assert turns.per_key == ACCELERATOR_PER_KEY and len(waiting_given) == 1
+        await asyncio.gather(*more_a, *waiting)
+
+    asyncio.run(main())
+
+
+def test_a_bound_set_is_kept_whatever_the_devices():
+    turns = WorkerTurns(per_key=4)
+    turns.workers_run_on(["cpu"])
+    assert turns.per_key == 4 and turns.stats()["per_key_by"] == "setting"

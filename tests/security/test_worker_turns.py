@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from gateway.config import AdmissionLimits, TenantSettings
+from gateway.turns import CPU_PER_KEY
 from tests.conftest import MODEL_ID, gateway_config, run_gateway
 
 pytestmark = pytest.mark.sglang
@@ -86,3 +87,16 @@ def test_a_key_alone_is_not_held_back(gateway_of_two_keys):
         statuses = list(pool.map(lambda _: ask(gateway.url, ALICE, 4), range(12)))
     assert statuses == [200] * 12
     assert turns.stats()["waited"] == waited
+
+
+def test_unset_a_keys_share_follows_the_workers_device_read_from_sglang(workers, model_path):
+    config = gateway_config(model_path, [workers[0].url], tenants=TenantSettings.with_keys({ALICE: "a", BOB: "b"}))
+    assert config.admission.worker_requests_per_key is None
+    server = run_gateway(config)
+    try:
+        listed = httpx.get(server.url + "/health", timeout=10).json()["workers"][0]
+        assert listed["device"] == "cpu"  # from the worker's own /server_info
+        stats = server.app.state.services.turns.stats()
+        assert (stats["per_key"], stats["per_key_by"]) == (CPU_PER_KEY, "devices:cpu")
+    finally:
+        server.stop()
