@@ -50,6 +50,9 @@ B = TypeVar("B")
 # What decoding an image holds at its peak, per pixel: the decoded image and its RGB copy (a 40 Mpx greyscale PNG:
 # ~150 MiB), told to gateway/memory.py once it is done.
 DECODED_BYTES_PER_PIXEL = 4
+# The media pool's threads run below the event loop (gateway/pools.py): a caller's decoding takes only the CPU
+# that relaying every caller's requests leaves.
+MEDIA_NICE = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +91,7 @@ class Intake:
         self.prompt_size = prompt_size
         self._fetcher = fetcher
         self._extractor = extractor  # with one, every new image gets per-token features (approximate matching)
-        self.pool = pool if pool is not None else FairPool(name="revisit-media",
+        self.pool = pool if pool is not None else FairPool(name="revisit-media", nice=MEDIA_NICE,
                                                            cost_budget=config.images.max_decoding_pixels)
         self.memo: CanonicalMemo[CanonicalImage] = CanonicalMemo(config.image_memo_bytes)
         # Videos are remembered for their frame keys (decoding is what costs), within a quarter of that budget.

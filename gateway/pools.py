@@ -16,6 +16,11 @@ order above holds.
 A job whose awaiting coroutine is cancelled (the client left) is taken off its queue if it has not started; one
 that has started runs to its end (a thread cannot be interrupted), and its result is dropped. Threads start as jobs
 need them and leave after IDLE_S without one, so a pool nobody closes holds no threads for long.
+
+A pool's threads may run at a lower CPU priority than the rest of the process (``nice``, Linux's per-thread
+niceness): the event loop, which every request's relaying, parsing of small bodies and cached answers wait on,
+then takes a contended CPU first, and decoding gets what it leaves (on a host whose gateway has one CPU, a caller
+sending 40 Mpx images otherwise takes that CPU from every other caller's requests while they decode).
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ def default_workers() -> int:
     return max(2, cpus)
 
 
+def lower_priority(nice: int) -> None:
+    """The calling thread's niceness raised by ``nice`` (Linux: PRIO_PROCESS of 0 is the calling thread alone);
+    where it cannot be (another system, a limit), it stays as it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
+    except (AttributeError, OSError):
+        pass
+
+
 class PoolClosed(RuntimeError):
     """The pool was shut down before the job ran."""
 
@@ -63,13 +77,14 @@ class FairPool:
     (or :meth:`close`) on shutdown. :meth:`run` may be called from any event loop."""
 
     def __init__(self, workers: int | None = None, *, name: str = "revisit-media", idle_s: float = IDLE_S,
-                 cost_budget: int | None = None) -> None:
+                 cost_budget: int | None = None, nice: int = 0) -> None:
         self.workers = default_workers() if workers is None else workers
         if self.workers < 1:
             raise ValueError(f"a pool needs at least one thread, got {workers}")
         if cost_budget is not None and cost_budget < 1:
             raise ValueError(f"a cost budget must be positive, got {cost_budget}")
         self.cost_budget = cost_budget  # None: jobs' costs are not limited
+        self.nice = nice  # each thread's niceness above the process's (0: the same priority)
         self._cost_running = 0
         self._name = name
         self._idle_s = idle_s
@@ -199,6 +214,8 @@ class FairPool:
         return job
 
     def _serve(self) -> None:
+        if self.nice:
+            lower_priority(self.nice)
         while True:
             with self._lock:
                 job = self._next()

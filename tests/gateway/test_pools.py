@@ -173,3 +173,17 @@ async def test_costly_jobs_start_only_within_the_pools_budget_and_one_past_it_ru
         for gate in gates.values():
             gate.set()
         await pool.aclose()
+
+
+async def test_a_nice_pools_threads_run_below_the_event_loops_priority() -> None:
+    import os
+
+    pool, plain = FairPool(workers=1, nice=5), FairPool(workers=1)
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)  # (Linux: this thread's niceness)
+        assert await pool.run("a", os.getpriority, os.PRIO_PROCESS, 0) == min(19, base + 5)
+        assert await plain.run("a", os.getpriority, os.PRIO_PROCESS, 0) == base
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the loop's thread keeps its own
+    finally:
+        await pool.aclose()
+        await plain.aclose()
