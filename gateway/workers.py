@@ -137,13 +137,18 @@ class WorkerPool:
                 if self.on_devices is not None:
                     self.on_devices([w.device for w in self.workers if w.device is not None])
 
+    async def _field(self, worker: Worker, path: str, name: str) -> object:
+        """Field ``name`` of the JSON object the worker answers ``path`` with (None when it gives none)."""
+        try:
+            response = await self._client.get(worker.url + path, timeout=self._timeout_s)
+            found = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return found.get(name) if isinstance(found, dict) else None
+
     async def _model_card(self, worker: Worker) -> dict | None:
         """The fields of the worker's model card that clients size prompts by (None when it gives none)."""
-        try:
-            response = await self._client.get(worker.url + "/v1/models", timeout=self._timeout_s)
-            cards = response.json().get("data") if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
+        cards = await self._field(worker, "/v1/models", "data")
         if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict):
             return None
         card = {k: cards[0][k] for k in ("root", "max_model_len") if cards[0].get(k) is not None}
@@ -151,11 +156,7 @@ class WorkerPool:
 
     async def _device(self, worker: Worker) -> str | None:
         """What the worker's SGLang runs on, from its /server_info (None when it does not say)."""
-        try:
-            response = await self._client.get(worker.url + "/server_info", timeout=self._timeout_s)
-            device = response.json().get("device") if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
+        device = await self._field(worker, "/server_info", "device")
         return device if isinstance(device, str) and device else None
 
     async def _forward_clock(self, worker: Worker) -> tuple[bool, float | None]:
