@@ -186,6 +186,15 @@ def content_key(rgb: Image.Image, *, model: str, namespace: str, processor: Proc
     return digest.hexdigest()
 
 
+def image_key(rgb: Image.Image, *, model: str, namespace: str, processor: ProcessorSettings,
+              limits: ImageLimits) -> str:
+    """The key decoded RGB pixels get as an image (:func:`canonicalize`): of the pixels at the model's size where
+    the gateway resizes them. What a video's frames are keyed by, so that a frame sent as an image is known."""
+    target = model_size(rgb.width, rgb.height, processor, limits)
+    pixels = rgb if target is None else rgb.resize(target, Image.Resampling.BICUBIC)
+    return content_key(pixels, model=model, namespace=namespace, processor=processor)
+
+
 def _canonical_pixels(image: Image.Image, rotated: bool, target: tuple[int, int] | None) -> Image.Image:
     """The decoded ``image`` oriented, made RGB (alpha over white) and resized to ``target`` if given."""
     oriented = ImageOps.exif_transpose(image) if rotated else image

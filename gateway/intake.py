@@ -156,7 +156,7 @@ class Intake:
         if (known := self.video_memo.get(namespace, digest)) is not None:
             return known
         video = await _in_part(ref, open_video, data, settings=settings, processor=self._config.processor,
-                               model=self._config.model, namespace=namespace)
+                               model=self._config.model, namespace=namespace, images=self._config.images)
         self.video_memo.put(namespace, digest, video)
         return video
 

@@ -12,7 +12,7 @@ place of SGLang's torchcodec or decord), and samples frames the Qwen-VL way (:fu
 reads the very bytes the worker gets in the very way it reads them (stream 0, one frame per packet, the stream's
 average rate, frames converted by PyAV to RGB): it checks the limits, from the container before any frame is
 decoded and again while counting packets, and keys each frame the model will see with the image key
-(:func:`gateway.images.content_key`). A frame seen before, as an image or in another video of the namespace, is
+(:func:`gateway.images.image_key`). A frame seen before, as an image or in another video of the namespace, is
 therefore recognised by its key.
 
 KV reuse is not planned for video spans yet: a video runs on the worker as plain SGLang (the request's images
@@ -41,9 +41,9 @@ import av
 import numpy as np
 from PIL import Image
 
-from gateway.config import ProcessorSettings, VideoSettings
+from gateway.config import ImageLimits, ProcessorSettings, VideoSettings
 from gateway.errors import PayloadTooLarge, UnprocessableVideo
-from gateway.images import content_key
+from gateway.images import image_key
 from plan.video import CODECS, DECODERS, demuxer_of
 
 KEY_VERSION = b"revisit-video-key-v2"  # v2: a video is named by the one-stream bytes the worker gets
@@ -117,7 +117,7 @@ def video_key(data: bytes, *, model: str, namespace: str) -> str:
 
 
 def open_video(data: bytes, *, settings: VideoSettings, processor: ProcessorSettings, model: str,
-               namespace: str) -> CanonicalVideo:
+               namespace: str, images: ImageLimits = ImageLimits()) -> CanonicalVideo:
     """Check a video under the limits, cut it down to its video stream (:func:`one_stream`) and key the frames the
     model samples from that copy. CPU-bound (it decodes every frame up to the last sampled one): run it off the
     event loop."""
@@ -135,7 +135,7 @@ def open_video(data: bytes, *, settings: VideoSettings, processor: ProcessorSett
             raise _too_long(total / fps, settings)
         wanted = sampled_frames(total, fps, settings)
         frame_keys = _frame_keys(payload, demuxer, wanted, settings, processor=processor, model=model,
-                                 namespace=namespace)
+                                 namespace=namespace, images=images)
     except (av.FFmpegError, ValueError, IndexError, OSError, MemoryError) as exc:
         raise UnprocessableVideo(f"video data is corrupt or truncated: {exc}", code="invalid_video") from exc
     return CanonicalVideo(key=video_key(payload, model=model, namespace=namespace), payload=payload,
@@ -199,7 +199,7 @@ def _open(data: bytes, demuxer: str) -> Any:
 
 
 def _frame_keys(payload: bytes, demuxer: str, wanted: list[int], settings: VideoSettings, *,
-                processor: ProcessorSettings, model: str, namespace: str) -> tuple[str, ...]:
+                processor: ProcessorSettings, model: str, namespace: str, images: ImageLimits) -> tuple[str, ...]:
     keys: list[str] = []
     pending = iter(wanted)
     next_index = next(pending)
@@ -209,7 +209,7 @@ def _frame_keys(payload: bytes, demuxer: str, wanted: list[int], settings: Video
             if index < next_index:
                 continue
             rgb = Image.fromarray(frame.to_ndarray(format="rgb24"))
-            keys.append(content_key(rgb, model=model, namespace=namespace, processor=processor))
+            keys.append(image_key(rgb, model=model, namespace=namespace, processor=processor, limits=images))
             next_index = next(pending, -1)
             if next_index < 0:
                 break

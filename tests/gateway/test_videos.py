@@ -7,6 +7,7 @@ import io
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from gateway.config import ImageLimits, ProcessorSettings, VideoSettings
 from gateway.errors import PayloadTooLarge, UnprocessableVideo
@@ -52,6 +53,17 @@ def test_frame_keys_are_the_image_keys_of_the_decoded_frames(codec, fmt, mime):
     # A frame sent as a PNG image gets the very key its place in the video has.
     as_image = canonicalize(encode(frames[wanted[2]]), limits=ImageLimits(), processor=PROCESSOR, model="m",
                             namespace="default")
+    assert as_image.key == video.frame_keys[2]
+
+
+def test_frames_larger_than_the_model_keeps_are_keyed_as_the_same_pictures_sent_as_images():
+    small_model = ProcessorSettings(min_pixels=28 * 28, max_pixels=56 * 56)  # the 112 x 112 frames are resized
+    data = encode_video(pan(frames=12), fps=4)
+    video = open_video(data, settings=SETTINGS, processor=small_model, model="m", namespace="default")
+    frame = decoded_frames(data)[sampled_frames(12, 4.0, SETTINGS)[2]]
+    as_image = canonicalize(encode(frame), limits=ImageLimits(), processor=small_model, model="m",
+                            namespace="default")
+    assert Image.open(io.BytesIO(as_image.payload)).size == (56, 56)
     assert as_image.key == video.frame_keys[2]
 
 
