@@ -47,8 +47,8 @@ T = TypeVar("T")
 A = TypeVar("A")
 B = TypeVar("B")
 
-# What decoding an image holds at its peak, per pixel: the decoded image and its RGB copy (a 40 Mpx greyscale PNG:
-# ~150 MiB), told to gateway/memory.py once it is done.
+# What decoding an image may hold at its peak, per pixel: the decoded image and its RGB copy (Pillow keeps RGB at 4
+# bytes a pixel; a greyscale image resized to the model's size holds ~1), told to gateway/memory.py once done.
 DECODED_BYTES_PER_PIXEL = 4
 # The media pool's threads run below the event loop (gateway/pools.py): a caller's decoding takes only the CPU
 # that relaying every caller's requests leaves.

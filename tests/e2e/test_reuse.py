@@ -99,6 +99,28 @@ def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway,
         assert response.json()["id"].startswith("chatcmpl-") and RID_PREFIX not in response.text
 
 
+def test_an_image_larger_than_the_model_keeps_reaches_the_worker_at_its_size_and_is_reused_exactly(gateway) -> None:
+    width, height = 1200, 1000  # 1.2 Mpx, more than the bundled model keeps: the gateway resizes it
+    assert width * height > gateway.config.processor.max_pixels
+    picture = data_url(encode(small("chelsea.png", (width, height))))
+    grid = token_grid(height, width, gateway.config.processor)
+    before = worker_events(gateway.config.workers)
+    first = ask(gateway, "Look:", picture)
+    key = first.headers["x-revisit-image-keys"]
+    wait_stored(gateway, key)
+    done = executed(gateway, before, miss=1, stored=1)
+    assert (done["miss"], done["stored"], done["vision_images"]) == (1, 1, 1)
+
+    flush_worker_prefix_caches(gateway)
+    before = worker_events(gateway.config.workers)
+    again = ask(gateway, "Look:", picture)
+    assert again.headers["x-revisit-reuse"] == "exact_same_prefix"
+    assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    done = executed(gateway, before, exact_executed=1)
+    assert (done["exact_executed"], done["exact_fallback"], done["vision_images"]) == (1, 0, 0)
+    assert done["exact_rows_reused"] == grid.tokens  # the worker's grid is the gateway's: every row reused
+
+
 def test_tenants_never_share_cached_images_or_prefixes(gateway) -> None:
     picture = data_url(encode(small("ihc.png", (168, 168))))
     me, them = (f"sk-{uuid.uuid4().hex}" for _ in range(2))  # tenants no other test has used
