@@ -68,7 +68,9 @@ def flush_worker_prefix_caches(gateway) -> None:
         assert status == 200
 
 
-def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway, picture) -> None:
+def miss_then_exact_hit(gateway, picture: str, grid_tokens: int) -> tuple[str, httpx.Response, httpx.Response]:
+    """The picture asked about twice: a miss, stored; then, with the workers' prefix caches emptied, an exact
+    same-prefix hit that reuses every image row and answers as the miss did. Returns (key, first, again)."""
     before = worker_events(gateway.config.workers)
     first = ask(gateway, "Look:", picture)
     key = first.headers["x-revisit-image-keys"]
@@ -84,7 +86,12 @@ def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway,
     assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
     done = executed(gateway, before, exact_executed=1)
     assert (done["exact_executed"], done["exact_fallback"], done["vision_images"], done["miss"]) == (1, 0, 0, 0)
-    assert done["exact_rows_reused"] == token_grid(196, 196, gateway.config.processor).tokens  # every image row
+    assert done["exact_rows_reused"] == grid_tokens  # every image row
+    return key, first, again
+
+
+def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway, picture) -> None:
+    key, first, again = miss_then_exact_hit(gateway, picture, token_grid(196, 196, gateway.config.processor).tokens)
 
     before = worker_events(gateway.config.workers)
     moved = ask(gateway, "Before that, a much longer preamble came along. Look:", picture)
@@ -103,22 +110,8 @@ def test_an_image_larger_than_the_model_keeps_reaches_the_worker_at_its_size_and
     width, height = 1200, 1000  # 1.2 Mpx, more than the bundled model keeps: the gateway resizes it
     assert width * height > gateway.config.processor.max_pixels
     picture = data_url(encode(small("chelsea.png", (width, height))))
-    grid = token_grid(height, width, gateway.config.processor)
-    before = worker_events(gateway.config.workers)
-    first = ask(gateway, "Look:", picture)
-    key = first.headers["x-revisit-image-keys"]
-    wait_stored(gateway, key)
-    done = executed(gateway, before, miss=1, stored=1)
-    assert (done["miss"], done["stored"], done["vision_images"]) == (1, 1, 1)
-
-    flush_worker_prefix_caches(gateway)
-    before = worker_events(gateway.config.workers)
-    again = ask(gateway, "Look:", picture)
-    assert again.headers["x-revisit-reuse"] == "exact_same_prefix"
-    assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
-    done = executed(gateway, before, exact_executed=1)
-    assert (done["exact_executed"], done["exact_fallback"], done["vision_images"]) == (1, 0, 0)
-    assert done["exact_rows_reused"] == grid.tokens  # the worker's grid is the gateway's: every row reused
+    # The worker's grid is the gateway's (it gets the pixels at the model's size): every row of it reused.
+    miss_then_exact_hit(gateway, picture, token_grid(height, width, gateway.config.processor).tokens)
 
 
 def test_tenants_never_share_cached_images_or_prefixes(gateway) -> None:
