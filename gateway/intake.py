@@ -48,7 +48,8 @@ A = TypeVar("A")
 B = TypeVar("B")
 
 # What decoding an image may hold at its peak, per pixel: the decoded image and its RGB copy (Pillow keeps RGB at 4
-# bytes a pixel; a greyscale image resized to the model's size holds ~1), told to gateway/memory.py once done.
+# bytes a pixel; a greyscale image resized to the model's size holds ~1): its cost on the media pool, and what
+# gateway/memory.py is told once it is done.
 DECODED_BYTES_PER_PIXEL = 4
 # The media pool's threads run below the event loop (gateway/pools.py): a caller's decoding takes only the CPU
 # that relaying every caller's requests leaves.
@@ -80,7 +81,14 @@ class _Fetched:
 
 class Intake:
     """``pool``: the threads that decode media and do the other CPU work of a request's intake, fair between
-    callers (default: one of gateway.pools.default_workers() threads); :meth:`aclose` shuts it down."""
+    callers (default: one of gateway.pools.default_workers() threads); :meth:`aclose` shuts it down.
+
+    A job's cost on the default pool is the memory it holds while it runs, in bytes: an image's decoding
+    (DECODED_BYTES_PER_PIXEL a pixel), a large body's parse (about the body again). Its budget is
+    ``images.max_decoding_pixels`` pixels' worth for everyone together, and one caller's (an API key's) the body
+    bytes its requests may hold (``admission.max_body_bytes_per_key``): one key's 50 MB body is not parsed while
+    the same key's 40 Mpx image is decoded, whichever came first, so what one key holds at once is about its bodies
+    and one such job, not all of them."""
 
     def __init__(self, config: GatewayConfig, fetcher: ImageFetcher, extractor: Extractor | None = None, *,
                  pool: FairPool | None = None, prompt_size: PromptSize | None = None,
@@ -91,8 +99,10 @@ class Intake:
         self.prompt_size = prompt_size
         self._fetcher = fetcher
         self._extractor = extractor  # with one, every new image gets per-token features (approximate matching)
-        self.pool = pool if pool is not None else FairPool(name="revisit-media", nice=MEDIA_NICE,
-                                                           cost_budget=config.images.max_decoding_pixels)
+        self.pool = pool if pool is not None else FairPool(
+            name="revisit-media", nice=MEDIA_NICE,
+            cost_budget=config.images.max_decoding_pixels * DECODED_BYTES_PER_PIXEL,
+            caller_cost_budget=config.admission.max_body_bytes_per_key)
         self.memo: CanonicalMemo[CanonicalImage] = CanonicalMemo(config.image_memo_bytes)
         # Videos are remembered for their frame keys (decoding is what costs), within a quarter of that budget.
         self.video_memo: CanonicalMemo[CanonicalVideo] = CanonicalMemo(config.image_memo_bytes // 4)
@@ -108,7 +118,7 @@ class Intake:
         request's images are fetched and decoded."""
         with lane(self.pool, namespace if caller is None else caller):
             body_bytes = len(raw)
-            body, params = await off_loop(body_bytes, parse_body, raw)
+            body, params = await off_loop(body_bytes, parse_body, raw, cost=body_bytes)  # its parse holds ~its size
             del raw
             return await self._process(body, params, body_bytes, namespace)
 
@@ -201,7 +211,8 @@ class Intake:
     async def _decode(self, item: _Fetched, namespace: str) -> CanonicalImage:
         pixels = item.width * item.height
         try:
-            image = await _in_part(item.ref, canonicalize, item.data, cost=pixels, limits=self._config.images,
+            image = await _in_part(item.ref, canonicalize, item.data, cost=DECODED_BYTES_PER_PIXEL * pixels,
+                                   limits=self._config.images,
                                    processor=self._config.processor, model=self._config.model, namespace=namespace,
                                    extractor=self._extractor)
         finally:
@@ -241,8 +252,8 @@ def _naming(ref: MediaPartRef) -> Iterator[None]:
 
 
 async def _in_part(ref: MediaPartRef, work: Callable[..., T], /, *args: Any, cost: int = 0, **kwargs: Any) -> T:
-    """Run ``work`` on a thread (the request's lane of the pool, gateway/offload.py; ``cost``: the pixels it decodes,
-    held to the pool's budget); a client error it raises names the part."""
+    """Run ``work`` on a thread (the request's lane of the pool, gateway/offload.py; ``cost``: the bytes its decoding
+    holds, held to the pool's budgets); a client error it raises names the part."""
     with _naming(ref):
         return await on_thread_costing(cost, work, *args, **kwargs)
 

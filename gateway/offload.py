@@ -48,7 +48,8 @@ async def on_thread(work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
 
 async def on_thread_costing(cost: int, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """:func:`on_thread` for work of this cost (an image's pixels), started within the lane's pool's cost budget."""
+    """:func:`on_thread` for work of this cost (the memory it holds while it runs), started within the lane's pool's
+    cost budgets."""
     current = _LANE.get()
     if current is None:
         return await asyncio.to_thread(work, *args, **kwargs)
@@ -56,8 +57,9 @@ async def on_thread_costing(cost: int, work: Callable[..., T], /, *args: Any, **
     return await pool.run_costing(caller, cost, work, *args, **kwargs)
 
 
-async def off_loop(size: int, work: Callable[..., T], /, *args: object) -> T:
-    """``work(*args)``, on a thread (:func:`on_thread`) when ``size`` (the bytes it handles) exceeds OFF_LOOP_BYTES."""
+async def off_loop(size: int, work: Callable[..., T], /, *args: object, cost: int = 0) -> T:
+    """``work(*args)``, on a thread (:func:`on_thread_costing`, of this ``cost``) when ``size`` (the bytes it
+    handles) exceeds OFF_LOOP_BYTES."""
     if size > OFF_LOOP_BYTES:
-        return await on_thread(work, *args)
+        return await on_thread_costing(cost, work, *args)
     return work(*args)

@@ -7,11 +7,14 @@ a free thread takes the next job of the caller with the fewest jobs running, cal
 (round robin), so one caller's single image waits for at most about one job per thread, however many the others
 have queued. Jobs of one caller start in the order they were submitted.
 
-Jobs may also have a cost (an image's pixels, whose decoding holds ~5 bytes of memory per pixel), and the pool a
-budget for the cost of the jobs running at once: a job starts only within it, so what decoding holds in memory is
-bounded by the budget, not by the number of threads (on a 32-core host, 32 images of 40 Mpx at once would be ~6 GB).
-A job costlier than the whole budget runs when nothing else costly does. Among the callers whose next job fits, the
-order above holds.
+Jobs may also have a cost (what they hold in memory while they run: an image's decoded pixels, a large body's
+parse), and the pool a budget for the cost of the jobs running at once: a job starts only within it, so what
+decoding holds in memory is bounded by the budget, not by the number of threads (on a 32-core host, 32 images of
+40 Mpx at once would be ~6 GB). A job costlier than the whole budget runs when nothing else costly does. A caller
+may have a budget of its own too (``caller_cost_budget``), kept the same way among its own jobs: one caller's
+costly jobs then run a few at a time, or one at a time past it, however many threads are free, so what one caller
+has decoded and parsed at once is bounded whatever the others do. Among the callers whose next job fits, the order
+above holds.
 
 A job whose awaiting coroutine is cancelled (the client left) is taken off its queue if it has not started; one
 that has started runs to its end (a thread cannot be interrupted), and its result is dropped. Threads start as jobs
@@ -77,13 +80,15 @@ class FairPool:
     (or :meth:`close`) on shutdown. :meth:`run` may be called from any event loop."""
 
     def __init__(self, workers: int | None = None, *, name: str = "revisit-media", idle_s: float = IDLE_S,
-                 cost_budget: int | None = None, nice: int = 0) -> None:
+                 cost_budget: int | None = None, caller_cost_budget: int | None = None, nice: int = 0) -> None:
         self.workers = default_workers() if workers is None else workers
         if self.workers < 1:
             raise ValueError(f"a pool needs at least one thread, got {workers}")
-        if cost_budget is not None and cost_budget < 1:
-            raise ValueError(f"a cost budget must be positive, got {cost_budget}")
+        for budget in (cost_budget, caller_cost_budget):
+            if budget is not None and budget < 1:
+                raise ValueError(f"a cost budget must be positive, got {budget}")
         self.cost_budget = cost_budget  # None: jobs' costs are not limited
+        self.caller_cost_budget = caller_cost_budget  # None: one caller's are limited by cost_budget alone
         self.nice = nice  # each thread's niceness above the process's (0: the same priority)
         self._cost_running = 0
         self._name = name
@@ -93,6 +98,7 @@ class FairPool:
         # Callers with jobs waiting, in turn order (a caller served goes to the back), each with its FIFO.
         self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()
         self._running: dict[str, int] = {}  # caller -> jobs running now
+        self._caller_cost: dict[str, int] = {}  # caller -> the cost of its jobs running now (those with one)
         self._queued = 0  # jobs waiting, all callers together
         self._threads: set[threading.Thread] = set()
         self._idle = 0  # threads waiting for a job
@@ -179,11 +185,20 @@ class FairPool:
                     del self._queues[job.caller]
 
     def _fits(self, job: _Job) -> bool:
-        budget = self.cost_budget
-        return budget is None or not job.cost or self._cost_running + job.cost <= budget or not self._cost_running
+        """Whether the job may start within the pool's budget and its caller's: within each, or past one when
+        nothing costly runs under it."""
+        if not job.cost:
+            return True
+        if (budget := self.cost_budget) is not None and self._cost_running \
+                and self._cost_running + job.cost > budget:
+            return False
+        if (budget := self.caller_cost_budget) is not None and (own := self._caller_cost.get(job.caller, 0)) \
+                and own + job.cost > budget:
+            return False
+        return True
 
     def _next(self) -> _Job | None:
-        """The next job to run (under the lock): among the callers whose next job fits the cost budget, the first
+        """The next job to run (under the lock): among the callers whose next job fits the cost budgets, the first
         in turn order of those with the fewest jobs running, which then goes to the back of the order. None once
         closed, or after idle_s without a job (the thread then leaves)."""
         while True:
@@ -210,7 +225,9 @@ class FairPool:
             del self._queues[caller]
         job.started = True
         running[caller] = running.get(caller, 0) + 1
-        self._cost_running += job.cost
+        if job.cost:
+            self._cost_running += job.cost
+            self._caller_cost[caller] = self._caller_cost.get(caller, 0) + job.cost
         return job
 
     def _serve(self) -> None:
@@ -240,7 +257,11 @@ class FairPool:
                     del self._running[job.caller]
                 if job.cost:
                     self._cost_running -= job.cost
-                    self._wake.notify_all()  # a job held back by the budget may fit now
+                    if own := self._caller_cost[job.caller] - job.cost:
+                        self._caller_cost[job.caller] = own
+                    else:
+                        del self._caller_cost[job.caller]
+                    self._wake.notify_all()  # a job held back by a budget may fit now
             _settle(job, result, error)
             # Not held while the thread waits for its next job: a job's arguments and result can be a request's
             # whole body and its parse (100 MB for 50 MB of text), which an idle thread kept alive until then.

@@ -16,9 +16,11 @@ from settings import EnvReader
 class ProcessorSettings:
     """How the model's image processor resizes images (Qwen ``smart_resize``).
 
-    The gateway resizes nothing itself; it needs these numbers to know each image's
-    LLM token grid and to make them part of the exact cache key, because the same
-    pixels give different KV under different processor settings.
+    The gateway needs these numbers to know each image's LLM token grid and to make
+    them part of the exact cache key, because the same pixels give different KV under
+    different processor settings; and, for an image of more than ``max_pixels``, to
+    resize it to the size the processor would give it before keying and forwarding it
+    (gateway/images.py, ``ImageLimits.resize_to_model``).
     """
 
     patch_size: int = 14
@@ -73,8 +75,9 @@ class ImageLimits:
     # Every image's width x height together, from the headers before any is decoded: what decoding and keying a
     # request's images may cost (a few-colour PNG of 170 KB can hold 40 Mpx: seconds of CPU and ~800 MB to decode).
     max_request_pixels: int = 64_000_000
-    # Every image being decoded at once, all callers together (decoding holds ~5 bytes a pixel): what decoding may
-    # hold in memory, whatever the number of threads. An image larger than this is decoded when no other is.
+    # Every image being decoded at once, all callers together (decoding holds up to 4 bytes a pixel; a large body's
+    # parse counts as its bytes' worth): what decoding may hold in memory, whatever the number of threads. An image
+    # larger than this is decoded when no other is.
     max_decoding_pixels: int = 64_000_000
     # An image of more pixels than the model keeps is resized at the gateway to the model's size, and the worker
     # gets those pixels (gateway/images.py); off, the worker gets the original and resizes it itself.

@@ -1,6 +1,6 @@
 """The bounded, fair thread pool that image and video decoding run on (gateway/pools.py): each caller's jobs wait
-their own turn, not behind another caller's queue; costly jobs start only within the pool's budget; an idle thread
-holds nothing of its last job."""
+their own turn, not behind another caller's queue; costly jobs start only within the pool's budget and their
+caller's; an idle thread holds nothing of its last job."""
 
 from __future__ import annotations
 
@@ -11,15 +11,7 @@ import time
 import pytest
 
 from gateway.pools import FairPool, PoolClosed
-
-
-async def until(condition, what: object = "") -> None:
-    """Wait, polling, for ``condition()`` (5 s at most)."""
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not reached: {what}")
+from tests.waiting import until
 
 
 async def test_one_callers_single_job_waits_for_about_one_job_per_thread_not_for_another_callers_queue() -> None:
@@ -168,6 +160,50 @@ async def test_costly_jobs_start_only_within_the_pools_budget_and_one_past_it_ru
         assert await pool.run("B", lambda: "free") == "free"  # a job of no cost is not held back
         gates["huge"].set()
         assert await asyncio.gather(a, b, c, huge) == ["a", "b", "c", "huge"]
+        assert pool.stats()["cost_running"] == 0
+    finally:
+        for gate in gates.values():
+            gate.set()
+        await pool.aclose()
+
+
+async def test_one_callers_costly_jobs_start_only_within_its_own_budget_and_one_past_it_runs_alone_among_them(
+) -> None:
+    """What one caller holds at once (its bodies' parses, its images' decoding) is bounded by its own budget, while
+    another caller's jobs fit beside."""
+    pool = FairPool(4, cost_budget=1000, caller_cost_budget=100)
+    gates = {name: threading.Event() for name in ("a1", "a2", "a3", "b", "a_huge")}
+    started: list[str] = []
+
+    def job(name: str) -> str:
+        started.append(name)
+        gates[name].wait(5)
+        return name
+
+    try:
+        a1 = asyncio.ensure_future(pool.run_costing("A", 60, job, "a1"))
+        await until(lambda: started == ["a1"], started)
+        a2 = asyncio.ensure_future(pool.run_costing("A", 60, job, "a2"))  # A's 120 > 100: waits for a1
+        b = asyncio.ensure_future(pool.run_costing("B", 60, job, "b"))  # B's own 60: beside a1
+        await until(lambda: started == ["a1", "b"], started)
+        await asyncio.sleep(0.1)
+        assert started == ["a1", "b"] and pool.queued("A") == 1
+        gates["a1"].set()
+        await until(lambda: started == ["a1", "b", "a2"], started)
+        a_huge = asyncio.ensure_future(pool.run_costing("A", 150, job, "a_huge"))  # past A's budget: alone in A's
+        a3 = asyncio.ensure_future(pool.run_costing("A", 10, job, "a3"))  # behind it, in A's order
+        await asyncio.sleep(0.1)
+        assert started == ["a1", "b", "a2"]
+        gates["a2"].set()
+        await until(lambda: started[-1] == "a_huge", started)
+        await asyncio.sleep(0.1)
+        assert started[-1] == "a_huge"  # a3 (10) waits: nothing of A's starts beside a job past its budget
+        assert pool.stats()["cost_running"] == 60 + 150  # B's job runs on beside it
+        gates["a_huge"].set()
+        await until(lambda: started[-1] == "a3", started)
+        gates["a3"].set()
+        gates["b"].set()
+        assert await asyncio.gather(a1, a2, b, a_huge, a3) == ["a1", "a2", "b", "a_huge", "a3"]
         assert pool.stats()["cost_running"] == 0
     finally:
         for gate in gates.values():

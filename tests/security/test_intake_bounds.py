@@ -23,13 +23,14 @@ import pytest
 from PIL import Image, ImageDraw, ImageFile
 
 import gateway.intake as intake_module
-from gateway.config import GatewayConfig, ImageLimits
+from gateway.config import AdmissionLimits, GatewayConfig, ImageLimits
 from gateway.errors import PayloadTooLarge, UnprocessableImage
 from gateway.image_fetch import ImageFetcher
-from gateway.intake import Intake, prefix_digests
+from gateway.intake import DECODED_BYTES_PER_PIXEL, Intake, prefix_digests
 from gateway.pools import FairPool
 from gateway.protocol import ImagePartRef, iter_media_parts
 from tests.images_lib import data_url, encode, noise_image
+from tests.waiting import until
 
 # --- helpers ---
 
@@ -372,3 +373,46 @@ async def test_intake_decodes_in_its_callers_turn() -> None:
         await intake.aclose()
     assert len(result.images) == 1
     assert took < 0.8, f"B's one image took {took:.2f} s behind A's 20 jobs"
+
+
+async def test_one_keys_parsing_and_decoding_hold_at_most_its_body_budget_at_once_while_another_keys_go_on() -> None:
+    """A key's large body is not parsed, nor its image decoded, while the same key's other intake jobs hold its
+    body budget (REVISIT_ADMISSION_MAX_BODY_BYTES_PER_KEY): a 50 MB body's parse (~50 MB more) and a 40 Mpx
+    image's decoding (~40-160 MB) of one key are not in memory at once. Another key's are not held back by it."""
+    budget = 4 << 20
+    settings = GatewayConfig(model="m", workers=("http://127.0.0.1:1",),
+                             admission=AdmissionLimits(max_body_bytes_per_key=budget))
+    intake = Intake(settings, ImageFetcher(settings.images))
+    text = chat({"type": "text", "text": "x" * (1 << 20)})  # past OFF_LOOP_BYTES: parsed on the pool, costing 1 MiB
+    picture = chat(image_part(data_url(encode(noise_image(64, 64)))))  # decoding costs 64 x 64 x 4 bytes
+    gate = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def hold() -> None:  # one of A's jobs, holding all but a little of its budget
+        asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(5)
+
+    held = asyncio.ensure_future(intake.pool.run_costing("A", budget - 1000, hold))
+    try:
+        await until(lambda: intake.pool.stats()["cost_running"] == budget - 1000)
+        a_text = asyncio.ensure_future(intake.process(text, namespace="a", caller="A"))
+        b_text = await intake.process(text, namespace="b", caller="B")  # B's own budget: parsed at once
+        assert len(b_text.upstream_body["messages"][0]["content"][0]["text"]) == 1 << 20
+        await until(lambda: intake.pool.queued("A") == 1)
+        await asyncio.sleep(0.1)
+        assert not a_text.done() and intake.pool.queued("A") == 1  # A's parse waits for A's room
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(held, a_text), 5)
+
+        gate.clear()
+        held = asyncio.ensure_future(intake.pool.run_costing("A", budget - 1000, hold))
+        await until(lambda: intake.pool.stats()["cost_running"] == budget - 1000)
+        assert 1000 < DECODED_BYTES_PER_PIXEL * 64 * 64
+        a_picture = asyncio.ensure_future(intake.process(picture, namespace="a", caller="A"))
+        assert len((await intake.process(picture, namespace="b", caller="B")).images) == 1
+        await until(lambda: intake.pool.queued("A") == 1)  # A's decoding waits for A's room
+        assert not a_picture.done()
+        gate.set()
+        assert len((await asyncio.wait_for(a_picture, 5)).images) == 1
+    finally:
+        gate.set()
+        await intake.aclose()

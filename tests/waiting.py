@@ -1,0 +1,16 @@
+"""Waiting in a test for something that happens on another thread or task: poll, with a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+
+async def until(condition: Callable[[], object], what: object = "", timeout: float = 5.0) -> None:
+    """Wait, polling every 10 ms on the event loop, for ``condition()`` to be true (AssertionError naming ``what``
+    after ``timeout`` seconds)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not reached in {timeout:g} s: {what}")
+        await asyncio.sleep(0.01)
