@@ -158,10 +158,10 @@ async def completions(request: Request) -> Any:
     config = services.config
     caller = _caller(request)
     raw = await _read_body(request, config.max_request_bytes)
-    with lane(services.intake.pool, caller.key_id):  # a large body is parsed in the caller's turn
-        body, params = await off_loop(len(raw), parse_completion_body, raw, config.vocab_size)
     body_bytes = len(raw)
-    del raw  # not held beside its parse while the request is answered
+    with lane(services.intake.pool, caller.key_id):  # a large body is parsed in the caller's turn, emptied by it
+        body, params = await off_loop(body_bytes, parse_completion_body, raw, config.vocab_size, cost=body_bytes)
+    del raw
     if params.model != config.model:
         raise ModelNotFound(params.model)
     if (size := services.intake.prompt_size) is not None:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 
@@ -102,8 +103,9 @@ def test_a_completion_body_nested_300_deep_is_refused_by_the_parser():
 
 
 @pytest.mark.parametrize("parse", [parse_body, lambda raw: parse_completion_body(raw, None)])
-def test_nesting_past_orjsons_own_limit_is_the_same_clean_400(parse):
-    """orjson refuses past 1024 levels itself: that is a depth error too, not a 'not valid JSON' nor a 500."""
+def test_nesting_past_the_parsers_own_limit_is_the_same_clean_400(parse):
+    """The parser gives up past ~1000 levels itself (a RecursionError): that is a depth error too, not a 'not valid
+    JSON' nor a 500."""
     raw = b'{"model": "m", "logit_bias": ' + b"[" * 2000 + b"]" * 2000 + b"}"
     error = error_of(parse, raw)
     assert error.status_code == 400 and error.code == "json_too_deep"
@@ -137,9 +139,37 @@ def test_a_body_nested_300_deep_is_a_400_from_the_app_not_a_500(client, field):
     assert (status, error["code"]) == (400, "json_too_deep"), error
 
 
-def test_nesting_past_orjsons_limit_is_a_400_from_the_app(client):
+def test_nesting_past_the_parsers_limit_is_a_400_from_the_app(client):
     status, error = post(client, b'{"model": "m", "tools": ' + b"[" * 2000 + b"]" * 2000 + b"}")
     assert (status, error["code"]) == (400, "json_too_deep"), error
+
+
+# --- what the values may be: as orjson, which encodes the body for the worker, reads them ---
+
+@pytest.mark.parametrize("raw", [b'{"model": "m", "temperature": NaN}', b'{"model": "m", "temperature": Infinity}',
+                                 b'{"model": "m", "temperature": -Infinity}', b'{"model": "m", "logit_bias": [1e400]}',
+                                 b'{"model": "m", "user": "\\ud800"}', b'{"model": "m", "logit_bias": {"\\udc00": 1}}',
+                                 b'{"model": "m", "user": "\xff"}'])
+def test_values_orjson_refuses_are_refused_by_the_parser_too(raw):
+    """NaN, Infinity, a number past a double's range, a lone surrogate (orjson.dumps cannot encode one for the
+    worker: that was a 500 waiting) and bytes that are not UTF-8: a 400 that says what, not a 500 later."""
+    error = error_of(decode_json, raw)
+    assert error.status_code == 400 and "not valid" in error.message, error.message
+
+
+def test_values_are_read_as_orjson_reads_them():
+    body = decode_json(b'{"a": [18446744073709551615, 18446744073709551616, -9223372036854775809, true, null], '
+                       b'"b": 99999999999999999999, "c": "\\ud83d\\ude00", "d": [0.5, null, 1e308], "d": 1}')
+    assert body == orjson.loads(b'{"a": [18446744073709551615, 18446744073709551616, -9223372036854775809, true, '
+                                b'null], "b": 99999999999999999999, "c": "\\ud83d\\ude00", "d": 1}')
+    assert type(body["a"][1]) is float and type(body["a"][0]) is int and body["c"] == "\N{GRINNING FACE}"
+
+
+def test_a_parse_error_keeps_nothing_of_the_body():
+    """The parser's exception holds the whole document: 50 MB that is not JSON held 50 MB more for as long as the
+    400 was being answered."""
+    error = error_of(decode_json, b"x" * 1000)
+    assert error.__cause__ is None and error.__context__ is None
 
 
 # --- how many objects and arrays ---
