@@ -188,8 +188,9 @@ async def test_fifty_megabytes_of_text_before_sixteen_images_neither_stall_the_l
     raw = chat({"type": "text", "text": text}, *(image_part(url) for url in urls))
     del text
     intake = Intake(config(), ImageFetcher(config().images))
-    # The body's JSON is parsed (gateway/protocol.py) in one call of the stdlib's C scanner that holds the GIL however
-    # threaded (~0.1-0.2 s for 52 MB here); the review's stall, and all that intake does besides, must not.
+    # The body's JSON is parsed (gateway/protocol.py) by the stdlib's C scanner in one call that holds the GIL
+    # however it is threaded (~0.1-0.2 s for 52 MB here); the review's stall, and all that intake does besides, must
+    # not.
     parsing: list[tuple[float, float]] = []
     parse = intake_module.parse_body
 
