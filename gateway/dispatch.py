@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 _JSON = {"content-type": "application/json"}
+_DONE_LINE = "data: [DONE]"  # the last event of an OpenAI stream, as the worker sends it
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,14 +186,26 @@ class Dispatcher:
     async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str], first: str, lease,
                      shaper: openai_shape.StreamShaper,
                      on_served: Callable[[Worker], None] | None) -> AsyncGenerator[bytes, None]:
+        served = False
+
+        def serve() -> None:
+            nonlocal served
+            served = True
+            worker.served += 1
+            if on_served is not None:
+                on_served(worker)
+
         try:
             yield (shaper.line(first) + "\n\n").encode()
             async for line in lines:
                 if line:
+                    # Served once the worker's last event is in: a client that leaves as soon as it reads it (and
+                    # so cancels the relay here) was served all the same.
+                    if line.rstrip() == _DONE_LINE:
+                        serve()
                     yield (shaper.line(line) + "\n\n").encode()
-            worker.served += 1
-            if on_served is not None:
-                on_served(worker)
+            if not served:
+                serve()
         except httpx.HTTPError as exc:
             message = f"the worker failed mid-stream: {type(exc).__name__}"
             self._pool.mark_failed(worker, message)

@@ -298,7 +298,7 @@ def decode_json(raw: bytes | bytearray) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        error = f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}"
+        error = f"request body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})"
     if error is not None:
         raise InvalidRequest(error)
     if isinstance(raw, bytearray):
