@@ -130,17 +130,28 @@ async def test_an_idle_thread_holds_neither_its_last_jobs_arguments_nor_its_resu
         await pool.aclose()
 
 
+class GatedJobs:
+    """Jobs by name that record their start, then wait for their gate (5 s at most) and return their name."""
+
+    def __init__(self, *names: str) -> None:
+        self.gates = {name: threading.Event() for name in names}
+        self.started: list[str] = []
+
+    def job(self, name: str) -> str:
+        self.started.append(name)
+        self.gates[name].wait(5)
+        return name
+
+    def open_all(self) -> None:
+        for gate in self.gates.values():
+            gate.set()
+
+
 async def test_costly_jobs_start_only_within_the_pools_budget_and_one_past_it_runs_alone() -> None:
     """What decoding holds in memory is bounded by the pixels being decoded at once, not by the thread count."""
     pool = FairPool(4, cost_budget=100)
-    gates = {name: threading.Event() for name in ("a", "b", "c", "huge")}
-    started: list[str] = []
-
-    def job(name: str) -> str:
-        started.append(name)
-        gates[name].wait(5)
-        return name
-
+    jobs = GatedJobs("a", "b", "c", "huge")
+    gates, started, job = jobs.gates, jobs.started, jobs.job
     try:
         a = asyncio.ensure_future(pool.run_costing("A", 60, job, "a"))
         await until(lambda: started == ["a"], started)
@@ -162,8 +173,7 @@ async def test_costly_jobs_start_only_within_the_pools_budget_and_one_past_it_ru
         assert await asyncio.gather(a, b, c, huge) == ["a", "b", "c", "huge"]
         assert pool.stats()["cost_running"] == 0
     finally:
-        for gate in gates.values():
-            gate.set()
+        jobs.open_all()
         await pool.aclose()
 
 
@@ -172,14 +182,8 @@ async def test_one_callers_costly_jobs_start_only_within_its_own_budget_and_one_
     """What one caller holds at once (its bodies' parses, its images' decoding) is bounded by its own budget, while
     another caller's jobs fit beside."""
     pool = FairPool(4, cost_budget=1000, caller_cost_budget=100)
-    gates = {name: threading.Event() for name in ("a1", "a2", "a3", "b", "a_huge")}
-    started: list[str] = []
-
-    def job(name: str) -> str:
-        started.append(name)
-        gates[name].wait(5)
-        return name
-
+    jobs = GatedJobs("a1", "a2", "a3", "b", "a_huge")
+    gates, started, job = jobs.gates, jobs.started, jobs.job
     try:
         a1 = asyncio.ensure_future(pool.run_costing("A", 60, job, "a1"))
         await until(lambda: started == ["a1"], started)
@@ -206,8 +210,7 @@ async def test_one_callers_costly_jobs_start_only_within_its_own_budget_and_one_
         assert await asyncio.gather(a1, a2, b, a_huge, a3) == ["a1", "a2", "b", "a_huge", "a3"]
         assert pool.stats()["cost_running"] == 0
     finally:
-        for gate in gates.values():
-            gate.set()
+        jobs.open_all()
         await pool.aclose()
 
 
