@@ -209,15 +209,15 @@ class Intake:
         return _Fetched(ref, data, digest, width, height)
 
     async def _decode(self, item: _Fetched, namespace: str) -> CanonicalImage:
-        pixels = item.width * item.height
+        held = DECODED_BYTES_PER_PIXEL * item.width * item.height  # what decoding it holds at its peak
         try:
-            image = await _in_part(item.ref, canonicalize, item.data, cost=DECODED_BYTES_PER_PIXEL * pixels,
+            image = await _in_part(item.ref, canonicalize, item.data, cost=held,
                                    limits=self._config.images,
                                    processor=self._config.processor, model=self._config.model, namespace=namespace,
                                    extractor=self._extractor)
         finally:
             if self._memory is not None:  # what decoding held (the decoded image and its RGB copy) is free now
-                self._memory.after(DECODED_BYTES_PER_PIXEL * pixels)
+                self._memory.after(held)
         self.memo.put(namespace, item.digest, image)
         return image
 

@@ -189,19 +189,18 @@ async def test_one_callers_costly_jobs_start_only_within_its_own_budget_and_one_
         await until(lambda: started == ["a1"], started)
         a2 = asyncio.ensure_future(pool.run_costing("A", 60, job, "a2"))  # A's 120 > 100: waits for a1
         b = asyncio.ensure_future(pool.run_costing("B", 60, job, "b"))  # B's own 60: beside a1
-        await until(lambda: started == ["a1", "b"], started)
-        await asyncio.sleep(0.1)
-        assert started == ["a1", "b"] and pool.queued("A") == 1
+        await until(lambda: started == ["a1", "b"] and pool.queued("A") == 1, started)
+        assert pool.stats()["cost_running"] == 120  # a2 is held by A's budget, not by the pool's (1000)
         gates["a1"].set()
         await until(lambda: started == ["a1", "b", "a2"], started)
         a_huge = asyncio.ensure_future(pool.run_costing("A", 150, job, "a_huge"))  # past A's budget: alone in A's
         a3 = asyncio.ensure_future(pool.run_costing("A", 10, job, "a3"))  # behind it, in A's order
-        await asyncio.sleep(0.1)
+        await until(lambda: pool.queued("A") == 2, pool.stats())
         assert started == ["a1", "b", "a2"]
         gates["a2"].set()
-        await until(lambda: started[-1] == "a_huge", started)
-        await asyncio.sleep(0.1)
-        assert started[-1] == "a_huge"  # a3 (10) waits: nothing of A's starts beside a job past its budget
+        await until(lambda: started[-1] == "a_huge" and pool.stats()["running"] == 2, started)
+        # a3 (10) waits: nothing of A's starts beside a job past A's budget
+        assert started[-1] == "a_huge" and pool.queued("A") == 1
         assert pool.stats()["cost_running"] == 60 + 150  # B's job runs on beside it
         gates["a_huge"].set()
         await until(lambda: started[-1] == "a3", started)

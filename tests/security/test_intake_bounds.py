@@ -399,7 +399,6 @@ async def test_one_keys_parsing_and_decoding_hold_at_most_its_body_budget_at_onc
         b_text = await intake.process(text, namespace="b", caller="B")  # B's own budget: parsed at once
         assert len(b_text.upstream_body["messages"][0]["content"][0]["text"]) == 1 << 20
         await until(lambda: intake.pool.queued("A") == 1)
-        await asyncio.sleep(0.1)
         assert not a_text.done() and intake.pool.queued("A") == 1  # A's parse waits for A's room
         gate.set()
         await asyncio.wait_for(asyncio.gather(held, a_text), 5)
