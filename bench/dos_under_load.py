@@ -7,7 +7,7 @@ quiet, attacked, quiet, attacked, ... In the attacked phases the attacker, on it
 that once stalled or swelled the gateway:
 
     big_text_images  50 MB of text then 16 tiny images, each request's images new
-    json_values      16 MB of ``[{},{},...]``
+    json_values      16 MB of ``[{},{},...]``, ``[0.1,0.1,...]`` or ``["ab","ab",...]`` by turns
     pixel_bomb       a PNG of 170 KB declaring 6320 x 6320 pixels
     deep_json        JSON nested 300 deep
     flood            100 small requests at once
@@ -84,8 +84,9 @@ class Bodies:
         self.big_head = (b'{"model":"' + MODEL_ID.encode() + b'","max_tokens":1,"messages":[{"role":"user",'
                          b'"content":[{"type":"text","text":"' + text.encode() + b'"}')
         self.tiny = Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8))
-        self.values = (b'{"model":"' + MODEL_ID.encode() + b'","messages":[{"role":"user","content":"hi"}],'
-                       b'"metadata":[' + b",".join([b"{}"] * (16_000_000 // 3)) + b"]}")
+        self.values = [(b'{"model":"' + MODEL_ID.encode() + b'","messages":[{"role":"user","content":"hi"}],'
+                        b'"stop_token_ids":[' + b",".join([item] * (16_000_000 // (len(item) + 1))) + b"]}")
+                       for item in (b"{}", b"0.1", b'"ab"')]
         # A PNG that declares 6320 x 6320 pixels and compresses to ~170 KB; a few variants, so the gateway's memo
         # of decoded images does not answer the repeats.
         self.bombs = []
@@ -180,7 +181,7 @@ class Attack:
                 if kind == "big_text_images":
                     body = await asyncio.to_thread(self.bodies.big_text_images, self.serial)
                 elif kind == "json_values":
-                    body = self.bodies.values
+                    body = self.bodies.values[self.serial % len(self.bodies.values)]
                 elif kind == "pixel_bomb":
                     body = self.bodies.pixel_bomb(self.serial)
                 elif kind == "deep_json":

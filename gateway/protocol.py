@@ -50,6 +50,13 @@ MAX_UUID_CHARS = 256
 # brackets in the raw bytes, at C speed: brackets inside strings count too (base64 holds none; code or JSON pasted
 # into a message does), so the count can only err towards refusing.
 MAX_JSON_CONTAINERS = 100_000
+# The most values a body may hold, counted as its containers and its commas (every value in an array or an object
+# but the first is after one). Small values cost far more parsed than sent: 16 MB of [0.1,0.1,...] parsed to 124 MiB
+# (a float object and a pointer for each 4 bytes), of ["ab","ab",...] to 181 MiB, and a 64 MiB body four times that.
+# 2**18 values are 15 MiB at most parsed, and twice a 128K-token context's worth of token ids. Counted before parsing
+# by the commas in the raw bytes, at C speed, so commas inside strings count too: a text needs more tokens than it
+# has commas (a comma is a token, or part of one) to hold this many, and no worker's context is that long.
+MAX_JSON_VALUES = 1 << 18
 # The deepest nesting a body may have (the body itself is depth 1). A real request nests to ~6 (body > messages >
 # message > content > part > image_url), tools' JSON schemas to 10-20. The parser goes deeper, but the body is
 # later encoded for the worker by orjson.dumps, which stops at 255 (that was a 500), and copied and digested by
@@ -281,9 +288,9 @@ def _token_ids(prompt: str | list[str] | list[int] | list[list[int]]) -> list[in
 
 
 def decode_json(raw: bytes | bytearray) -> Any:
-    """Parse a request body, within MAX_JSON_CONTAINERS objects and arrays and MAX_JSON_DEPTH levels, as strictly as
-    orjson (which encodes it for the worker) would: UTF-8, no NaN or Infinity, no number that overflows a double, no
-    lone surrogate; an integer past 64 bits read as a float.
+    """Parse a request body, within MAX_JSON_CONTAINERS objects and arrays, MAX_JSON_VALUES values and MAX_JSON_DEPTH
+    levels, as strictly as orjson (which encodes it for the worker) would: UTF-8, no NaN or Infinity, no number that
+    overflows a double, no lone surrogate; an integer past 64 bits read as a float.
 
     A bytearray is consumed: emptied once decoded to text, so that a large body is held twice at the most while it is
     parsed (its text, then what it parses to), not three times. orjson held the body, a copy of its own and the
@@ -294,6 +301,11 @@ def decode_json(raw: bytes | bytearray) -> Any:
     if containers > MAX_JSON_CONTAINERS:
         raise PayloadTooLarge(f"request body holds {containers} JSON objects and arrays (counting the brackets in "
                               f"strings too); the limit is {MAX_JSON_CONTAINERS}", code="too_many_json_values")
+    values = containers + raw.count(b",")
+    if values > MAX_JSON_VALUES:
+        raise PayloadTooLarge(f"request body holds about {values} JSON values (its objects, arrays and commas, "
+                              f"counting commas in strings too); the limit is {MAX_JSON_VALUES}",
+                              code="too_many_json_values")
     error = None
     try:
         text = raw.decode("utf-8")

@@ -28,6 +28,7 @@ from gateway.protocol import (
     MAX_GRAMMAR_CHARS,
     MAX_JSON_CONTAINERS,
     MAX_JSON_DEPTH,
+    MAX_JSON_VALUES,
     REFUSED_FOR_SAFETY,
     WORKER_FIELDS,
     decode_json,
@@ -191,6 +192,36 @@ def test_the_container_limit_is_exact():
     assert len(decode_json(at_limit)) == MAX_JSON_CONTAINERS - 1
     over = b"[" + b"{}," * (MAX_JSON_CONTAINERS - 1) + b"{}]"
     assert error_of(decode_json, over, PayloadTooLarge).code == "too_many_json_values"
+
+
+# --- how many values ---
+
+def many_small_values(item: bytes, size: int = SIXTEEN_MB) -> bytes:
+    """A chat body of about ``size`` bytes whose ``stop_token_ids`` is [item,item,...]."""
+    head = json.dumps(CHAT)[:-1].encode() + b', "stop_token_ids": ['
+    return head + b",".join([item] * ((size - len(head)) // (len(item) + 1))) + b"]}"
+
+
+@pytest.mark.parametrize("item", [b"0.1", b'"ab"', b"1234567", b"null"])
+def test_sixteen_mb_of_small_values_is_refused_before_parsing(item):
+    """No containers past the limit, but each small value parsed costs 8-15x the bytes it was sent in: 16 MB of
+    [0.1,...] took 124 MiB and ["ab",...] 181 MiB (a 64 MiB body four times that), and seconds of parsing."""
+    raw = many_small_values(item)
+    started = time.perf_counter()
+    error = error_of(parse_body, raw, PayloadTooLarge)
+    assert time.perf_counter() - started < 1.0  # three counts of bytes at C speed (~30 ms here), no parse
+    assert error.status_code == 413 and error.code == "too_many_json_values"
+    assert f"{MAX_JSON_VALUES}" in error.message and "commas" in error.message
+
+
+def test_the_value_limit_is_exact_and_leaves_room_for_token_ids():
+    at_limit = b"[" + b"0," * (MAX_JSON_VALUES - 1) + b"0]"  # one container, MAX_JSON_VALUES - 1 commas
+    assert len(decode_json(at_limit)) == MAX_JSON_VALUES
+    over = b"[" + b"0," * MAX_JSON_VALUES + b"0]"
+    assert error_of(decode_json, over, PayloadTooLarge).code == "too_many_json_values"
+    # A /v1/completions prompt of 128K token ids (a long context's worth) is read.
+    body = json.dumps({"model": "m", "prompt": [11] * (128 * 1024)}).encode()
+    assert len(parse_completion_body(body, 1000)[0]["prompt"]) == 128 * 1024
 
 
 _SIXTEEN_MB_THROUGH_THE_APP = """
