@@ -3,7 +3,7 @@
 A Qwen3-VL-8B-shaped entry (bench/store_reads.py) is sealed under a deployment secret and put into a DRAM tier;
 then, alternately (A, B, B, A, ...) so that drift in machine load hits both alike:
 - the header parsed with the seal checked for the key (what every read does first) vs parsed without it: their
-  difference is the MAC's cost (HMAC-SHA256 over the header area: metadata, positions, every checksum);
+  difference is the MAC's cost (keyed BLAKE3 over the header area: metadata, positions, every checksum);
 - a whole verified read (header, seal, checksums, one copy into a preallocated buffer), and a sparse one (10% of
   the tokens, layers 3..35), each as the store serves them.
 The seeded checksums cost what unseeded ones did (XXH3 with a seed runs the same code), so the MAC is the seal's

@@ -24,7 +24,7 @@ one of ours that others may read (earlier versions made it 0755) is tightened.
 
 Across hosts (a gateway in front of workers on other hosts) the folder cannot be shared: ``SharedOutcomeBox`` keeps
 the same records in a Redis or Valkey server instead (``REVISIT_STORE_OUTCOMES_URL``, the server of the gateways'
-shared books), each with an expiry that does what ``sweep`` does for files, and each behind a MAC (HMAC-SHA256
+shared books), each with an expiry that does what ``sweep`` does for files, and each behind a MAC (keyed BLAKE3
 under the deployment secret's "outcomes" key, settings/secret.py) over the box's prefix, the request id and the
 record: a record that someone with access to the server placed there, or copied from another request or store, is
 ignored (the gateway then reports what it planned, as when a worker reports nothing). ``outcome_box`` picks one by

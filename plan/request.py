@@ -38,7 +38,7 @@ among requests in flight): ``rv5.<request id>.<base64 of the zlib'd JSON>.<MAC>.
 what it returns to clients, so the plan is never shown to them; anything SGLang appends after the last dot (it
 suffixes ids of parallel samples) is ignored.
 
-Authentication: the MAC (HMAC-SHA256, truncated to 128 bits, over the request id and the packed plan, under the
+Authentication: the MAC (keyed BLAKE3, 128 bits, over the request id and the packed plan, under the
 deployment secret's "plan" key, :func:`plan_key`) is checked before the plan is read, so only a gateway holding the
 secret can make a worker load an entry, reuse another request's K/V or key the encoder cache under a tenant's
 scope. A plan whose MAC does not hold is refused (PlanError) and its request runs unplanned.

@@ -43,7 +43,7 @@ from store.errors import DamagedEntryError, EntryFormatError
 from store.seal import MAC_BYTES, PUBLIC, EntrySeal
 
 MAGIC = b"RVKV"
-FORMAT_VERSION = 2  # 2: the seal (seeded checksums, a MAC over the key and the header area)
+FORMAT_VERSION = 3  # 2: the seal (seeded checksums, a MAC over the key and the header area); 3: its MAC is keyed BLAKE3
 PREFIX = struct.Struct("<4sHHIIQQQQ32s")
 HEADER_XXH3_OFFSET = 40
 MAC_OFFSET = 48

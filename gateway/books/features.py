@@ -9,7 +9,7 @@ The same interface as store.FeatureStore (the LMDB one beside a single gateway's
 Errors from the server become store.StoreError, as the LMDB store's do, so the matcher treats both alike (a
 feature write that fails leaves the image out of the other replicas' index, nothing more).
 
-Each record is stored behind a MAC (HMAC-SHA256 under the deployment secret's "features" key, settings/secret.py)
+Each record is stored behind a MAC (keyed BLAKE3 under the deployment secret's "features" key, settings/secret.py)
 over the prefix, the image key, the kind of record and its bytes. A record whose MAC does not hold (placed by
 someone with access to the server, copied from another image or store, or written before records were
 authenticated) reads as absent, and is counted (``refused``): no lookup matches an image whose features nobody

@@ -10,7 +10,7 @@ Keys, under ``revisit:<store name>:books:`` so that several stores can share a s
                  with other settings would decide otherwise from the same events, so they refuse to start
     lock         held (with an expiry) by the replica writing a snapshot
 
-Authenticated (settings/secret.py): every event, the snapshot, the trim mark and the settings carry an HMAC under
+Authenticated (settings/secret.py): every event, the snapshot, the trim mark and the settings carry a MAC under
 the deployment secret's "books" key over the store's prefix and their body, so an event or snapshot that someone
 with access to the server placed there, or copied from another store's books, is not applied: it is skipped,
 counted (``refused_events``, ``refused_snapshots``; /admin/stats shows them) and logged once. A forged snapshot
