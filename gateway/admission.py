@@ -10,7 +10,9 @@ For each request it:
    of the body is read; a body larger than one request may ever send is a 413). A declared body that the key's
    budget has no room for yet waits for room, in the order the key's requests came, unread (its bytes stay in the
    client's socket, costing the gateway nothing), for up to ``body_timeout_s``: one key's large requests are taken
-   in a few at a time, not refused. A chunked body that grows past a budget, and a body the whole gateway's budget
+   in a few at a time, not refused. The key's budget is shared with the parses and decodings its requests have
+   running on intake's pool (:meth:`Admission.share_budget_with`): while one of them fills it, the key's next body
+   waits too. A chunked body that grows past a budget, and a body the whole gateway's budget
    has no room for, are a 429. A body not complete ``body_timeout_s`` after its reading began is a 408, however
    slowly it drips;
 4. once the body is in, watches the connection: a client that leaves cancels its request wherever it is (taking
@@ -27,13 +29,16 @@ import asyncio
 import contextlib
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway.config import AdmissionLimits
 from gateway.errors import ClientError, GatewayError
 from gateway.tenancy import Caller
+
+if TYPE_CHECKING:
+    from gateway.pools import FairPool
 
 ADMITTED_PREFIX = "/v1/"
 RETRY_AFTER_S = 1
@@ -85,6 +90,26 @@ class Admission:
         self._total_bytes = 0
         # key id -> its declared bodies waiting for room in its budget, in order: (size, granted when taken)
         self._waiting: dict[str, deque[tuple[int, asyncio.Future[None]]]] = {}
+        # What a key's requests hold in the intake's pool (share_budget_with): its parses' and decodings' costs.
+        self._working: Callable[[str], int] = lambda key_id: 0
+        self._room_made: Callable[[], None] = lambda: None
+
+    def share_budget_with(self, pool: FairPool) -> None:
+        """One budget per key (``max_body_bytes_per_key``) for what its requests hold in memory: their bodies here
+        and, in ``pool`` (intake's), the parses and decodings running for them. A declared body then waits for room
+        while its key's parse or decoding fills the budget, and a parse or decoding waits while its key's bodies and
+        other jobs do (or runs alone among the key's jobs: gateway/pools.py), so that one key's 50 MB body, as
+        parsed, is not in memory beside its next body and its 40 Mpx image's decoding."""
+        self._working, self._room_made = pool.cost_running, pool.room_made
+        pool.share_caller_budget(self.held_bytes, self._wake)
+
+    def held_bytes(self, key_id: str) -> int:
+        """The body bytes the key's requests hold (called from the pool's threads too: one dict read)."""
+        return self.body_bytes.get(key_id, 0)
+
+    def _has_room(self, key_id: str, size: int) -> bool:
+        """Whether the key's budget has room for a body of ``size`` beside its bodies and its jobs in the pool."""
+        return self.body_bytes[key_id] + self._working(key_id) + size <= self.limits.max_body_bytes_per_key
 
     def admit(self, caller: Caller) -> Ticket:
         """A ticket for one more request of ``caller``; TooManyRequests when either budget is spent."""
@@ -117,7 +142,7 @@ class Admission:
         """Take ``size`` bytes of the key's budget when it has room, waiting for it in the key's order for up to
         ``timeout_s``; TooManyRequests when it had none in that time, or the whole gateway's budget has none."""
         queue = self._waiting.get(key_id)
-        if not queue and self.body_bytes[key_id] + size <= self.limits.max_body_bytes_per_key:
+        if not queue and self._has_room(key_id, size):
             self._take_bytes(key_id, size)
             return
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -155,7 +180,7 @@ class Admission:
         """Take room for the key's waiting bodies that fit now, in order (a body the whole gateway's budget has no
         room for is refused there and then)."""
         queue = self._waiting.get(key_id)
-        while queue and self.body_bytes[key_id] + queue[0][0] <= self.limits.max_body_bytes_per_key:
+        while queue and self._has_room(key_id, queue[0][0]):
             size, granted = queue.popleft()
             if granted.done():
                 continue
@@ -173,6 +198,7 @@ class Admission:
         self._total_bytes -= size
         if size:
             self._wake(key_id)
+            self._room_made()
 
     def _release(self, key_id: str, size: int) -> None:
         self.requests[key_id] -= 1

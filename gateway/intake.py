@@ -86,9 +86,10 @@ class Intake:
     A job's cost on the default pool is the memory it holds while it runs, in bytes: an image's decoding
     (DECODED_BYTES_PER_PIXEL a pixel), a large body's parse (about the body again). Its budget is
     ``images.max_decoding_pixels`` pixels' worth for everyone together, and one caller's (an API key's) the body
-    bytes its requests may hold (``admission.max_body_bytes_per_key``): one key's 50 MB body is not parsed while
-    the same key's 40 Mpx image is decoded, whichever came first, so what one key holds at once is about its bodies
-    and one such job, not all of them."""
+    bytes its requests may hold (``admission.max_body_bytes_per_key``), shared with the bodies the key's requests
+    hold (gateway/admission.py, ``Admission.share_budget_with``): one key's 50 MB body is not parsed while the same
+    key's 40 Mpx image is decoded, whichever came first, nor its next body read meanwhile, so what one key holds at
+    once is about its budget, or one job past it, not all of them."""
 
     def __init__(self, config: GatewayConfig, fetcher: ImageFetcher, extractor: Extractor | None = None, *,
                  pool: FairPool | None = None, prompt_size: PromptSize | None = None,

@@ -14,7 +14,9 @@ decoding holds in memory is bounded by the budget, not by the number of threads 
 may have a budget of its own too (``caller_cost_budget``), kept the same way among its own jobs: one caller's
 costly jobs then run a few at a time, or one at a time past it, however many threads are free, so what one caller
 has decoded and parsed at once is bounded whatever the others do. Among the callers whose next job fits, the order
-above holds.
+above holds. What a caller holds outside the pool may count against its budget too (:meth:`share_caller_budget`:
+the gateway's admission counts a key's request bodies there, gateway/admission.py), and the pool tells whoever
+shares it each time a caller's costly job has ended.
 
 A job whose awaiting coroutine is cancelled (the client left) is taken off its queue if it has not started; one
 that has started runs to its end (a thread cannot be interrupted), and its result is dropped. Threads start as jobs
@@ -104,6 +106,29 @@ class FairPool:
         self._idle = 0  # threads waiting for a job
         self._started = 0  # threads ever started (names them)
         self._closed = False
+        # What each caller holds outside the pool, counted against its budget (share_caller_budget); told on the
+        # job's event loop each time a caller's costly job has ended.
+        self._held_elsewhere: Callable[[str], int] = _nothing
+        self._on_cost_ended: Callable[[str], None] | None = None
+
+    def share_caller_budget(self, held_elsewhere: Callable[[str], int], on_cost_ended: Callable[[str], None]) -> None:
+        """Count what ``held_elsewhere(caller)`` says the caller holds outside the pool against its budget: a job
+        of the caller starts only where that, its running jobs' costs and the job's own fit ``caller_cost_budget``,
+        or where none of its costly jobs runs (so that one always can). ``held_elsewhere`` is called on the pool's
+        threads and must be cheap and safe there; call :meth:`room_made` when what it says has shrunk.
+        ``on_cost_ended(caller)`` is called on the event loop of each of the caller's costly jobs once it has ended
+        and its cost is no longer counted."""
+        self._held_elsewhere, self._on_cost_ended = held_elsewhere, on_cost_ended
+
+    def room_made(self) -> None:
+        """What a caller holds outside the pool has shrunk: its held-back jobs may fit now."""
+        with self._lock:
+            if self._queued:
+                self._wake.notify_all()
+
+    def cost_running(self, caller: str) -> int:
+        """The cost of ``caller``'s jobs running now."""
+        return self._caller_cost.get(caller, 0)
 
     async def run(self, caller: str, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """``work(*args, **kwargs)`` on one of the pool's threads, in ``caller``'s turn; its result or exception.
@@ -193,7 +218,7 @@ class FairPool:
                 and self._cost_running + job.cost > budget:
             return False
         if (budget := self.caller_cost_budget) is not None and (own := self._caller_cost.get(job.caller, 0)) \
-                and own + job.cost > budget:
+                and own + self._held_elsewhere(job.caller) + job.cost > budget:
             return False
         return True
 
@@ -262,7 +287,7 @@ class FairPool:
                     else:
                         del self._caller_cost[job.caller]
                     self._wake.notify_all()  # a job held back by a budget may fit now
-            _settle(job, result, error)
+            _settle(job, result, error, self._on_cost_ended if job.cost else None)
             # Not held while the thread waits for its next job: a job's arguments and result can be a request's
             # whole body and its parse (100 MB for 50 MB of text), which an idle thread kept alive until then.
             del job, result, error
@@ -272,18 +297,25 @@ def _called() -> None:
     raise RuntimeError("a pool job runs once")
 
 
-def _settle(job: _Job, result: Any, error: BaseException | None) -> None:
-    """Hand a job's outcome to its event loop (which may have closed meanwhile: then nobody is waiting)."""
+def _nothing(caller: str) -> int:
+    return 0
+
+
+def _settle(job: _Job, result: Any, error: BaseException | None,
+            cost_ended: Callable[[str], None] | None = None) -> None:
+    """Hand a job's outcome to its event loop (which may have closed meanwhile: then nobody is waiting), and tell
+    ``cost_ended`` there that the job's cost is no longer counted."""
     if isinstance(error, StopIteration):  # a future cannot carry one (it would end the awaiting generator)
         error = RuntimeError(f"job raised StopIteration: {error}")
 
     def settle() -> None:
-        if job.future.done():  # cancelled while it ran: the result is dropped
-            return
-        if error is not None:
-            job.future.set_exception(error)
-        else:
-            job.future.set_result(result)
+        if not job.future.done():  # done: cancelled while it ran, and the result is dropped
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(result)
+        if cost_ended is not None:
+            cost_ended(job.caller)
 
     try:
         job.loop.call_soon_threadsafe(settle)

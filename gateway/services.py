@@ -133,13 +133,16 @@ class Services:
         memory = MemoryTrim()
         turns = WorkerTurns(config.admission.worker_requests_per_key)
         pool.on_devices = turns.workers_run_on
+        intake = Intake(config, fetcher, extractor, memory=memory,
+                        prompt_size=PromptSize(config.max_token_chars, context=pool.context_length))
+        admission = Admission(config.admission, config.max_request_bytes)
+        admission.share_budget_with(intake.pool)  # one memory budget per key: its bodies, parses and decodings
         return cls(
             config=config,
             client=client,
             pool=pool,
             fetcher=fetcher,
-            intake=Intake(config, fetcher, extractor, memory=memory,
-                          prompt_size=PromptSize(config.max_token_chars, context=pool.context_length)),
+            intake=intake,
             dispatcher=Dispatcher(pool, client),
             cache=cache,
             planner=planner,
@@ -147,7 +150,7 @@ class Services:
             requests=RequestMetrics(registry),
             loop_lag=LoopLag(registry, config.loop_lag_interval_s),
             tenants=Tenants(config.tenants, config.secret),
-            admission=Admission(config.admission, config.max_request_bytes),
+            admission=admission,
             turns=turns,
             memory=memory,
             plan_key=plan_key(config.secret),
