@@ -12,9 +12,11 @@ For each request it:
    client's socket, costing the gateway nothing), for up to ``body_timeout_s``: one key's large requests are taken
    in a few at a time, not refused. The key's budget is shared with the parses and decodings its requests have
    running on intake's pool (:meth:`Admission.share_budget_with`): while one of them fills it, the key's next body
-   waits too. A chunked body that grows past a budget, and a body the whole gateway's budget
-   has no room for, are a 429. A body not complete ``body_timeout_s`` after its reading began is a 408, however
-   slowly it drips;
+   waits too. A chunked body that grows past a budget, and a body the whole gateway's budget has no room for, are
+   a 429. A body not complete ``body_timeout_s`` after its reading began is a 408, however slowly it drips. A
+   client that leaves while its body waits for room is not noticed before the wait ends (the server reports a
+   disconnect only when asked for the body, and the client's FIN comes behind the body bytes it had sent): what
+   it costs meanwhile is a place in its key's line, for ``body_timeout_s`` at most;
 4. once the body is in, watches the connection: a client that leaves cancels its request wherever it is (taking
    in images, planning, waiting for a worker, streaming), and so the upstream request; the handler's own reads
    see the disconnect too.
