@@ -277,23 +277,23 @@ class RssPeak(threading.Thread):
 
     def run(self) -> None:
         while not self.stopping.wait(0.2):
-            self.peak = max(self.peak, self.gateway_rss(), self.high_water())
+            self.peak = max(self.peak, self.sample())
 
     def gateway_rss(self) -> int:
         return self.stack.rss_by_process().get("gateway", (0, 0))[1]
 
-    def high_water(self) -> int:
-        """The gateway process's VmHWM plus the current RSS of the rest of its group."""
+    def sample(self) -> int:
+        """The group's RSS now, or, where the kernel's mark can be read, the gateway process's VmHWM plus the
+        current RSS of the rest of its group."""
         pid, group = self.stack.rss_by_process().get("gateway", (0, 0))
         if not pid or not self.exact:
-            return 0
+            return group
         try:
-            status = Path(f"/proc/{pid}/status").read_text()
-            own = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
-            hwm = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
-        except (OSError, StopIteration, ValueError):
-            return 0
-        return hwm + group - own
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+            own, hwm = (int(fields[name].split()[0]) * 1024 for name in ("VmRSS", "VmHWM"))
+        except (OSError, KeyError, ValueError):
+            return group
+        return max(group, hwm + group - own)
 
     def reset(self) -> None:
         pid = self.stack.rss_by_process().get("gateway", (0, 0))[0]
