@@ -3,6 +3,8 @@
 Failure rules:
 - a worker that cannot be reached, or fails before the first streamed event, is marked
   down and the request is retried on another healthy worker;
+- a worker taken out by its health checks (hung) while a request waits for its first answer gives the request
+  back, and it is retried on another healthy worker (gateway/workers.py, ``WorkerPool.until_taken_out``);
 - a worker's 4xx is the client's mistake and is relayed as an OpenAI error, not retried;
 - a worker that fails after events were relayed ends the stream with an error event
   (``data: {"error": ...}``) and ``data: [DONE]``: the client's half answer cannot be
@@ -34,6 +36,7 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 _JSON = {"content-type": "application/json"}
 _DONE_LINE = "data: [DONE]"  # the last event of an OpenAI stream, as the worker sends it
+_TAKEN_OUT = "the worker was taken out by its health checks before it answered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,14 +111,18 @@ class Dispatcher:
         while True:
             worker = self._next(tried, last_error, route.prefer)
             async with self._pool.lease(worker):
-                try:
-                    response = await self._client.post(worker.url + request.path, content=request.payload,
-                                                       headers=_JSON)
-                except httpx.TimeoutException as exc:
-                    raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
-                except httpx.TransportError as exc:
-                    last_error = f"{type(exc).__name__}: {exc}"
-                    self._pool.mark_failed(worker, last_error)
+                with self._pool.until_taken_out(worker) as waiting:
+                    try:
+                        response = await self._client.post(worker.url + request.path, content=request.payload,
+                                                           headers=_JSON)
+                    except httpx.TimeoutException as exc:
+                        raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
+                    except httpx.TransportError as exc:
+                        last_error = f"{type(exc).__name__}: {exc}"
+                        self._pool.mark_failed(worker, last_error)
+                        continue
+                if waiting.cancelled_caught:
+                    last_error = _TAKEN_OUT
                     continue
             if response.status_code == 200:
                 worker.served += 1
@@ -146,20 +153,24 @@ class Dispatcher:
             await lease.__aenter__()
             response: httpx.Response | None = None
             try:
-                sent = self._client.build_request("POST", worker.url + request.path, content=request.payload,
-                                                  headers=_JSON)
-                response = await self._client.send(sent, stream=True)
-                if response.status_code != 200:
-                    payload = await response.aread()
-                    if 400 <= response.status_code < 500:
-                        raise _client_error(response.status_code, payload)
-                    last_error = f"worker returned HTTP {response.status_code}: {payload[:300]!r}"
-                    raise _Retry
-                lines = response.aiter_lines()
-                first = await _first_event(lines)
-                if first is None:
-                    last_error = "worker closed the stream before sending anything"
-                    self._pool.mark_failed(worker, last_error)
+                with self._pool.until_taken_out(worker) as waiting:
+                    sent = self._client.build_request("POST", worker.url + request.path, content=request.payload,
+                                                      headers=_JSON)
+                    response = await self._client.send(sent, stream=True)
+                    if response.status_code != 200:
+                        payload = await response.aread()
+                        if 400 <= response.status_code < 500:
+                            raise _client_error(response.status_code, payload)
+                        last_error = f"worker returned HTTP {response.status_code}: {payload[:300]!r}"
+                        raise _Retry
+                    lines = response.aiter_lines()
+                    first = await _first_event(lines)
+                    if first is None:
+                        last_error = "worker closed the stream before sending anything"
+                        self._pool.mark_failed(worker, last_error)
+                        raise _Retry
+                if waiting.cancelled_caught:
+                    last_error = _TAKEN_OUT
                     raise _Retry
             except _Retry:
                 await _close(response, lease)

@@ -13,6 +13,11 @@ that started and has not ended means busy, and the worker stays up; no forward i
 progress and no answer means hung, and after ``misses_allowed`` such checks it is taken
 out; requests in flight keep it in only while its /metrics still answers. (A forward stuck
 for good is ended by SGLang's own watchdog, which exits the worker.)
+
+A worker taken out by its checks takes back what it was sent: requests still waiting for its first answer
+(``WorkerPool.until_taken_out``) are cancelled there, and the dispatcher retries them on another worker, instead
+of holding them (and their key's turns) until the upstream timeout. Streams it has begun to answer are not: their
+half answer cannot be retried, and they end at the upstream read timeout.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+import anyio
 import httpx
 
 from gateway.errors import NoHealthyWorker
@@ -52,6 +58,8 @@ class Worker:
     model_card: dict | None = None
     device: str | None = None  # what its SGLang runs on ("cpu", "cuda", ...: /server_info), once it has said
     _last_used: int = field(default=0, repr=False)
+    # The requests waiting for its first answer (WorkerPool.until_taken_out): cancelled when it is taken out.
+    _awaited: set[anyio.CancelScope] = field(default_factory=set, repr=False)
 
     def snapshot(self) -> dict:
         return {
@@ -128,6 +136,13 @@ class WorkerPool:
         if healthy != worker.healthy:
             log.info("worker %s is now %s", worker.url, "up" if healthy else f"down ({error})")
         worker.healthy = healthy
+        # Taken out for good reason (nothing listening, or as many unanswered checks as a hang takes): what it was
+        # sent and has not begun to answer goes elsewhere.
+        if not healthy and (refused or worker.missed_checks >= self._misses_allowed) and worker._awaited:
+            log.warning("worker %s: %d request(s) waiting for its answer go elsewhere", worker.url,
+                        len(worker._awaited))
+            for scope in worker._awaited:
+                scope.cancel()
         worker.last_error = None if ok else error if not busy else f"busy with a forward ({error})"
         if ok and (worker.model_card is None or came_back):  # a worker back may have been restarted with another
             worker.model_card = await self._model_card(worker) or worker.model_card  # context length
@@ -207,6 +222,18 @@ class WorkerPool:
             yield worker
         finally:
             worker.inflight -= 1
+
+    @contextlib.contextmanager
+    def until_taken_out(self, worker: Worker) -> Iterator[anyio.CancelScope]:
+        """A cancel scope around waiting for ``worker``'s answer, cancelled if a health check takes the worker out
+        meanwhile (``scope.cancelled_caught`` then tells: the request may be sent elsewhere). Not for what runs
+        after the worker has begun to answer."""
+        with anyio.CancelScope() as scope:
+            worker._awaited.add(scope)
+            try:
+                yield scope
+            finally:
+                worker._awaited.discard(scope)
 
     def mark_failed(self, worker: Worker, error: str) -> None:
         worker.failures += 1
