@@ -4,7 +4,8 @@ In the order a request meets them:
 
 - :mod:`gateway.routes`: ``openai_api`` (/v1/chat/completions, /v1/models), ``admin`` (/admin, /metrics),
   ``health``.
-- :mod:`gateway.protocol`, :mod:`gateway.intake`: parse and validate a chat request; resolve its images.
+- :mod:`gateway.json_body`, :mod:`gateway.protocol`, :mod:`gateway.intake`: parse a body's JSON within bounds,
+  validate it as a chat request, resolve its images.
 - :mod:`gateway.image_fetch`, :mod:`gateway.images`, :mod:`gateway.image_memo`: fetch (data: and http(s) URLs,
   with caps), canonicalise, key and grid each image; remember repeat uploads.
 - :mod:`gateway.tenancy`: the caller's cache namespace from its API key.

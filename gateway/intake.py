@@ -367,7 +367,7 @@ def _write_json(value: Any, write: Callable[[str], None]) -> None:
     """Write exactly ``json.dumps(value, sort_keys=True, separators=(",", ":"))``, in pieces: long strings in
     slices of _SLICE characters, containers item by item, runs of short scalars through the C encoder about
     _SLICE characters at a time; so that no call holds the GIL for long, however large the value (its depth is
-    bounded by protocol.MAX_JSON_DEPTH)."""
+    bounded by json_body.MAX_JSON_DEPTH)."""
     if isinstance(value, str):
         if len(value) <= _SLICE:
             write(encode_basestring_ascii(value))

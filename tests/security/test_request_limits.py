@@ -23,15 +23,12 @@ from fastapi.testclient import TestClient
 from gateway.app import create_app
 from gateway.config import GatewayConfig, TenantSettings
 from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.json_body import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_JSON_VALUES, decode_json
 from gateway.protocol import (
     GATEWAY_OWNED,
     MAX_GRAMMAR_CHARS,
-    MAX_JSON_CONTAINERS,
-    MAX_JSON_DEPTH,
-    MAX_JSON_VALUES,
     REFUSED_FOR_SAFETY,
     WORKER_FIELDS,
-    decode_json,
     parse_body,
     parse_completion_body,
 )
