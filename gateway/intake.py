@@ -119,7 +119,8 @@ class Intake:
         request's images are fetched and decoded."""
         with lane(self.pool, namespace if caller is None else caller):
             body_bytes = len(raw)
-            body, params = await off_loop(body_bytes, parse_body, raw, cost=body_bytes)  # its parse holds ~its size
+            # Its parse holds ~its size; a prompt its bytes alone make too long is refused first, unparsed.
+            body, params = await off_loop(body_bytes, _parse_unless_too_long, raw, self.prompt_size, cost=body_bytes)
             del raw
             return await self._process(body, params, body_bytes, namespace)
 
@@ -238,6 +239,13 @@ async def _both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
     """:func:`_all` of two of different types."""
     a, b = await _all(first, second)  # one T for both: typed again below
     return cast(A, a), cast(B, b)
+
+
+def _parse_unless_too_long(raw: bytes | bytearray, size: PromptSize | None) -> tuple[dict[str, Any],
+                                                                                  ChatCompletionParams]:
+    if size is not None:
+        size.check_body(raw, param="messages")
+    return parse_body(raw)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ the worker's (no OpenAI code), after all of that.
 from __future__ import annotations
 
 import json
+import tracemalloc
 from pathlib import Path
 
 import httpx
@@ -16,8 +17,16 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway.config import ProcessorSettings
+from gateway.errors import InvalidRequest
 from gateway.images import smart_resize
-from gateway.prompt_size import PromptSize, message_chars, prompt_tokens_at_least
+from gateway.intake import _parse_unless_too_long
+from gateway.prompt_size import (
+    NOT_PROMPT_ALLOWANCE,
+    PromptSize,
+    body_chars_at_least,
+    message_chars,
+    prompt_tokens_at_least,
+)
 from plan.checkpoint import longest_token_chars
 from tests.conftest import MODEL_ID
 from tests.images_lib import data_url, encode, noise_image
@@ -81,6 +90,64 @@ def test_a_tokenizer_file_the_gateway_cannot_read_gives_no_bound(tmp_path: Path)
                                                                                                  ["x", -2.0]]},
                                                          "added_tokens": [{"content": "<|a-long-one|>"}]}))
     assert longest_token_chars(tmp_path) == len("<|a-long-one|>")
+
+
+def _body(*parts: dict | str) -> bytes:
+    content = list(parts) if len(parts) > 1 or not isinstance(parts[0], str) else parts[0]
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]}).encode()
+
+
+def _text(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+BASE64 = "data:image/png;base64," + "iVBORw0KGgo+/=" * 20_000  # 280 KB of an image's payload
+
+
+@pytest.mark.parametrize("text", ["lorem ipsum " * 5000, "€uro \u2028 " * 3000, 'quoted "json": {"a": [1, 2]}\n' * 2000,
+                                  "🙂" * 4000, "\\" * 3000])
+def test_the_bound_from_raw_bytes_never_counts_more_text_than_the_body_holds(text):
+    """Whatever the text's spelling in JSON (escapes, UTF-8 of 2 to 4 bytes, quotes), with or without images."""
+    for raw in (_body(text), _body(_text(text), _image(BASE64)), json.dumps({"prompt": text}).encode(),
+                json.dumps({"messages": [{"role": "user", "content": text}]}, ensure_ascii=False).encode()):
+        keys_and_names = 100  # "model", "messages", "role", "user", ...: counted as text, and allowed for by callers
+        assert body_chars_at_least(raw) <= len(text) + keys_and_names
+
+
+def test_the_bound_from_raw_bytes_leaves_out_media_and_counts_text_that_looks_like_media():
+    assert body_chars_at_least(_body(_text("hi"), *[_image(BASE64)] * 20)) < 1000  # 5.6 MB of images: keys only
+    plain = body_chars_at_least(_body("lorem ipsum " * 10_000))
+    assert plain >= 0.8 * 120_000  # not so loose that it refuses nothing (its spaces, 1 in 6, are not counted)
+    # A text that begins like a data: URL, or spells out an image part inside it (its quotes escaped), is text.
+    assert body_chars_at_least(_body(_text(BASE64))) >= 0.9 * len(BASE64)
+    spelt = '{"url": "' + BASE64 + '"}'
+    assert body_chars_at_least(_body(_text(spelt))) >= 0.9 * len(BASE64)
+    assert body_chars_at_least(json.dumps({"text": "x", "url": BASE64[:22] + "a\\b" * 50_000}).encode()) >= 100_000
+
+
+def test_a_body_whose_text_cannot_fit_is_refused_before_it_is_parsed():
+    """Refused from its bytes, holding nothing like the second copy a parse would make of its 24 MB text."""
+    size = PromptSize(20, context=lambda: 32_768)
+    images = [_image("data:image/png;base64,bm90") for _ in range(16)]
+    raw = bytearray(_body(_text("lorem ipsum " * 2_000_000), *images))
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidRequest) as refused:
+            _parse_unless_too_long(raw, size)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert refused.value.code == "context_length_exceeded"
+    assert peak < len(raw) // 10, peak
+    # One that could fit is parsed as before; so is any body no larger than the allowance and the context's text.
+    body, _ = _parse_unless_too_long(bytearray(_body("lorem ipsum " * 10_000)), size)
+    assert body["messages"][0]["content"].startswith("lorem")
+    near = "z" * (NOT_PROMPT_ALLOWANCE + 32_768 * 20 - 200)
+    assert _parse_unless_too_long(bytearray(_body(near)), size)[0]["messages"][0]["content"] == near
 
 
 # --- through a real gateway and a real SGLang worker ---
