@@ -16,6 +16,16 @@ to fewer would lose throughput and give the others nothing; on a CPU every reque
 so each of another key's requests at the worker slows everyone's forward (the soak's tenants' p50, under a flood of
 small requests from a third key on one CPU worker: 1.60x its quiet figure with 16, 1.18x with 2;
 bench/dos_under_load.py).
+
+Paced on CPU workers: there, a key's waiting requests (a key past its bound: backlogged) go, while a key that is not
+backlogged has requests at the workers, only as that key sends one. A CPU worker's every forward costs the whole
+batch's compute, and one that a backlogged key's small requests start of their own (a new prefill between the
+others' decoding steps) is time every other key's requests wait; sent with another key's request, they reach the
+worker's queue with it, and add prefill forwards no more often than the others' own arrivals do. Without pacing, two
+turns let a flood of one-token requests keep one forward in two on a CPU worker for itself. A backlogged key is never
+stopped for long: when no other key that is not backlogged has requests at the workers, its turns are as above, and
+its waiting requests go at least every ``PACE_HOLD_S`` whatever the others send (a key streaming a long answer
+sends nothing new for minutes).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from collections.abc import Callable, Collection
 
 CPU_PER_KEY = 2
 ACCELERATOR_PER_KEY = 16
+PACE_HOLD_S = 2.0  # the longest pacing holds a backlogged key's waiting requests (then they go as if riding)
 
 
 class WorkerTurns:
@@ -37,22 +48,23 @@ class WorkerTurns:
             raise ValueError(f"per_key must be at least 1, got {per_key}")
         self._set = per_key
         self.per_key = per_key or ACCELERATOR_PER_KEY
-        self.devices: tuple[str, ...] = ()  # what the workers said they run on, when the bound follows them
+        self.devices: tuple[str, ...] = ()  # what the workers said they run on
+        self.paced = False  # whether backlogged keys are paced (CPU workers: see the module's docstring)
         self._at_workers: dict[str, int] = {}  # key id -> its requests at the workers now
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}  # key id -> its requests waiting, in order
         self._present: dict[str, int] = {}  # key id -> its requests at the workers or waiting (keys with none absent)
         self.waited = 0  # requests that had to wait, ever
+        self.rode = 0  # waiting requests that pacing let go (with another key's request, or after PACE_HOLD_S), ever
+        self._pace_timer: asyncio.TimerHandle | None = None  # what lets held requests go after PACE_HOLD_S
 
     def workers_run_on(self, devices: Collection[str]) -> None:
         """The devices the workers have said they run on (SGLang's ``device``: "cpu", "cuda", ...): the bound
-        follows them unless it was set."""
-        if self._set is not None:
-            return
+        follows them unless it was set, and pacing always does."""
         self.devices = tuple(sorted(set(devices)))
-        per_key = CPU_PER_KEY if self.devices == ("cpu",) else ACCELERATOR_PER_KEY
-        if per_key != self.per_key:
-            self.per_key = per_key
-            self._wake()
+        self.paced = self.devices == ("cpu",)
+        if self._set is None:
+            self.per_key = CPU_PER_KEY if self.paced else ACCELERATOR_PER_KEY
+        self._wake()
 
     def _contended(self, key_id: str) -> bool:
         """Whether a key other than ``key_id`` has requests at the workers or waiting for them."""
@@ -71,12 +83,19 @@ class WorkerTurns:
     def _may_go(self, key_id: str) -> bool:
         return self._at_workers.get(key_id, 0) < self.per_key or not self._contended(key_id)
 
+    def _held_by_pace(self, key_id: str) -> bool:
+        """Whether a backlogged key's waiting request must wait for another key's send: paced, and a key that is
+        not backlogged has requests at the workers."""
+        return self.paced and any(other != key_id and other not in self._waiting for other in self._at_workers)
+
     async def take(self, key_id: str) -> Callable[[], None]:
         """Wait for ``key_id``'s turn to send a request to the workers; returns what gives the turn back (once,
         whenever it is called: when the response has ended or the request was cancelled)."""
         self._arrive(key_id)
         if not self._waiting.get(key_id) and self._may_go(key_id):
             self._go(key_id)
+            if self.paced and self._waiting:
+                self._wake(riding=True)  # the backlogged keys' waiting requests go with this one
         else:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiting.setdefault(key_id, deque()).append(waiter)
@@ -120,21 +139,31 @@ class WorkerTurns:
         self._leave(key_id)
         self._wake()  # a key that stops waiting may leave another alone, and so unbounded
 
-    def _wake(self) -> None:
-        """Start every waiting request that may go now, each key's in order."""
+    def _wake(self, riding: bool = False) -> None:
+        """Start every waiting request that may go now, each key's in order (``riding``: as another key's request
+        is sent, so pacing holds none back)."""
         for key_id in list(self._waiting):
             queue = self._waiting[key_id]
+            if not riding and self._held_by_pace(key_id):
+                if self._pace_timer is None:
+                    self._pace_timer = asyncio.get_running_loop().call_later(PACE_HOLD_S, self._pace_timeout)
+                continue
             while queue and self._may_go(key_id):
                 waiter = queue.popleft()
                 if waiter.cancelled():  # (its task's CancelledError handler finds it gone: it leaves there)
                     continue
                 self._go(key_id)
+                self.rode += riding
                 waiter.set_result(None)
             if not queue:
                 del self._waiting[key_id]
+
+    def _pace_timeout(self) -> None:
+        self._pace_timer = None
+        self._wake(riding=True)
 
     def stats(self) -> dict[str, int | str]:
         by = "setting" if self._set is not None else "devices:" + ",".join(self.devices or ("unknown",))
         return {"per_key": self.per_key, "per_key_by": by, "at_workers": sum(self._at_workers.values()),
                 "keys": len(self._at_workers), "waiting": sum(len(queue) for queue in self._waiting.values()),
-                "waited": self.waited}
+                "waited": self.waited, "paced": self.paced, "rode": self.rode}

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from gateway import turns as turns_module
 from gateway.turns import ACCELERATOR_PER_KEY, CPU_PER_KEY, WorkerTurns
 
 
@@ -76,7 +77,7 @@ def test_a_cancelled_wait_is_withdrawn_and_a_turn_given_back_twice_counts_once()
         b_given[0][1]()
         waiting_given[0][1]()
         assert turns.stats() == {"per_key": 1, "per_key_by": "setting", "at_workers": 0, "keys": 0, "waiting": 0,
-                                 "waited": 2}
+                                 "waited": 2, "paced": False, "rode": 0}
         _, again = await started(turns, "b", 3)  # nothing of a's is left counted: b alone is not held back
         assert len(again) == 3
 
@@ -131,3 +132,50 @@ def test_a_bound_set_is_kept_whatever_the_devices():
     turns = WorkerTurns(per_key=4)
     turns.workers_run_on(["cpu"])
     assert turns.per_key == 4 and turns.stats()["per_key_by"] == "setting"
+
+
+def test_on_cpu_workers_a_backlogged_key_goes_with_the_others_requests(monkeypatch):
+    """Paced: key x, past its share, sends its waiting requests as key t (not backlogged, with a request at the
+    workers) sends one, or after PACE_HOLD_S; not each time one of its own ends."""
+    monkeypatch.setattr(turns_module, "PACE_HOLD_S", 0.2)
+
+    async def main() -> None:
+        turns = WorkerTurns(per_key=2)
+        turns.workers_run_on(["cpu"])
+        assert turns.stats()["paced"]
+        _, t_given = await started(turns, "t", 1)
+        _, x_given = await started(turns, "x", 2)  # under its share: at once
+        waiting, waiting_given = await started(turns, "x", 4)
+        assert len(x_given) == 2 and waiting_given == []
+        x_given[0][1]()  # one of x's ends: under its share, but t is at the workers: held
+        await asyncio.sleep(0)
+        assert waiting_given == []
+        _, t_more = await started(turns, "t", 1)  # t sends: x's next goes with it
+        assert len(t_more) == 1 and [i for i, _ in waiting_given] == [0] and turns.stats()["rode"] == 1
+        x_given[1][1]()
+        await asyncio.sleep(0)
+        assert len(waiting_given) == 1
+        await asyncio.sleep(0.3)  # t sends nothing more: x's next goes after PACE_HOLD_S all the same
+        assert len(waiting_given) == 2 and turns.stats()["rode"] == 2
+        for _, give_back in (*t_given, *t_more):  # t leaves: x is alone, held back neither by pace nor share
+            give_back()
+        await asyncio.sleep(0)
+        assert len(waiting_given) == 4
+        await asyncio.gather(*waiting)
+
+    asyncio.run(main())
+
+
+def test_off_cpu_workers_nothing_is_paced():
+    async def main() -> None:
+        turns = WorkerTurns(per_key=2)
+        turns.workers_run_on(["cuda"])
+        _, t_given = await started(turns, "t", 1)
+        _, x_given = await started(turns, "x", 2)
+        waiting, waiting_given = await started(turns, "x", 1)
+        x_given[0][1]()
+        await asyncio.sleep(0)
+        assert len(waiting_given) == 1 and not turns.stats()["paced"]
+        await asyncio.gather(*waiting)
+
+    asyncio.run(main())
