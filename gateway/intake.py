@@ -20,6 +20,7 @@ import hashlib
 import json
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from json.encoder import encode_basestring_ascii
 from typing import Any, TypeVar, cast
 
@@ -120,7 +121,8 @@ class Intake:
         with lane(self.pool, namespace if caller is None else caller):
             body_bytes = len(raw)
             # Its parse holds ~its size; a prompt its bytes alone make too long is refused first, unparsed.
-            body, params = await off_loop(body_bytes, _parse_unless_too_long, raw, self.prompt_size, cost=body_bytes)
+            unparsed = None if self.prompt_size is None else partial(self.prompt_size.check_body, param="messages")
+            body, params = await off_loop(body_bytes, parse_body, raw, unparsed, cost=body_bytes)
             del raw
             return await self._process(body, params, body_bytes, namespace)
 
@@ -239,13 +241,6 @@ async def _both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
     """:func:`_all` of two of different types."""
     a, b = await _all(first, second)  # one T for both: typed again below
     return cast(A, a), cast(B, b)
-
-
-def _parse_unless_too_long(raw: bytes | bytearray, size: PromptSize | None) -> tuple[dict[str, Any],
-                                                                                  ChatCompletionParams]:
-    if size is not None:
-        size.check_body(raw, param="messages")
-    return parse_body(raw)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gateway.errors import InvalidRequest, PayloadTooLarge
@@ -38,7 +38,7 @@ _INT_RANGE = range(-(1 << 63), 1 << 64)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def decode_json(raw: bytes | bytearray) -> Any:
+def decode_json(raw: bytes | bytearray, unparsed: Callable[[bytes | bytearray], None] | None = None) -> Any:
     """Parse a request body, within MAX_JSON_CONTAINERS objects and arrays, MAX_JSON_VALUES values and MAX_JSON_DEPTH
     levels, as strictly as orjson (which encodes it for the worker) would: UTF-8, no NaN or Infinity, no number that
     overflows a double, no lone surrogate; an integer past 64 bits read as a float.
@@ -57,6 +57,8 @@ def decode_json(raw: bytes | bytearray) -> Any:
         raise PayloadTooLarge(f"request body holds about {values} JSON values (its objects, arrays and commas, "
                               f"counting commas in strings too); the limit is {MAX_JSON_VALUES}",
                               code="too_many_json_values")
+    if unparsed is not None:  # what the caller refuses from the bytes alone, before they are parsed
+        unparsed(raw)
     error = None
     try:
         text = raw.decode("utf-8")

@@ -9,7 +9,7 @@ rewrites every image part and wants error messages that name the exact offending
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,6 +29,8 @@ MESSAGE_FIELDS = {
                         "prefix", "tools"}),
 }
 P = TypeVar("P", "ChatCompletionParams", "CompletionParams")
+# What refuses a body from its raw bytes once its JSON's counts pass, before it is parsed (gateway/json_body.py).
+Unparsed = Callable[[bytes | bytearray], None] | None
 SUPPORTED_PART_TYPES = ("text", "image_url", "video_url")
 IMAGE_URL_FIELDS = ("url", "detail")  # detail passes to the worker, which reads it as OpenAI's "auto"
 VIDEO_URL_FIELDS = ("url",)
@@ -220,19 +222,20 @@ class VideoPartRef:
 MediaPartRef = ImagePartRef | VideoPartRef
 
 
-def parse_body(raw: bytes | bytearray) -> tuple[dict[str, Any], ChatCompletionParams]:
-    """Decode and validate a chat request body; raise :class:`InvalidRequest` with a precise message."""
-    body, params = _parse(raw, ChatCompletionParams)
+def parse_body(raw: bytes | bytearray, unparsed: Unparsed = None) -> tuple[dict[str, Any], ChatCompletionParams]:
+    """Decode and validate a chat request body; raise :class:`InvalidRequest` with a precise message. ``unparsed``:
+    what may refuse it from its bytes first (gateway/json_body.py decode_json)."""
+    body, params = _parse(raw, ChatCompletionParams, unparsed)
     check_fields(body, "chat")
     return body, params
 
 
-def parse_completion_body(raw: bytes | bytearray,
-                          vocab_size: int | None = None) -> tuple[dict[str, Any], CompletionParams]:
+def parse_completion_body(raw: bytes | bytearray, vocab_size: int | None = None,
+                          unparsed: Unparsed = None) -> tuple[dict[str, Any], CompletionParams]:
     """Decode and validate a /v1/completions body, as parse_body does a chat one. Token-id prompts must name ids
     of the model's vocabulary (``vocab_size``): SGLang takes any id, and one past the embedding crashes the
     worker's scheduler (and, retried, the next worker's)."""
-    body, params = _parse(raw, CompletionParams)
+    body, params = _parse(raw, CompletionParams, unparsed)
     check_fields(body, "text")
     if params.prompt == "" or params.prompt == []:
         raise InvalidRequest("prompt must not be empty", param="prompt")
@@ -257,8 +260,8 @@ def _token_ids(prompt: str | list[str] | list[int] | list[list[int]]) -> list[in
                                            else [])]
 
 
-def _parse(raw: bytes | bytearray, model: type[P]) -> tuple[dict[str, Any], P]:
-    body = decode_json(raw)
+def _parse(raw: bytes | bytearray, model: type[P], unparsed: Unparsed) -> tuple[dict[str, Any], P]:
+    body = decode_json(raw, unparsed)
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:

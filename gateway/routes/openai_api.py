@@ -7,6 +7,7 @@ import hashlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -20,8 +21,8 @@ from gateway.metrics import FRAMES_SEEN, RESPONSE_CACHED, reuse_label
 from gateway.offload import lane, off_loop, on_thread
 from gateway.openai_shape import CHAT, TEXT, Shape
 from gateway.planner import REUSE_MODES, Planned
-from gateway.prompt_size import PromptSize, prompt_tokens_at_least
-from gateway.protocol import CompletionParams, parse_completion_body
+from gateway.prompt_size import prompt_tokens_at_least
+from gateway.protocol import parse_completion_body
 from gateway.response_cache import NOT_LOOKED_UP, Answer, Asked, Found, asked, recorded, replay_stream
 from gateway.services import Services
 from gateway.tenancy import Caller
@@ -151,14 +152,6 @@ def _keeper(services: Services, question: Asked | None, found: Found) -> Callabl
     return keep
 
 
-def _parse_completion(raw: bytes | bytearray, vocab_size: int | None,
-                      size: PromptSize | None) -> tuple[dict[str, Any], CompletionParams]:
-    """A /v1/completions body parsed, unless its bytes alone make its prompt too long (gateway/prompt_size.py)."""
-    if size is not None:
-        size.check_body(raw, param="prompt")
-    return parse_completion_body(raw, vocab_size)
-
-
 @router.post("/v1/completions")
 async def completions(request: Request) -> Any:
     """Text completions: no images, so no plan; the same dispatch, errors, tenant scoping and metrics as chat."""
@@ -168,8 +161,10 @@ async def completions(request: Request) -> Any:
     raw = await _read_body(request, config.max_request_bytes)
     body_bytes = len(raw)
     with lane(services.intake.pool, caller.key_id):  # a large body is parsed in the caller's turn, emptied by it
-        body, params = await off_loop(body_bytes, _parse_completion, raw, config.vocab_size,
-                                      services.intake.prompt_size, cost=body_bytes)
+        size = services.intake.prompt_size
+        unparsed = None if size is None else partial(size.check_body, param="prompt")
+        body, params = await off_loop(body_bytes, parse_completion_body, raw, config.vocab_size, unparsed,
+                                      cost=body_bytes)
     del raw
     if params.model != config.model:
         raise ModelNotFound(params.model)

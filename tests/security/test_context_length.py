@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import tracemalloc
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -19,7 +20,6 @@ from tokenizers import Tokenizer
 from gateway.config import ProcessorSettings
 from gateway.errors import InvalidRequest
 from gateway.images import smart_resize
-from gateway.intake import _parse_unless_too_long
 from gateway.prompt_size import (
     NOT_PROMPT_ALLOWANCE,
     PromptSize,
@@ -27,6 +27,7 @@ from gateway.prompt_size import (
     message_chars,
     prompt_tokens_at_least,
 )
+from gateway.protocol import parse_body
 from plan.checkpoint import longest_token_chars
 from tests.conftest import MODEL_ID
 from tests.images_lib import data_url, encode, noise_image
@@ -129,6 +130,11 @@ def test_the_bound_from_raw_bytes_leaves_out_media_and_counts_text_that_looks_li
     assert body_chars_at_least(json.dumps({"text": "x", "url": BASE64[:22] + "a\\b" * 50_000}).encode()) >= 100_000
 
 
+def _parse_unless_too_long(raw: bytearray, size: PromptSize):
+    """As intake parses a body: refused from its bytes when they say its prompt is too long."""
+    return parse_body(raw, partial(size.check_body, param="messages"))
+
+
 def test_a_body_whose_text_cannot_fit_is_refused_before_it_is_parsed():
     """Refused from its bytes, holding nothing like the second copy a parse would make of its 24 MB text."""
     size = PromptSize(20, context=lambda: 32_768)
@@ -141,13 +147,18 @@ def test_a_body_whose_text_cannot_fit_is_refused_before_it_is_parsed():
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert refused.value.code == "context_length_exceeded"
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "messages"
     assert peak < len(raw) // 10, peak
     # One that could fit is parsed as before; so is any body no larger than the allowance and the context's text.
     body, _ = _parse_unless_too_long(bytearray(_body("lorem ipsum " * 10_000)), size)
     assert body["messages"][0]["content"].startswith("lorem")
     near = "z" * (NOT_PROMPT_ALLOWANCE + 32_768 * 20 - 200)
     assert _parse_unless_too_long(bytearray(_body(near)), size)[0]["messages"][0]["content"] == near
+    # The JSON's own counts come first: 16 MB of ["ab",...] is too many values (413), whatever its letters say.
+    values = json.dumps({"model": "m", "messages": [], "stop_token_ids": ["ab"] * 3_000_000}).encode()
+    with pytest.raises(Exception) as counted:
+        _parse_unless_too_long(bytearray(values), size)
+    assert getattr(counted.value, "code", None) == "too_many_json_values"
 
 
 # --- through a real gateway and a real SGLang worker ---
