@@ -17,15 +17,17 @@ so each of another key's requests at the worker slows everyone's forward (the so
 small requests from a third key on one CPU worker: 1.60x its quiet figure with 16, 1.18x with 2;
 bench/dos_under_load.py).
 
-Paced on CPU workers: there, a key's waiting requests (a key past its bound: backlogged) go, while a key that is not
-backlogged has requests at the workers, only as that key sends one. A CPU worker's every forward costs the whole
-batch's compute, and one that a backlogged key's small requests start of their own (a new prefill between the
-others' decoding steps) is time every other key's requests wait; sent with another key's request, they reach the
-worker's queue with it, and add prefill forwards no more often than the others' own arrivals do. Without pacing, two
-turns let a flood of one-token requests keep one forward in two on a CPU worker for itself. A backlogged key is never
-stopped for long: when no other key that is not backlogged has requests at the workers, its turns are as above, and
-its waiting requests go at least every ``PACE_HOLD_S`` whatever the others send (a key streaming a long answer
-sends nothing new for minutes).
+Paced on CPU workers: there, a backlogged key (one with at least its bound's worth of requests waiting: a flood,
+not a key whose few clients go past its bound now and then) sends no more of its waiting requests than its bound
+per ``PACE_S`` while a key that is not backlogged has requests at the workers or waiting. A CPU worker's every
+forward costs the whole batch's compute, and a backlogged key's requests start prefill forwards of their own
+between the others' forwards (even sent with another key's request: a text request reaches the scheduler before
+an image request that its tokenizer is still processing). Without pacing, two turns let a flood of one-token
+requests start a forward each time its last two ended, and the other keys' p50 rose 1.2-1.3x
+(bench/dos_under_load.py). A request of seconds, the kind a CPU worker serves, is not slowed by the pace: its
+key's turns are what it waits for. A key not backlogged is never paced, nor is one with the workers to itself.
+A key that is not backlogged counts as there for ``RECENT_S`` after its last request left: between two requests its
+client is making the next, and that gap is no time for a flood to take the worker.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from collections.abc import Callable, Collection
 
 CPU_PER_KEY = 2
 ACCELERATOR_PER_KEY = 16
-PACE_HOLD_S = 2.0  # the longest pacing holds a backlogged key's waiting requests (then they go as if riding)
+PACE_S = 2.0  # on CPU workers, a backlogged key sends at most its bound of waiting requests per this many seconds
+RECENT_S = 10.0  # a key that had a request at the workers this recently still counts as there, for pacing
 
 
 class WorkerTurns:
@@ -54,8 +57,12 @@ class WorkerTurns:
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}  # key id -> its requests waiting, in order
         self._present: dict[str, int] = {}  # key id -> its requests at the workers or waiting (keys with none absent)
         self.waited = 0  # requests that had to wait, ever
-        self.rode = 0  # waiting requests that pacing let go (with another key's request, or after PACE_HOLD_S), ever
-        self._pace_timer: asyncio.TimerHandle | None = None  # what lets held requests go after PACE_HOLD_S
+        self.paced_out = 0  # waiting requests that went at their key's pace, ever
+        # key id -> (when its pace's window began (loop time), how many of its waiting requests went in it)
+        self._window: dict[str, tuple[float, int]] = {}
+        # key id -> when it last had requests at the workers or waiting, not backlogged (loop time; pruned)
+        self._seen: dict[str, float] = {}
+        self._pace_timer: asyncio.TimerHandle | None = None  # what wakes the held keys when the first may go
 
     def workers_run_on(self, devices: Collection[str]) -> None:
         """The devices the workers have said they run on (SGLang's ``device``: "cpu", "cuda", ...): the bound
@@ -79,14 +86,38 @@ class WorkerTurns:
             self._present[key_id] = left
         else:
             del self._present[key_id]
+            self._window.pop(key_id, None)
+            if self.paced and not self._backlogged(key_id):
+                now = asyncio.get_running_loop().time()
+                self._seen = {key: seen for key, seen in self._seen.items() if now - seen < RECENT_S}
+                self._seen[key_id] = now
 
     def _may_go(self, key_id: str) -> bool:
         return self._at_workers.get(key_id, 0) < self.per_key or not self._contended(key_id)
 
-    def _held_by_pace(self, key_id: str) -> bool:
-        """Whether a backlogged key's waiting request must wait for another key's send: paced, and a key that is
-        not backlogged has requests at the workers."""
-        return self.paced and any(other != key_id and other not in self._waiting for other in self._at_workers)
+    def _backlogged(self, key_id: str) -> bool:
+        """Whether ``key_id`` has at least its bound's worth of requests waiting (a key with a few clients goes
+        past its bound now and then; a flood is past it many times over)."""
+        return len(self._waiting.get(key_id, ())) >= self.per_key
+
+    def _paced_until(self, key_id: str, now: float) -> float | None:
+        """When ``key_id`` may send its next waiting request (None: now): paced, it is backlogged, as many as its
+        bound went in the last PACE_S, and a key that is not backlogged has requests at the workers or waiting."""
+        if not self.paced or not self._backlogged(key_id):
+            return None
+        began, sent = self._window.get(key_id, (0.0, 0))
+        if sent < self.per_key or now >= began + PACE_S:
+            return None
+        for other in [*self._present, *self._seen]:
+            if other != key_id and not self._backlogged(other) and (other in self._present or
+                                                                    now - self._seen[other] < RECENT_S):
+                return began + PACE_S
+        return None
+
+    def _paced_out(self, key_id: str, now: float) -> None:
+        began, sent = self._window.get(key_id, (0.0, 0))
+        self._window[key_id] = (began, sent + 1) if now < began + PACE_S else (now, 1)
+        self.paced_out += 1
 
     async def take(self, key_id: str) -> Callable[[], None]:
         """Wait for ``key_id``'s turn to send a request to the workers; returns what gives the turn back (once,
@@ -94,8 +125,6 @@ class WorkerTurns:
         self._arrive(key_id)
         if not self._waiting.get(key_id) and self._may_go(key_id):
             self._go(key_id)
-            if self.paced and self._waiting:
-                self._wake(riding=True)  # the backlogged keys' waiting requests go with this one
         else:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiting.setdefault(key_id, deque()).append(waiter)
@@ -139,31 +168,37 @@ class WorkerTurns:
         self._leave(key_id)
         self._wake()  # a key that stops waiting may leave another alone, and so unbounded
 
-    def _wake(self, riding: bool = False) -> None:
-        """Start every waiting request that may go now, each key's in order (``riding``: as another key's request
-        is sent, so pacing holds none back)."""
+    def _wake(self) -> None:
+        """Start every waiting request that may go now, each key's in order, at its pace."""
+        if not self._waiting:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         for key_id in list(self._waiting):
             queue = self._waiting[key_id]
-            if not riding and self._held_by_pace(key_id):
-                if self._pace_timer is None:
-                    self._pace_timer = asyncio.get_running_loop().call_later(PACE_HOLD_S, self._pace_timeout)
-                continue
             while queue and self._may_go(key_id):
+                if (until := self._paced_until(key_id, now)) is not None:
+                    if self._pace_timer is None or self._pace_timer.when() > until:
+                        if self._pace_timer is not None:
+                            self._pace_timer.cancel()
+                        self._pace_timer = loop.call_at(until, self._pace_timeout)
+                    break
                 waiter = queue.popleft()
                 if waiter.cancelled():  # (its task's CancelledError handler finds it gone: it leaves there)
                     continue
                 self._go(key_id)
-                self.rode += riding
+                if self.paced:
+                    self._paced_out(key_id, now)
                 waiter.set_result(None)
             if not queue:
                 del self._waiting[key_id]
 
     def _pace_timeout(self) -> None:
         self._pace_timer = None
-        self._wake(riding=True)
+        self._wake()
 
     def stats(self) -> dict[str, int | str]:
         by = "setting" if self._set is not None else "devices:" + ",".join(self.devices or ("unknown",))
         return {"per_key": self.per_key, "per_key_by": by, "at_workers": sum(self._at_workers.values()),
                 "keys": len(self._at_workers), "waiting": sum(len(queue) for queue in self._waiting.values()),
-                "waited": self.waited, "paced": self.paced, "rode": self.rode}
+                "waited": self.waited, "paced": self.paced, "paced_out": self.paced_out}

@@ -77,7 +77,7 @@ def test_a_cancelled_wait_is_withdrawn_and_a_turn_given_back_twice_counts_once()
         b_given[0][1]()
         waiting_given[0][1]()
         assert turns.stats() == {"per_key": 1, "per_key_by": "setting", "at_workers": 0, "keys": 0, "waiting": 0,
-                                 "waited": 2, "paced": False, "rode": 0}
+                                 "waited": 2, "paced": False, "paced_out": 0}
         _, again = await started(turns, "b", 3)  # nothing of a's is left counted: b alone is not held back
         assert len(again) == 3
 
@@ -134,10 +134,11 @@ def test_a_bound_set_is_kept_whatever_the_devices():
     assert turns.per_key == 4 and turns.stats()["per_key_by"] == "setting"
 
 
-def test_on_cpu_workers_a_backlogged_key_goes_with_the_others_requests(monkeypatch):
-    """Paced: key x, past its share, sends its waiting requests as key t (not backlogged, with a request at the
-    workers) sends one, or after PACE_HOLD_S; not each time one of its own ends."""
-    monkeypatch.setattr(turns_module, "PACE_HOLD_S", 0.2)
+def test_on_cpu_workers_a_backlogged_key_sends_at_its_pace(monkeypatch):
+    """Paced: key x, past its share while key t (not past it) has a request at the workers, sends no more of its
+    waiting requests than its share per PACE_S, not each time one of its own ends; t itself is never paced."""
+    monkeypatch.setattr(turns_module, "PACE_S", 0.3)
+    monkeypatch.setattr(turns_module, "RECENT_S", 0.2)
 
     async def main() -> None:
         turns = WorkerTurns(per_key=2)
@@ -145,23 +146,46 @@ def test_on_cpu_workers_a_backlogged_key_goes_with_the_others_requests(monkeypat
         assert turns.stats()["paced"]
         _, t_given = await started(turns, "t", 1)
         _, x_given = await started(turns, "x", 2)  # under its share: at once
-        waiting, waiting_given = await started(turns, "x", 4)
+        waiting, waiting_given = await started(turns, "x", 6)
         assert len(x_given) == 2 and waiting_given == []
-        x_given[0][1]()  # one of x's ends: under its share, but t is at the workers: held
-        await asyncio.sleep(0)
-        assert waiting_given == []
-        _, t_more = await started(turns, "t", 1)  # t sends: x's next goes with it
-        assert len(t_more) == 1 and [i for i, _ in waiting_given] == [0] and turns.stats()["rode"] == 1
-        x_given[1][1]()
-        await asyncio.sleep(0)
-        assert len(waiting_given) == 1
-        await asyncio.sleep(0.3)  # t sends nothing more: x's next goes after PACE_HOLD_S all the same
-        assert len(waiting_given) == 2 and turns.stats()["rode"] == 2
-        for _, give_back in (*t_given, *t_more):  # t leaves: x is alone, held back neither by pace nor share
+        for _, give_back in x_given:  # x's two end: two of its waiting ones go at once
             give_back()
         await asyncio.sleep(0)
-        assert len(waiting_given) == 4
+        assert len(waiting_given) == 2 and turns.stats()["paced_out"] == 2
+        for _, give_back in waiting_given[:2]:  # those end at once too: the next wait for the pace
+            give_back()
+        await asyncio.sleep(0)
+        assert len(waiting_given) == 2
+        _, t_more = await started(turns, "t", 1)  # t is not paced
+        assert len(t_more) == 1
+        await asyncio.sleep(0.45)
+        assert len(waiting_given) == 4 and turns.stats()["paced_out"] == 4
+        for _, give_back in (*t_given, *t_more):  # t leaves: once RECENT_S has passed, x is alone and unpaced
+            give_back()
+        await asyncio.sleep(0.7)
+        assert len(waiting_given) == 6
         await asyncio.gather(*waiting)
+
+    asyncio.run(main())
+
+
+def test_a_key_a_little_past_its_share_is_not_paced(monkeypatch):
+    """One request waiting (fewer than its share) is a key with a few clients, not a flood: it goes as its own end."""
+    monkeypatch.setattr(turns_module, "PACE_S", 60.0)
+
+    async def main() -> None:
+        turns = WorkerTurns(per_key=2)
+        turns.workers_run_on(["cpu"])
+        _, t_given = await started(turns, "t", 1)
+        _, x_given = await started(turns, "x", 2)
+        for _ in range(3):  # three times: a third request waits, and goes as soon as one of x's ends
+            waiting, waiting_given = await started(turns, "x", 1)
+            assert waiting_given == []
+            x_given.pop(0)[1]()
+            await asyncio.sleep(0)
+            assert len(waiting_given) == 1
+            x_given.append(waiting_given[0])
+            await asyncio.gather(*waiting)
 
     asyncio.run(main())
 
