@@ -20,16 +20,14 @@ UPSTREAM_TIMEOUT_S = 20.0  # what a request at a hung worker would wait without 
 
 class Worker(BaseHTTPRequestHandler):
     """A worker named ``name`` that answers /health and completions (plain and streamed) at once, or, while
-    ``frozen`` is set, nothing at all until it is cleared (a process stopped with SIGSTOP)."""
+    ``thawed`` is clear, nothing at all until it is set (a process stopped with SIGSTOP)."""
 
     name = "?"
-    frozen: threading.Event
+    thawed: threading.Event  # clear while frozen
     posted: threading.Event  # set when a completion arrives
 
     def _wait_while_frozen(self) -> None:
-        deadline = time.monotonic() + 60
-        while type(self).frozen.is_set() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        type(self).thawed.wait(timeout=60)
 
     def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         self.send_response(status)
@@ -62,7 +60,9 @@ class Worker(BaseHTTPRequestHandler):
 
 
 def worker(name: str) -> type[Worker]:
-    return type(name, (Worker,), {"name": name, "frozen": threading.Event(), "posted": threading.Event()})
+    thawed = threading.Event()
+    thawed.set()
+    return type(name, (Worker,), {"name": name, "thawed": thawed, "posted": threading.Event()})
 
 
 async def _with_one_hanging(stream: bool) -> tuple[str, float, WorkerPool]:
@@ -75,7 +75,7 @@ async def _with_one_hanging(stream: bool) -> tuple[str, float, WorkerPool]:
             await pool.start()
             try:
                 assert all(w.healthy for w in pool.workers)
-                a.frozen.set()  # (the POST handler waits while frozen, so "as the request arrives" holds)
+                a.thawed.clear()  # (the POST handler waits while frozen, so "as the request arrives" holds)
                 dispatcher = Dispatcher(pool, client)
                 body = {"rid": "r1", "model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
                 request = UpstreamRequest(payload=json.dumps(body).encode(), rid="r1")
@@ -90,7 +90,7 @@ async def _with_one_hanging(stream: bool) -> tuple[str, float, WorkerPool]:
                         answer = await dispatcher.complete(request, Route(prefer=url_a))
                         answered_by = answer["choices"][0]["message"]["content"]
                 finally:
-                    a.frozen.clear()
+                    a.thawed.set()
                 assert a.posted.is_set(), "the request never reached the worker that hung"
                 return answered_by, time.monotonic() - started, pool
             finally:

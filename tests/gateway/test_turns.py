@@ -23,6 +23,14 @@ async def started(turns: WorkerTurns, key: str, count: int) -> tuple[list[asynci
     return tasks, given
 
 
+async def until(condition, timeout: float = 5.0) -> None:
+    """Yield to the loop until ``condition()`` holds (a pace's timer has fired), for ``timeout`` at most."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
+
+
 async def contended(turns: WorkerTurns):
     """Keys a and b with one request each at the workers (a share of one), and two more of a's waiting."""
     _, a_given = await started(turns, "a", 1)
@@ -158,12 +166,11 @@ def test_on_cpu_workers_a_backlogged_key_sends_at_its_pace(monkeypatch):
         assert len(waiting_given) == 2
         _, t_more = await started(turns, "t", 1)  # t is not paced
         assert len(t_more) == 1
-        await asyncio.sleep(0.45)
+        await until(lambda: len(waiting_given) > 2)  # the next two go when the pace's window has passed
         assert len(waiting_given) == 4 and turns.stats()["paced_out"] == 4
         for _, give_back in (*t_given, *t_more):  # t leaves: once RECENT_S has passed, x is alone and unpaced
             give_back()
-        await asyncio.sleep(0.7)
-        assert len(waiting_given) == 6
+        await until(lambda: len(waiting_given) == 6)
         await asyncio.gather(*waiting)
 
     asyncio.run(main())
