@@ -2,7 +2,8 @@
 late-layer image KV (the oracle), through the reference (offline.reference.approximate: the same selection rule
 the workers run, tests/engine_ext/test_reuse_worker.py checks that they agree).
 
-    .venv/bin/python bench/approximate_quality.py [--pairs 40] [--sweep] [--vision full partial] [--json FILE]
+    .venv/bin/python bench/approximate_quality.py [--pairs 40] [--sweep] [--vision full partial] [--chunked]
+        [--json FILE]
 
 Pairs (A cached, B = A with one field given another value) come from offline.reader_eval. For each pair the
 gateway's own matching (default pixel features, settings) plans B against A exactly as the planner would, with
@@ -15,7 +16,10 @@ full prefill of A leaves it, and the reader's answer is tallied:
 ``full`` is B from scratch (a miss): the accuracy every strategy is held to. With ``--sweep`` the entropy-aware
 plan runs over rho x beta x W (every combination) and each baseline over rho. ``--vision partial`` also runs each
 configuration with B's encoder output from the partial vision pass (the alias' encoder output where nothing
-changed, the vision tower over the tokens whose pixels differ and their margin only).
+changed, the vision tower over the tokens whose pixels differ and their margin only). ``--chunked`` also runs the
+selectors that rank by the question's attention (entropy-aware, attention-only) ranking without it ("no-question"),
+as every worker extend of an image does under chunked prefill when the image and its question are not in one
+extend (engine_ext.selection).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Config:
     selector: str
     settings: MatchSettings
     vision: str = "full"
+    question: bool = True  # False: ranked without the question, as a worker does under chunked prefill
 
     @property
     def name(self) -> str:
@@ -60,10 +65,10 @@ class Config:
                  ATTENTION_ONLY: f"rho={s.recompute_share} W={s.warmup_layers}",
                  CACHEBLEND: f"rho={s.recompute_share} W=1", VLCACHE: f"rho={s.recompute_share} W={s.warmup_layers}",
                  FULL_REUSE: "W=0"}[self.selector]
-        return f"{self.selector} {knobs} vision={self.vision}"
+        return f"{self.selector} {knobs} vision={self.vision}{'' if self.question else ' no-question'}"
 
 
-def configs(sweep: bool, visions: list[str]) -> list[Config]:
+def configs(sweep: bool, visions: list[str], chunked: bool = False) -> list[Config]:
     base = MatchSettings()
     out = [Config(selector, base) for selector in SELECTORS]
     if sweep:
@@ -74,6 +79,8 @@ def configs(sweep: bool, visions: list[str]) -> list[Config]:
         for selector in (ATTENTION_ONLY, CACHEBLEND, VLCACHE):
             out += [Config(selector, dataclasses.replace(base, recompute_share=rho)) for rho in RHOS
                     if rho != base.recompute_share]
+    if chunked:  # the question-ranked selectors as they rank when the image and its question are not in one extend
+        out += [dataclasses.replace(c, question=False) for c in out if c.selector in (ENTROPY_AWARE, ATTENTION_ONLY)]
     return [dataclasses.replace(c, vision=v) for v in visions for c in out]
 
 
@@ -106,7 +113,7 @@ def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
                 if config.vision == "partial":
                     image_encoder, encoded = partial_encoder(model, prompt, plan, entry)
                     shares[config.name].append(encoded / plan.tokens)
-                approximate, _ = execute(model, prompt, plan, image_encoder, entry)
+                approximate, _ = execute(model, prompt, plan, image_encoder, entry, question=config.question)
                 result = prefill(model, prompt, [approximate])
                 tallies[config.name][kind].add(names.get(int(result.logits.argmax()), "?"), right, stale)
         if progress and (done % max(1, len(pairs) // 10) == 0 or done == len(pairs)):
@@ -137,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--sweep", action="store_true", help="rho x beta x W for entropy-aware, rho for baselines")
     parser.add_argument("--vision", nargs="+", default=["full"], choices=["full", "partial"])
+    parser.add_argument("--chunked", action="store_true",
+                        help="also rank the question-ranked selectors without the question (chunked prefill)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     model = ReferenceModel.load(build_model(QWEN2_5_VL, "oracle"))
-    result = evaluate(model, make_pairs(args.pairs, seed=args.seed), configs(args.sweep, args.vision))
+    result = evaluate(model, make_pairs(args.pairs, seed=args.seed), configs(args.sweep, args.vision, args.chunked))
     print(table(result))
     full = result["tallies"]["full (miss)"]
     for vision in args.vision:
@@ -149,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
             return 100 * t.right / t.asked if t.asked else float("nan")
 
         ours = Config(ENTROPY_AWARE, MatchSettings(), vision).name
-        print(f"\ntargets (vision={vision}): entropy-aware vs full prefill: changed "
-              f"{rate(ours, CHANGED) - 100 * full[CHANGED].right / full[CHANGED].asked:+.1f} points, unchanged "
-              f"{rate(ours, UNCHANGED) - 100 * full[UNCHANGED].right / full[UNCHANGED].asked:+.1f} (target within 2)")
+        for name in (ours, *([Config(ENTROPY_AWARE, MatchSettings(), vision, question=False).name] if args.chunked
+                             else [])):
+            print(f"\ntargets ({name}): vs full prefill: changed "
+                  f"{rate(name, CHANGED) - 100 * full[CHANGED].right / full[CHANGED].asked:+.1f} points, unchanged "
+                  f"{rate(name, UNCHANGED) - 100 * full[UNCHANGED].right / full[UNCHANGED].asked:+.1f} "
+                  "(target within 2)")
         for baseline in (FULL_REUSE, CACHEBLEND):
             other = Config(baseline, MatchSettings(), vision).name
             print(f"  entropy-aware vs {baseline} on changed fields: "

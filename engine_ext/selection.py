@@ -17,6 +17,10 @@ three sets. Per selector (the plan's strategy):
     vlcache         change-blind, as VLCache: R = the tokens with no alias token, then the image's first tokens
     full_reuse      change-blind, nothing ranked: R = the tokens with no alias token; B = every other token
 
+Without the question (``question=False``: under chunked prefill, where the image's rows and its question are not
+in one extend, so no question row exists when layer W is reached) the attention selectors rank by position, as with
+W = 0; the deviation score needs no question. Every chunk of the image then decides the same sets.
+
 The budget is ceil(rho * n) tokens, widened to hold every token R must take (the gateway widens rho to the changed
 share the same way, and its guard plans a miss when that would be too many). Scores within 1e-5 of the largest of
 each other are ties, and ties rank the earlier token first.
@@ -60,12 +64,13 @@ class Selection:
         return f"W={self.warmup} R={len(self.recompute)} B={len(self.reuse)} D={len(self.drop)}"
 
 
-def score_kind(plan: ImagePlan) -> str | None:
+def score_kind(plan: ImagePlan, *, question: bool = True) -> str | None:
     """What the plan's selector ranks by, when it needs something measured: ATTENTION (in the warmup layers),
-    DEVIATION (layer 0's K/V against the alias'), or None (position, or nothing to rank)."""
+    DEVIATION (layer 0's K/V against the alias'), or None (position, or nothing to rank). ``question``: whether
+    the question's rows are computed with the image's (see the module docstring)."""
     kind = _SCORES.get(plan.selector)
-    if kind == ATTENTION and plan.warmup_layers == 0:
-        return None  # no warmup to measure in: ranked by position
+    if kind == ATTENTION and (plan.warmup_layers == 0 or not question):
+        return None  # no warmup to measure in, or no question to measure with: ranked by position
     return kind
 
 
@@ -86,9 +91,10 @@ def budget(plan: ImagePlan) -> int:
     return max(len(forced(plan)), min(plan.tokens, math.ceil(plan.recompute_share * plan.tokens - 1e-6)))
 
 
-def select(plan: ImagePlan, score: torch.Tensor | None = None) -> Selection:
-    """R, B and D for an approximate plan; ``score`` (tokens,) as score_kind says (higher is recomputed first),
-    None when score_kind is None. Raises ValueError when a needed score is missing or has the wrong length."""
+def select(plan: ImagePlan, score: torch.Tensor | None = None, *, question: bool = True) -> Selection:
+    """R, B and D for an approximate plan; ``score`` (tokens,) as score_kind(plan, question=question) says (higher
+    is recomputed first), None when it says None. Raises ValueError when a needed score is missing or has the
+    wrong length."""
     n = plan.tokens
     reuse = set(plan.reuse)
     must = forced(plan)
@@ -96,7 +102,7 @@ def select(plan: ImagePlan, score: torch.Tensor | None = None) -> Selection:
         pool = [i for i in range(n) if i not in reuse and plan.change_map[i] != CHANGED]
     else:
         pool = sorted(reuse - set(must))
-    if score_kind(plan) is not None:
+    if score_kind(plan, question=question) is not None:
         if score is None or score.shape != (n,):
             raise ValueError(f"selector {plan.selector} needs a score per token ({n})")
         values = _quantised(score.detach().double().cpu())

@@ -55,7 +55,7 @@ CAUSES = {
     "entry_foreign": "the entry was made by another model or for an image of another size",
     "not_movable": "the entry does not move as a whole to this prompt's positions",
     "store_error": "the store could not be read",
-    "chunked": "an approximate plan's image and question were not in one extend (chunked prefill)",
+    "chunked": "a cacheblend plan's image was split over extends (chunked prefill): it ranks the whole image",
     "kv_read_failed": "stored K/V could not be read mid-forward",
     "vision_partial_failed": "the partial vision pass could not run; the full pass ran",
     "plan_refused": "the request id carried a damaged plan or one of an unknown version",

@@ -7,9 +7,11 @@ encoder output is composed from the alias' stored one and the vision tower's ove
 differ and their margin (engine_ext.vision); otherwise SGLang's vision tower runs over the whole image.
 
 During it: the warmup layers [0, W) compute every row, and there the question's rows (those after the image)
-score each image token (``score``, engine_ext.selection); at layer W (``select``) the selection decides R (computed
-on), B (the alias' K/V, handed to the layers through exact.ReusedKV) and D (hidden from every query at layers >= W,
-here and in each later decode step of the request: ``hidden_in``). Nothing computed this way is stored: it is not
+score each image token (``score``, engine_ext.selection; under chunked prefill, where the image and its question
+are not all in one extend, every extend of the image ranks without the question, so all decide the same sets); at
+layer W (``select``) the selection decides R (computed on), B (the alias' K/V, handed to the layers through
+exact.ReusedKV) and D (hidden from every query at layers >= W, here, in the request's later extends and in each of
+its decode steps: ``hidden_in``). Nothing computed this way is stored: it is not
 what a full prefill computes. Whatever cannot run as planned runs as a full prefill of the image, and is counted.
 """
 
@@ -49,7 +51,8 @@ class ApproximateSpan:
     plan: ImagePlan
     sequence: int  # the request's sequence in the batch
     question: torch.Tensor  # batch rows after the image, up to the request's last row in this extend
-    candidates: torch.Tensor  # image-local tokens whose alias K/V are read (the plan's reuse set), increasing
+    asks: bool  # the whole image and some question rows are in this extend (else ranked without the question)
+    candidates: torch.Tensor  # image-local tokens of this extend whose alias K/V are read (of the plan's reuse set)
     first: int  # the first layer read: W, or 0 when layer 0's K/V score the tokens (cacheblend)
     future: Future[KVGroup | None] | None  # the read, until waited for
     kind: str | None  # what the selector ranks by (engine_ext.selection.score_kind)
@@ -81,10 +84,17 @@ class ApproximateHits:
     def prepare(self, rows: ImageRows, plan: ImagePlan, forward_batch) -> ApproximateSpan:
         """Check that the plan can run here; start reading the alias' K/V of its candidates. Raises FullPrefill."""
         layers = len(self.worker.layers)
+        device = rows.slots.device
         end = rows.batch_lo + rows.done - rows.lo  # the batch row after the request's last row in this extend
-        question = torch.arange(rows.batch_lo + rows.tokens, end, device=rows.slots.device)
-        if not rows.whole_in_extend or not len(question):
-            raise FullPrefill("chunked", f"the image of {plan.key[:16]} and its question are not in one extend")
+        after_image = rows.batch_lo + rows.stop - rows.lo  # the batch row of the image's end, if in this extend
+        question = torch.arange(after_image if rows.hi == rows.stop else end, end, device=device)
+        # Under chunked prefill the image's rows and its question may lie in different extends: each chunk of the
+        # image then decides the same sets without the question (engine_ext.selection), and applies its own rows.
+        asks = rows.whole_in_extend and len(question) > 0
+        kind = score_kind(plan, question=asks)
+        if kind == DEVIATION and not rows.whole_in_extend:
+            raise FullPrefill("chunked", f"{plan.selector} ranks the whole image of {plan.key[:16]} at layer 0, "
+                                         "and its rows are in several extends")
         assert plan.alias is not None  # an approximate ImagePlan always names one
         alias_grid = plan.alias_grid or plan.grid
         partial = plan.vision == PARTIAL_PASS
@@ -102,18 +112,18 @@ class ApproximateHits:
         worker.events.add("store_bytes_read", head.nbytes)
         if partial:
             self._partial_vision_pass(rows, plan, head)
-        kind = score_kind(plan)
-        candidates = torch.tensor(plan.reuse, dtype=torch.long, device=question.device)
+        here = range(rows.lo - rows.start, rows.hi - rows.start)  # the image's tokens computed in this extend
+        candidates = torch.tensor([i for i in plan.reuse if i in here], dtype=torch.long, device=device)
         first = 0 if kind == DEVIATION else plan.warmup_layers
         future = None
         if len(candidates) and first < layers:
-            sources = torch.tensor([plan.alias_token(i) for i in plan.reuse], dtype=torch.long)
-            now = forward_batch.mrope_positions[:, rows.batch_rows[candidates]]  # (3, candidates)
+            sources = torch.tensor([plan.alias_token(i) for i in candidates.tolist()], dtype=torch.long)
+            now = forward_batch.mrope_positions[:, rows.batch_rows_of(candidates)]  # (3, candidates)
             deltas = now.cpu() - head.positions[:, sources]
             future = worker.reader.fetch(worker.store, plan.alias, tokens=sources.tolist(), depth=first,
                                          layers=layers, kv_dtype=head.kv_dtype, delta=deltas,
                                          frequencies=worker.frequencies, device=question.device, axes=axes)
-        return ApproximateSpan(rows=rows, plan=plan, sequence=rows.request, question=question,
+        return ApproximateSpan(rows=rows, plan=plan, sequence=rows.request, question=question, asks=asks,
                                candidates=candidates, first=first, future=future, kind=kind,
                                score=torch.zeros(rows.tokens, dtype=torch.float64))
 
@@ -196,7 +206,7 @@ class ApproximateHits:
             span.group = self._wait(span)
             if span.group is None:
                 return
-            tokens = image_rows[span.candidates]
+            tokens = rows.batch_rows_of(span.candidates)
             span.score[span.candidates.cpu()] = select_.deviation_score(
                 k_all[tokens], v_all[tokens], span.group.k[0], span.group.v[0]).cpu()
 
@@ -220,9 +230,14 @@ class ApproximateHits:
         if span.kind == DEVIATION and self._wait(span) is None:
             self.worker.fell_back(rows, plan, FullPrefill("kv_read_failed", "the alias' layer-0 K/V"))
             return  # every row stays computed at every layer: a full prefill of the image
-        chosen = select_.select(plan, span.score if span.kind is not None else None)
-        image_rows = rows.batch_rows
-        reuse = chosen.reuse.to(image_rows.device)
+        chosen = select_.select(plan, span.score if span.kind is not None else None, question=span.asks)
+        device = rows.slots.device
+        here = rows.lo - rows.start, rows.hi - rows.start  # the image's tokens computed in this extend
+
+        def in_extend(tokens: torch.Tensor) -> torch.Tensor:
+            return tokens[(tokens >= here[0]) & (tokens < here[1])].to(device)
+
+        reuse = in_extend(chosen.reuse)
         if len(reuse):
             group = self._wait(span)
             if group is None:
@@ -230,21 +245,26 @@ class ApproximateHits:
                 self.worker.fell_back(rows, plan, FullPrefill("kv_read_failed", "the alias' K/V, damaged or gone"))
                 return  # nothing reused, nothing dropped: from here on a full prefill of the image
             picked = torch.searchsorted(span.candidates, reuse)
-            reused.ready.append((image_rows[reuse], KVGroup(
+            reused.ready.append((rows.batch_rows_of(reuse), KVGroup(
                 depth=span.first, tokens=tuple(group.tokens[i] for i in picked.tolist()),
                 k=group.k[:, picked], v=group.v[:, picked])))
-            depth[image_rows[reuse]] = warmup
-        drop = chosen.drop.to(image_rows.device)
+            depth[rows.batch_rows_of(reuse)] = warmup
+        drop = in_extend(chosen.drop)
         if len(drop):
-            depth[image_rows[drop]] = warmup
-            attention.hide(span.sequence, rows.start + drop)
+            depth[rows.batch_rows_of(drop)] = warmup
             self._remember_hidden(rows.rid, warmup, rows.start + drop)
-        self.worker.events.add("approximate_executed")
+        # this extend's drops, and those of the image's earlier chunks (their rows are in the pool, hidden)
+        earlier = chosen.drop[chosen.drop < here[1]].to(device)
+        if len(earlier):
+            attention.hide(span.sequence, rows.start + earlier)
+        if rows.lo == rows.start:  # counted once, in the extend that starts the image
+            self.worker.events.add("approximate_executed")
         self.worker.events.add("approximate_rows_reused", len(reuse))
-        self.worker.events.add("approximate_rows_recomputed", len(chosen.recompute))
+        self.worker.events.add("approximate_rows_recomputed", len(in_extend(chosen.recompute)))
         self.worker.events.add("approximate_rows_dropped", len(drop))
-        log.info("revisit: approximate hit %s from %s (%s, %s): %s, recomputed %s", plan.key[:16],
-                 plan.alias[:16] if plan.alias else "-", rows.rid[:40], plan.selector, chosen.summary(),
+        log.info("revisit: approximate hit %s from %s (%s, %s%s): %s, recomputed %s", plan.key[:16],
+                 plan.alias[:16] if plan.alias else "-", rows.rid[:40], plan.selector,
+                 "" if span.asks else f", without the question, rows {rows.lo}-{rows.hi}", chosen.summary(),
                  tokens_digest(chosen.recompute))
 
     def forget_composed(self) -> None:

@@ -71,8 +71,8 @@ EVENTS = {
     "approximate_rows_reused": "image rows (summed over images) whose late-layer K/V came from an alias (B)",
     "approximate_rows_recomputed": "image rows of approximate plans computed at every layer (R)",
     "approximate_rows_dropped": "image rows of approximate plans hidden from the warmup depth on (D)",
-    "approximate_fallback": "an approximate plan ran as a full prefill (alias absent or damaged, image and "
-                            "question not in one extend); the image is stored as after a miss",
+    "approximate_fallback": "an approximate plan ran as a full prefill (alias absent or damaged, a cacheblend "
+                            "image split over extends); the image is stored as after a miss",
     "decode_steps_hiding": "decode steps (per request) run by the executor to keep dropped tokens hidden",
     "plan_refused": "a request id carried a damaged plan or one of an unknown version; ran unplanned",
     "plan_mismatch": "a plan did not fit its request's images; ran unplanned",

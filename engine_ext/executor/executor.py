@@ -20,9 +20,16 @@ these semantics).
 
 An exact or approximate plan whose entry is absent, damaged, or not this model's falls back to a full prefill (and
 stores the entry); K/V blocks found damaged during the forward have their rows computed from that layer on
-instead, which is what a full prefill computes for them. An approximate plan also falls back when its image and
-question are not in one extend (chunked prefill) or its alias does not fit it. A request without a plan, or with
-one that does not fit its images, runs exactly as in SGLang. Rows an earlier request left in the radix cache are
+instead, which is what a full prefill computes for them. An approximate plan also falls back when its alias does
+not fit it, or when it ranks by layer-0 deviation (cacheblend) and its image is split over extends.
+
+Chunked prefill (SGLang splits a long prompt into extends of at most --chunked-prefill-size rows): each extend
+executes the plan for the image rows it holds. An exact plan's rows read their stored K/V per extend, moved as the
+whole image moves; an extend of only reused rows computes nothing at the layers they reuse. An approximate plan
+decides the same R, B and D in every extend of its image, without the question where the image and its question
+are not all in one extend (engine_ext.selection), and the tokens dropped in one extend stay hidden in the later
+extends and the decode steps of the request. A request without a plan, or with one that does not fit its images,
+runs exactly as in SGLang. Rows an earlier request left in the radix cache are
 never touched (the gateway salts approximate requests' prefix cache per request, so none is ever left). What was
 done is counted (executor.events).
 """
@@ -32,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -71,8 +78,10 @@ class PlanExecutor:
         self.reader = KVFetch(on_read=lambda nbytes: self.events.add("store_bytes_read", nbytes))
         self.events = ExecutionEvents()
         self.clock = ForwardClock()  # a forward in progress, for the gateway's health checks
-        self._captured: dict[tuple[str, int], None] = {}  # insertion-ordered, bounded
-        self._scoped: dict[int, None] = {}  # item hashes keyed by their tenant's scope (_scope_items); bounded
+        self._captured = Marks(4096)  # (request id, image) of the misses stored
+        self._begun = Marks(4096)  # (request id, image) of the plans executed in an extend (chunked prefill)
+        self._fell_back = Marks(4096)  # (request id, image) of the plans that ran as a full prefill
+        self._scoped = Marks(65536)  # item hashes keyed by their tenant's scope (_scope_items)
         self.ran = OutcomeLog(outcomes_factory or _open_outcomes, self.events)
         self.approximate = ApproximateHits(self)
 
@@ -95,9 +104,10 @@ class PlanExecutor:
             self.clock.end()
 
     def _forward(self, input_ids: torch.Tensor, forward_batch, run_model: Callable[[], object]):
-        if forward_batch.forward_mode.is_decode() and self.approximate.hiding(forward_batch.rids):
+        hiding = self.approximate.hiding(forward_batch.rids)
+        if forward_batch.forward_mode.is_decode() and hiding:
             return self._decode_with_hidden(input_ids, forward_batch)
-        if not forward_batch.forward_mode.is_extend() or not forward_batch.mm_inputs:
+        if not forward_batch.forward_mode.is_extend() or not (forward_batch.mm_inputs or hiding):
             return run_model()
         try:
             return self._extend(input_ids, forward_batch, run_model)
@@ -107,7 +117,9 @@ class PlanExecutor:
     def _extend(self, input_ids: torch.Tensor, forward_batch, run_model: Callable[[], object]):
         plans = self._plans(forward_batch.rids)
         _scope_items(forward_batch, plans, self._scoped)
-        if not plans:
+        # a later chunk of a request whose earlier chunk dropped image tokens: they stay hidden here too
+        hiding = self.approximate.hiding(forward_batch.rids)
+        if not plans and not hiding:
             return run_model()
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
@@ -117,16 +129,21 @@ class PlanExecutor:
         captures, reuse, approximate = [], [], []
         for rows, plan in images:
             try:
-                if plan.strategy == EXACT and rows.in_extend:
-                    reuse.append(exact.prepare(self, rows, plan, forward_batch))
-                    self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
+                if plan.strategy in (EXACT, APPROXIMATE) and not rows.in_extend:
+                    # rows computed before this extend: by an earlier chunk of this request, or (exact plans only:
+                    # the gateway salts approximate requests' prefix cache) by an earlier request
+                    if plan.strategy == EXACT and (rows.rid, rows.index) not in self._begun:
+                        self.events.add("exact_served_by_prefix_cache")
+                        self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue
                 if plan.strategy == EXACT:
-                    self.events.add("exact_served_by_prefix_cache")
+                    reuse.append(exact.prepare(self, rows, plan, forward_batch))
+                    self._begun.add((rows.rid, rows.index))
                     self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue
-                if plan.strategy == APPROXIMATE and rows.in_extend:
+                if plan.strategy == APPROXIMATE:
                     approximate.append(self.approximate.prepare(rows, plan, forward_batch))
+                    self._begun.add((rows.rid, rows.index))
                     self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue  # computed approximately: never stored
             except FullPrefill as fallback:
@@ -135,14 +152,15 @@ class PlanExecutor:
                 self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                 if rows.in_extend and rows.lo == rows.start:  # counted once, in the chunk that starts the image
                     self.events.add("miss")
-            if (plan.store or plan.strategy == EXACT) and rows.complete and self._first_capture(rows, plan):
+            # once per request and image: a later chunk of the same request finds the image complete again
+            if (plan.store or plan.strategy == EXACT) and rows.complete and self._captured.add((rows.rid, rows.index)):
                 positions = rows.positions
                 if positions is None and rows.whole_in_extend:
                     positions = forward_batch.mrope_positions[:, rows.batch_rows].clone()
                 if positions is not None:
                     captures.append((rows, plan, positions))
         try:
-            if reuse or approximate:
+            if reuse or approximate or hiding:
                 out = self._forward_with_reuse(input_ids, forward_batch, reuse, approximate)
             else:
                 out = run_model()
@@ -153,23 +171,15 @@ class PlanExecutor:
         return out
 
     def fell_back(self, rows: ImageRows, plan: ImagePlan, fallback: FullPrefill) -> None:
-        """An image of an exact or approximate plan computed as after a miss: counted by cause, logged, and
-        reported to the gateway."""
-        self.events.add(f"{plan.strategy}_fallback")
-        self.events.fallback(plan.strategy, fallback.cause)
+        """An image of an exact or approximate plan computed as after a miss: counted by cause (once, in the first
+        extend that falls back: each later chunk of the image falls back again), logged, and reported to the
+        gateway."""
+        if self._fell_back.add((rows.rid, rows.index)):
+            self.events.add(f"{plan.strategy}_fallback")
+            self.events.fallback(plan.strategy, fallback.cause)
         self.ran.record(rows.rid, rows.index, Outcome(FULL_PREFILL, fallback.cause))
         log.warning("revisit: the %s plan for %s (%s) runs as a full prefill: %s", plan.strategy, plan.key[:16],
                     rows.rid[:40], fallback)
-
-    def _first_capture(self, rows: ImageRows, plan: ImagePlan) -> bool:
-        """Once per request and image: a later chunk of the same request finds the image complete again."""
-        mark = (rows.rid, rows.index)
-        if mark in self._captured:
-            return False
-        self._captured[mark] = None
-        while len(self._captured) > 4096:
-            self._captured.pop(next(iter(self._captured)))
-        return True
 
     def _plans(self, rids) -> dict[str, RequestPlan]:
         plans = {}
@@ -222,8 +232,12 @@ class PlanExecutor:
         reused = ReusedKV(spans, depth, len(self.layers), self.events, self.ran)
         attention = PoolAttention(forward_batch)
         pending = list(approximate)
+        hidden = self.approximate.hidden_in(forward_batch.rids)  # dropped in earlier chunks of these requests
 
         def before(index: int) -> None:
+            for sequence, warmup, positions in hidden:
+                if warmup == index:
+                    attention.hide(sequence, positions)
             for span in [s for s in pending if s.plan.warmup_layers == index]:
                 self.approximate.select(span, depth, reused, attention)
                 pending.remove(span)
@@ -233,9 +247,9 @@ class PlanExecutor:
             for span in pending:
                 self.approximate.score(span, index, attention, attn, q, active, k_all, v_all)
 
-        hidden = self._layers(embeds, forward_batch, attention, depth, deepstack=deepstack, before=before,
-                              write=reused.write, measure=measure if pending else None)
-        return model.logits_processor(input_ids, hidden, model.lm_head, forward_batch)
+        out = self._layers(embeds, forward_batch, attention, depth, deepstack=deepstack, before=before,
+                           write=reused.write, measure=measure if pending else None)
+        return model.logits_processor(input_ids, out, model.lm_head, forward_batch)
 
     @torch.no_grad()
     def _decode_with_hidden(self, input_ids: torch.Tensor, forward_batch):
@@ -274,15 +288,20 @@ class PlanExecutor:
             active = (depth > index).nonzero().flatten()
             attn = layer.self_attn
             x = hidden[active]
-            q, k, v = _project(attn, positions[:, active], layer.input_layernorm(x))
+            if len(active):
+                q, k, v = _project(attn, positions[:, active], layer.input_layernorm(x))
+            else:  # every row reuses stored K/V from here on (an extend holding only an exact hit's image rows)
+                q, k, v = x.new_empty(0, attn.q_size), x.new_empty(0, attn.kv_size), x.new_empty(0, attn.kv_size)
             k_all, v_all = k.new_zeros(rows_total, attn.kv_size), v.new_zeros(rows_total, attn.kv_size)
             k_all[active], v_all[active] = k, v
             if write is not None:
                 write(index, k_all, v_all)
-            attended, _ = attn.o_proj(attention(attn.attn, q, k_all, v_all, active))
+            attended = attention(attn.attn, q, k_all, v_all, active)  # writes every row's K/V to the pool
             if measure is not None:
                 measure(index, attn.attn, q, active, k_all, v_all)
-            x = x + attended
+            if not len(active):
+                continue
+            x = x + attn.o_proj(attended)[0]
             x = x + layer.mlp(layer.post_attention_layernorm(x), forward_batch=forward_batch)
             if deepstack is not None and index < deepstack_layers:
                 x = x + deepstack[active, index * hidden_size : (index + 1) * hidden_size].to(x.dtype)
@@ -325,7 +344,27 @@ class PlanExecutor:
 
 
 
-def _scope_items(forward_batch, plans: dict[str, RequestPlan], scoped: dict[int, None]) -> None:
+class Marks:
+    """A bounded set that forgets its oldest members first."""
+
+    def __init__(self, bound: int) -> None:
+        self._bound = bound
+        self._members: dict[Hashable, None] = {}  # insertion-ordered
+
+    def __contains__(self, mark: Hashable) -> bool:
+        return mark in self._members
+
+    def add(self, mark: Hashable) -> bool:
+        """Whether ``mark`` is new."""
+        if mark in self._members:
+            return False
+        self._members[mark] = None
+        while len(self._members) > self._bound:
+            self._members.pop(next(iter(self._members)))
+        return True
+
+
+def _scope_items(forward_batch, plans: dict[str, RequestPlan], scoped: Marks) -> None:
     """Key each image item of a request by its tenant's scope, once, before SGLang's encoder-output cache (and this
     executor) look it up: the same pixels sent by two namespaces are two entries there, so neither is served, or
     can time, the other's embeddings. The radix cache is kept apart by ``extra_key`` already. A request without an
@@ -344,9 +383,7 @@ def _scope_items(forward_batch, plans: dict[str, RequestPlan], scoped: dict[int,
                 continue
             digest = hashlib.blake2b(f"{scope}:{item.hash}".encode(), digest_size=8).digest()
             item.hash = int.from_bytes(digest, "big")  # SGLang masks it as it does its own
-            scoped[item.hash] = None
-            while len(scoped) > 65536:
-                scoped.pop(next(iter(scoped)))
+            scoped.add(item.hash)
 
 
 def _project(attn, positions: torch.Tensor, h: torch.Tensor):

@@ -55,6 +55,10 @@ class ImageRows:
         """Batch rows of the image rows computed now, in prompt order (on the batch's device)."""
         return torch.arange(self.batch_lo, self.batch_lo + self.hi - self.lo, device=self.slots.device)
 
+    def batch_rows_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Batch rows of some image tokens computed in this extend (indices into the image, within [lo, hi))."""
+        return tokens.to(self.slots.device) + (self.batch_lo - (self.lo - self.start))
+
     @property
     def local_rows(self) -> torch.Tensor:
         """The same rows as indices into the image (0 = its first token)."""

@@ -56,10 +56,13 @@ def alias_tokens(plan: ImagePlan) -> list[int]:
 
 @torch.no_grad()
 def execute(model: ReferenceModel, prompt: Prompt, plan: ImagePlan, encoder: EncoderOutput, alias: ImageKV,
-            *, image: int = 0, others: Sequence[RowsPlan] = ()) -> tuple[Approximate, Selection]:
+            *, image: int = 0, others: Sequence[RowsPlan] = (), question: bool = True
+            ) -> tuple[Approximate, Selection]:
     """The Approximate for image ``image`` of prompt under the gateway's ``plan``, and the sets it chose.
 
     others: the plans of the prompt's other images, in order without this one (default: none, a one-image prompt).
+    question: False ranks as a worker does when the question is not computed with the image (chunked prefill:
+    engine_ext.selection).
     """
     span = prompt.images[image]
     if plan.tokens != len(span):
@@ -67,7 +70,7 @@ def execute(model: ReferenceModel, prompt: Prompt, plan: ImagePlan, encoder: Enc
     if len(alias) != (plan.alias_grid or plan.grid)[0] * (plan.alias_grid or plan.grid)[1]:
         raise ValueError("the alias entry does not have the plan's alias grid")
     sources = alias_tokens(plan)
-    kind = select_.score_kind(plan)
+    kind = select_.score_kind(plan, question=question)
     score = None
     if kind is not None:
         layers = range(max(plan.warmup_layers, 1))
@@ -76,13 +79,13 @@ def execute(model: ReferenceModel, prompt: Prompt, plan: ImagePlan, encoder: Enc
             model, prompt, plans, frozenset(layers))
         if kind == select_.ATTENTION:
             score = torch.zeros(plan.tokens, dtype=torch.float64)
-            question = slice(span.stop, len(prompt))
+            asking = slice(span.stop, len(prompt))  # the question's rows
             for layer in layers:
-                probs = warm.attention[layer][:, question, span.start : span.stop]  # (heads, question, tokens)
+                probs = warm.attention[layer][:, asking, span.start : span.stop]  # (heads, question, tokens)
                 score += select_.attention_score(probs, warm.state.v[layer][span.start : span.stop])
         else:
             score = _deviation(model, prompt, plan, warm.state, alias, span.start, sources)
-    chosen = select_.select(plan, score)
+    chosen = select_.select(plan, score, question=question)
     return Approximate(encoder=encoder, alias=alias, warmup=chosen.warmup, reuse=chosen.reuse.tolist(),
                        recompute=chosen.recompute.tolist(), alias_tokens=sources), chosen
 
