@@ -9,10 +9,15 @@ sequence, its active queries against its keys up to each query's own position.
 :class:`PoolAttention` binds it to SGLang's batch and KV pool. Keys can be hidden per sequence (an approximate
 plan's dropped tokens, at the layers it drops them), and :func:`attention_probs` gives the probabilities some
 rows' queries put on some keys (the question's attention on an image, in the warmup layers).
+
+:func:`attend_rows_batched` gives attend_rows' results with one SDPA call per group of sequences instead of one
+per sequence (the loop's launches and host work dominate on a GPU for many short sequences); PoolAttention uses it
+on CUDA, attend_rows elsewhere, unless ``REVISIT_ROWS_ATTENTION`` says otherwise (see :data:`ROWS_ATTENTION`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +76,123 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seque
     return out
 
 
+# Which of the two PoolAttention runs: "auto" (attend_rows_batched on CUDA, attend_rows elsewhere), "loop"
+# (attend_rows everywhere) or "batched" (attend_rows_batched everywhere). Read once at import from
+# REVISIT_ROWS_ATTENTION; tests and benches may set the module attribute instead.
+ROWS_ATTENTION = os.environ.get("REVISIT_ROWS_ATTENTION", "auto")
+
+# The most elements one batched SDPA call may pad to (see padded_elements); 256M, i.e. 512 MiB of bf16 scores in
+# the worst (math) kernel. A batch above it is split into groups of consecutive sequences that fit.
+BATCHED_ELEMENTS = 1 << 28
+
+
+def padded_elements(sequences: int, queries: int, keys: int, *, heads: int, kv_heads: int, head_dim: int,
+                    v_head_dim: int) -> int:
+    """The elements of one batched call over ``sequences`` padded to ``queries`` queries and ``keys`` keys each.
+
+    The scores (sequences, heads, queries, keys): what the math kernel materializes, and an upper bound on the
+    mask and the efficient kernel's float bias; plus the padded keys and values (sequences, kv_heads, keys,
+    head_dim). The queries themselves are fewer than the scores (queries <= keys, head_dim <= keys in practice).
+    """
+    return sequences * keys * (heads * queries + kv_heads * (head_dim + v_head_dim))
+
+
+def attend_rows_batched(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequences: Sequences,
+                        active: torch.Tensor, *, scaling: float, heads: int, kv_heads: int,
+                        hidden: Sequence[torch.Tensor | None] | None = None,
+                        limit: int = BATCHED_ELEMENTS) -> torch.Tensor:
+    """attend_rows (same arguments, same result up to float rounding) with one SDPA call per group of sequences.
+
+    Each group's keys and values are gathered from the pool into a padded (sequences, kv_heads, keys, head_dim)
+    and its active queries into a padded (sequences, heads, queries, head_dim); a boolean mask says which keys
+    each query sees (its causal limit, not the padding, not the sequence's hidden keys). The cost is the padding:
+    every sequence pays for the group's longest sequence and its most active rows (:func:`padded_elements`), so
+    consecutive sequences are grouped while the group stays within ``limit`` elements (a sequence alone above it
+    still runs, alone: that is the loop's own cost). Sequences without active rows are left out.
+    """
+    head_dim, v_head_dim = keys.shape[-1], values.shape[-1]
+    out = q.new_empty(q.shape[0], heads * v_head_dim)
+    bounds = torch.searchsorted(active, sequences.ends).tolist()  # one host sync, as in attend_rows
+    cost = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim)
+    group: list[int] = []  # the sequences of the group being gathered
+    counts: list[int] = []  # their active rows
+    first = row = widest = 0  # the group's first active row, the next one, its longest sequence
+    for index, last in enumerate(bounds):
+        count, length = last - row, len(sequences.slots[index])
+        if count == 0:
+            continue
+        if group and padded_elements(len(group) + 1, max(*counts, count), max(widest, length), **cost) > limit:
+            out[first:row] = _attend_group(q[first:row], keys, values, sequences, active[first:row], group, counts,
+                                           scaling=scaling, heads=heads, kv_heads=kv_heads, hidden=hidden)
+            group, counts, first, widest = [], [], row, 0
+        group.append(index)
+        counts.append(count)
+        row, widest = last, max(widest, length)
+    if group:
+        out[first:row] = _attend_group(q[first:row], keys, values, sequences, active[first:row], group, counts,
+                                       scaling=scaling, heads=heads, kv_heads=kv_heads, hidden=hidden)
+    return out
+
+
+def _attend_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequences: Sequences,
+                  active: torch.Tensor, group: list[int], counts: list[int], *, scaling: float, heads: int,
+                  kv_heads: int, hidden: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
+    """One padded SDPA call for the active rows ``active`` (queries q) of the sequences ``group`` (consecutive
+    among those with active rows, ``counts`` rows each, at least one); returns (len(active), heads * v_head_dim).
+    Nothing here waits on the device: the sizes come from the host (slot counts, ``counts``).
+
+    Grouped-query heads are folded into the query axis: the (heads // kv_heads) query heads sharing a kv head ask
+    as one head with that many times the queries, so that query and key heads match. SDPA's enable_gqa would do
+    the same sum, but on CUDA only the math kernel takes it with a mask (the memory-efficient kernel refuses
+    grouped heads), and the math kernel materializes the scores and repeats the keys and values per query head.
+    """
+    device, n, group_size = q.device, len(group), heads // kv_heads
+    head_dim, v_head_dim = keys.shape[-1], values.shape[-1]
+    slots = [sequences.slots[index] for index in group]
+    lengths = torch.tensor([len(s) for s in slots], device=device)
+    # keys per sequence, rounded up to 8: the efficient kernel wants the mask's rows aligned, and copies it if not
+    width = -(-max(len(s) for s in slots) // 8) * 8
+
+    # which sequence of the group each active row is in (owner), and its rank among that sequence's active rows
+    rows, most = len(active), max(counts)
+    per = torch.tensor(counts, device=device)
+    owner = torch.repeat_interleave(torch.arange(n, device=device), per, output_size=rows)
+    rank = torch.arange(rows, device=device) - (per.cumsum(0) - per)[owner]
+
+    # keys and values, (n, kv_heads, width, head_dim); padding reads slot 0 and is zeroed (it is masked out, but
+    # a pool slot outside a sequence may hold anything, and a NaN there would reach the output through 0 * NaN)
+    columns = torch.arange(width, device=device)
+    inside = columns < lengths.unsqueeze(1)  # (n, width)
+    gather = torch.zeros(n, width, dtype=torch.long, device=device)
+    gather.masked_scatter_(inside, torch.cat(slots).to(device=device, dtype=torch.long))  # row-major: in order
+    key = keys[gather].to(q.dtype).masked_fill_(~inside[:, :, None, None], 0).transpose(1, 2)
+    value = values[gather].to(q.dtype).masked_fill_(~inside[:, :, None, None], 0).transpose(1, 2)
+
+    # queries, (n, most, heads, head_dim) padded with zeros, then folded to (n, kv_heads, group_size * most, hd)
+    query = q.new_zeros(n, most, heads, head_dim)
+    query[owner, rank] = q.view(-1, heads, head_dim)
+    query = query.view(n, most, kv_heads, group_size, head_dim).permute(0, 2, 3, 1, 4)
+    query = query.reshape(n, kv_heads, group_size * most, head_dim)
+
+    # the mask, (n, 1, group_size * most, width): each query sees keys up to its own position; a padded query asks
+    # at position 0 (a real key of every sequence here, so that its row is not all masked) and is dropped after
+    asking = torch.zeros(n, most, dtype=torch.long, device=device)
+    asking[owner, rank] = sequences.where[active]
+    mask = columns <= asking.unsqueeze(2)  # (n, most, width); the padding keys are past every query's position
+    if hidden is not None and any(hidden[index] is not None for index in group):
+        masked = torch.zeros(n, width, dtype=torch.bool, device=device)
+        for at, index in enumerate(group):
+            seen_not = hidden[index]
+            if seen_not is not None:
+                masked[at, : len(seen_not)] = seen_not
+        mask &= ~masked.unsqueeze(1)
+    mask = mask.unsqueeze(1).expand(n, group_size, most, width).reshape(n, 1, group_size * most, width)
+
+    attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    attended = attended.view(n, kv_heads, group_size, most, v_head_dim).permute(0, 3, 1, 2, 4)  # (n, most, kv, g, vd)
+    return attended[owner, rank].reshape(rows, heads * v_head_dim)
+
+
 def attention_probs(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, where: torch.Tensor,
                     columns: slice, *, scaling: float, heads: int) -> torch.Tensor:
     """(heads, rows, columns) float32: the attention probabilities some rows of one sequence put on some of its keys.
@@ -85,6 +207,14 @@ def attention_probs(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, wh
     scores = query @ key.transpose(1, 2) * scaling  # (heads, rows, seq_len)
     seen = torch.arange(len(slots), device=q.device).unsqueeze(0) <= where.unsqueeze(1)
     return scores.masked_fill(~seen, float("-inf")).softmax(-1)[:, :, columns]
+
+
+def rows_attention(q: torch.Tensor):
+    """attend_rows or attend_rows_batched for these queries, as :data:`ROWS_ATTENTION` says."""
+    if ROWS_ATTENTION not in ("auto", "loop", "batched"):
+        raise ValueError(f"REVISIT_ROWS_ATTENTION is auto, loop or batched, not {ROWS_ATTENTION!r}")
+    batched = ROWS_ATTENTION == "batched" or (ROWS_ATTENTION == "auto" and q.is_cuda)
+    return attend_rows_batched if batched else attend_rows
 
 
 class PoolAttention:
@@ -124,7 +254,7 @@ class PoolAttention:
         self.pool.set_kv_buffer(layer, KVWriteLoc(self.out_cache_loc), k.view(-1, kv_heads, head_dim),
                                 v.view(-1, kv_heads, layer.v_head_dim))
         keys, values = self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
-        return attend_rows(q, keys, values, self.sequences, active, scaling=layer.scaling, heads=heads,
+        return rows_attention(q)(q, keys, values, self.sequences, active, scaling=layer.scaling, heads=heads,
                            kv_heads=kv_heads, hidden=self.hidden)
 
     def probs(self, layer, q: torch.Tensor, sequence: int, rows: torch.Tensor, columns: slice) -> torch.Tensor:

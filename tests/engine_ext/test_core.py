@@ -168,3 +168,94 @@ def test_a_damaged_block_makes_the_group_read_none(dram) -> None:
         assert reader.fetch(dram, key, tokens=[6, 8], **fetch).result(timeout=60) is not None  # intact rows read
     finally:
         reader.close()
+
+
+def random_rows_batch(device: torch.device, *, heads: int, kv_heads: int, head_dim: int, seed: int):
+    """A random extend batch for attend_rows: sequences of different prefix and extend lengths in scattered pool
+    slots, some active rows per sequence (none in some), hidden keys in some; (q, keys, values, sequences, active,
+    hidden)."""
+    generator = torch.Generator().manual_seed(seed)
+    prefix_lens, extend_lens = [0, 5, 17, 3, 0, 40, 9], [6, 1, 12, 4, 9, 30, 2]
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    order = torch.randperm(sum(lens) + 16, generator=generator).to(device)
+    cuts = torch.tensor([0, *lens]).cumsum(0).tolist()
+    slots = [order[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    sequences = Sequences.of(prefix_lens=prefix_lens, extend_lens=extend_lens, slots=slots, device=device)
+    rows = sum(extend_lens)
+    chosen = torch.rand(rows, generator=generator) < 0.6
+    chosen[[0, 10, 25, 40, 63]] = True  # the first, third, fifth, sixth and last sequences ask (rows end at
+    chosen[6] = False  # 6, 7, 19, 23, 32, 62, 64); the second (one extend row) asks nothing
+    chosen[19:23] = False  # nor the fourth
+    active = chosen.nonzero().flatten().to(device)
+    pool = torch.randn(len(order), 2, kv_heads, head_dim, generator=generator).to(device)
+    q = torch.randn(len(active), heads * head_dim, generator=generator).to(device)
+    hidden: list[torch.Tensor | None] = [None] * len(lens)
+    for index in (2, 5):  # some keys of two sequences no query may see
+        hidden[index] = (torch.rand(lens[index], generator=generator) < 0.3).to(device)
+    return q, pool[:, 0], pool[:, 1], sequences, active, hidden
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("with_hidden", [False, True])
+def test_batched_rows_attention_equals_the_loop(device: torch.device, heads: int, kv_heads: int,
+                                                with_hidden: bool) -> None:
+    from engine_ext.executor.attention import attend_rows_batched
+
+    q, keys, values, sequences, active, hidden = random_rows_batch(device, heads=heads, kv_heads=kv_heads,
+                                                                   head_dim=16, seed=heads * 10 + kv_heads)
+    kwargs = dict(scaling=0.25, heads=heads, kv_heads=kv_heads, hidden=hidden if with_hidden else None)
+    loop = attend_rows(q, keys, values, sequences, active, **kwargs)
+    batched = attend_rows_batched(q, keys, values, sequences, active, **kwargs)
+    assert batched.device.type == device.type and batched.shape == loop.shape
+    torch.testing.assert_close(batched, loop, rtol=1e-4, atol=1e-5)
+    # the padding is never seen: NaN in every pool slot outside the batch's sequences changes nothing
+    poisoned_keys, poisoned_values = keys.clone(), values.clone()
+    outside = torch.ones(len(keys), dtype=torch.bool, device=device)
+    outside[torch.cat(list(sequences.slots))] = False
+    poisoned_keys[outside], poisoned_values[outside] = float("nan"), float("nan")
+    torch.testing.assert_close(attend_rows_batched(q, poisoned_keys, poisoned_values, sequences, active, **kwargs),
+                               loop, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("limit", [1, 5_000, 20_000])
+def test_batched_rows_attention_splits_into_groups_under_its_limit(device: torch.device, monkeypatch,
+                                                                   limit: int) -> None:
+    from engine_ext.executor import attention
+
+    heads, kv_heads, head_dim = 4, 2, 8
+    q, keys, values, sequences, active, hidden = random_rows_batch(device, heads=heads, kv_heads=kv_heads,
+                                                                   head_dim=head_dim, seed=7)
+    calls: list[int] = []  # the sequences of each SDPA call
+    group_call = attention._attend_group
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[5]))
+        return group_call(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_attend_group", counted)
+    kwargs = dict(scaling=0.3, heads=heads, kv_heads=kv_heads, hidden=hidden)
+    out = attention.attend_rows_batched(q, keys, values, sequences, active, limit=limit, **kwargs)
+    torch.testing.assert_close(out, attend_rows(q, keys, values, sequences, active, **kwargs), rtol=1e-4, atol=1e-5)
+    assert sum(calls) == 5  # the seven sequences but the two that ask nothing, each in one group
+    if limit == 1:
+        assert calls == [1] * 5  # each sequence alone (above the limit alone, it still runs)
+    else:
+        assert 1 < len(calls) < 5  # split, yet batched
+
+
+def test_pool_attention_picks_the_batched_version_on_cuda_unless_told(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from engine_ext.executor import attention
+
+    cpu = torch.zeros(1)
+    cuda = SimpleNamespace(is_cuda=True)  # stands in for a CUDA tensor: only is_cuda is asked
+    assert attention.rows_attention(cpu) is attention.attend_rows
+    assert attention.rows_attention(cuda) is attention.attend_rows_batched
+    monkeypatch.setattr(attention, "ROWS_ATTENTION", "loop")
+    assert attention.rows_attention(cuda) is attention.attend_rows
+    monkeypatch.setattr(attention, "ROWS_ATTENTION", "batched")
+    assert attention.rows_attention(cpu) is attention.attend_rows_batched
+    monkeypatch.setattr(attention, "ROWS_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="REVISIT_ROWS_ATTENTION"):
+        attention.rows_attention(cpu)
