@@ -18,8 +18,13 @@ three sets. Per selector (the plan's strategy):
     full_reuse      change-blind, nothing ranked: R = the tokens with no alias token; B = every other token
 
 Without the question (``question=False``: under chunked prefill, where the image's rows and its question are not
-in one extend, so no question row exists when layer W is reached) the attention selectors rank by position, as with
-W = 0; the deviation score needs no question. Every chunk of the image then decides the same sets.
+all in one extend, so no question row is there when layer W is reached) nothing says which tokens the question
+needs: entropy_aware drops nothing and selects as attention_only does (R = the changed tokens and those with no
+alias token, then the similar ones, then the first ones; B = every other token), attention_only ranks by position,
+as with W = 0, and the deviation score needs no question. Every extend of the image then decides the same sets.
+Measured on the oracle reader (bench/approximate_quality.py --chunked, 40 pairs): entropy_aware ranked by position
+and dropping the rest answered 32.5% of the questions on unchanged fields (75% with the question), selecting as
+attention_only 100%, a full prefill 100%; changed fields 100% in each.
 
 The budget is ceil(rho * n) tokens, widened to hold every token R must take (the gateway widens rho to the changed
 share the same way, and its guard plans a miss when that would be too many). Scores within 1e-5 of the largest of
@@ -78,17 +83,35 @@ def changed_tokens(plan: ImagePlan) -> list[int]:
     return [i for i, mark in enumerate(plan.change_map) if mark == CHANGED]
 
 
-def forced(plan: ImagePlan) -> list[int]:
+def _drops(plan: ImagePlan, question: bool) -> bool:
+    """Whether the selection drops tokens: entropy_aware's, with the question to say which it does not need."""
+    return plan.selector == ENTROPY_AWARE and question
+
+
+def forced(plan: ImagePlan, *, question: bool = True) -> list[int]:
     """The tokens R takes whatever the scores: the changed ones, or for the change-blind selectors the ones with no
-    alias token (nothing to reuse)."""
+    alias token (nothing to reuse); both for entropy_aware without the question (it drops nothing then)."""
+    unaligned = [i for i in range(plan.tokens) if plan.alias_token(i) is None]
     if plan.selector in CHANGE_BLIND:
-        return [i for i in range(plan.tokens) if plan.alias_token(i) is None]
+        return unaligned
+    if plan.selector == ENTROPY_AWARE and not question:
+        return sorted(set(changed_tokens(plan)) | set(unaligned))
     return changed_tokens(plan)
 
 
-def budget(plan: ImagePlan) -> int:
+def candidates(plan: ImagePlan, *, question: bool = True) -> list[int]:
+    """The tokens whose alias K/V B may take (the worker reads these): the plan's reuse set B0, or, for
+    entropy_aware without the question, every token that is not forced."""
+    if plan.selector == ENTROPY_AWARE and not question:
+        must = set(forced(plan, question=False))
+        return [i for i in range(plan.tokens) if i not in must]
+    return list(plan.reuse)
+
+
+def budget(plan: ImagePlan, *, question: bool = True) -> int:
     """How many tokens R holds: ceil(rho * n), never fewer than the forced ones."""
-    return max(len(forced(plan)), min(plan.tokens, math.ceil(plan.recompute_share * plan.tokens - 1e-6)))
+    return max(len(forced(plan, question=question)),
+               min(plan.tokens, math.ceil(plan.recompute_share * plan.tokens - 1e-6)))
 
 
 def select(plan: ImagePlan, score: torch.Tensor | None = None, *, question: bool = True) -> Selection:
@@ -96,9 +119,9 @@ def select(plan: ImagePlan, score: torch.Tensor | None = None, *, question: bool
     is recomputed first), None when it says None. Raises ValueError when a needed score is missing or has the
     wrong length."""
     n = plan.tokens
-    reuse = set(plan.reuse)
-    must = forced(plan)
-    if plan.selector == ENTROPY_AWARE:
+    reuse = set(candidates(plan, question=question))
+    must = forced(plan, question=question)
+    if _drops(plan, question):
         pool = [i for i in range(n) if i not in reuse and plan.change_map[i] != CHANGED]
     else:
         pool = sorted(reuse - set(must))
@@ -109,7 +132,7 @@ def select(plan: ImagePlan, score: torch.Tensor | None = None, *, question: bool
         pool.sort(key=lambda i: (-int(values[i]), i))
     if plan.selector not in CHANGE_BLIND:
         pool.sort(key=lambda i: plan.change_map[i] != SIMILAR)  # stable: similar first, each part in its order
-    recompute = set(must) | set(pool[: max(0, budget(plan) - len(must))])
+    recompute = set(must) | set(pool[: max(0, budget(plan, question=question) - len(must))])
     reuse -= recompute
     drop = set(range(n)) - reuse - recompute
     return Selection(warmup=plan.warmup_layers, recompute=_indices(recompute), reuse=_indices(reuse),

@@ -52,7 +52,7 @@ class ApproximateSpan:
     sequence: int  # the request's sequence in the batch
     question: torch.Tensor  # batch rows after the image, up to the request's last row in this extend
     asks: bool  # the whole image and some question rows are in this extend (else ranked without the question)
-    candidates: torch.Tensor  # image-local tokens of this extend whose alias K/V are read (of the plan's reuse set)
+    candidates: torch.Tensor  # image-local tokens of this extend whose alias K/V are read (selection.candidates)
     first: int  # the first layer read: W, or 0 when layer 0's K/V score the tokens (cacheblend)
     future: Future[KVGroup | None] | None  # the read, until waited for
     kind: str | None  # what the selector ranks by (engine_ext.selection.score_kind)
@@ -113,7 +113,8 @@ class ApproximateHits:
         if partial:
             self._partial_vision_pass(rows, plan, head)
         here = range(rows.lo - rows.start, rows.hi - rows.start)  # the image's tokens computed in this extend
-        candidates = torch.tensor([i for i in plan.reuse if i in here], dtype=torch.long, device=device)
+        candidates = torch.tensor([i for i in select_.candidates(plan, question=asks) if i in here],
+                                  dtype=torch.long, device=device)
         first = 0 if kind == DEVIATION else plan.warmup_layers
         future = None
         if len(candidates) and first < layers:

@@ -26,9 +26,9 @@ not fit it, or when it ranks by layer-0 deviation (cacheblend) and its image is 
 Chunked prefill (SGLang splits a long prompt into extends of at most --chunked-prefill-size rows): each extend
 executes the plan for the image rows it holds. An exact plan's rows read their stored K/V per extend, moved as the
 whole image moves; an extend of only reused rows computes nothing at the layers they reuse. An approximate plan
-decides the same R, B and D in every extend of its image, without the question where the image and its question
-are not all in one extend (engine_ext.selection), and the tokens dropped in one extend stay hidden in the later
-extends and the decode steps of the request. A request without a plan, or with one that does not fit its images,
+decides the same R, B and D in every extend of its image (an image split over extends, without the question:
+engine_ext.selection), and the tokens dropped in one extend stay hidden in the later extends and the decode steps
+of the request. A request without a plan, or with one that does not fit its images,
 runs exactly as in SGLang. Rows an earlier request left in the radix cache are
 never touched (the gateway salts approximate requests' prefix cache per request, so none is ever left). What was
 done is counted (executor.events).

@@ -56,13 +56,14 @@ def alias_tokens(plan: ImagePlan) -> list[int]:
 
 @torch.no_grad()
 def execute(model: ReferenceModel, prompt: Prompt, plan: ImagePlan, encoder: EncoderOutput, alias: ImageKV,
-            *, image: int = 0, others: Sequence[RowsPlan] = (), question: bool = True
-            ) -> tuple[Approximate, Selection]:
+            *, image: int = 0, others: Sequence[RowsPlan] = (), question: bool = True,
+            asking_until: int | None = None) -> tuple[Approximate, Selection]:
     """The Approximate for image ``image`` of prompt under the gateway's ``plan``, and the sets it chose.
 
     others: the plans of the prompt's other images, in order without this one (default: none, a one-image prompt).
     question: False ranks as a worker does when the question is not computed with the image (chunked prefill:
-    engine_ext.selection).
+    engine_ext.selection). asking_until: where the question rows that score the image end (default: the prompt's
+    end; under chunked prefill a worker scores with the question rows in the image's extend, which ends there).
     """
     span = prompt.images[image]
     if plan.tokens != len(span):
@@ -79,7 +80,7 @@ def execute(model: ReferenceModel, prompt: Prompt, plan: ImagePlan, encoder: Enc
             model, prompt, plans, frozenset(layers))
         if kind == select_.ATTENTION:
             score = torch.zeros(plan.tokens, dtype=torch.float64)
-            asking = slice(span.stop, len(prompt))  # the question's rows
+            asking = slice(span.stop, asking_until or len(prompt))  # the question's rows
             for layer in layers:
                 probs = warm.attention[layer][:, asking, span.start : span.stop]  # (heads, question, tokens)
                 score += select_.attention_score(probs, warm.state.v[layer][span.start : span.stop])

@@ -9,6 +9,8 @@ two extends, worker B's in three; both share one store, as workers on one host d
   executed in each extend of the image, without the vision tower;
 - an approximate hit spanning three extends, its question in a later one, is executed in each (the same sets
   decided without the question, engine_ext.selection), and answers as the reference executing the same plan;
+- an approximate hit whose image and first question rows are in one extend, the rest of the question in the next,
+  scores with those rows, and the tokens it drops stay hidden from the next extend and in decode;
 - cacheblend, which ranks the whole image's layer-0 K/V, runs as a full prefill there, and says why.
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from launcher import WorkerSpec, start_worker
 from offline.reference import Fresh, ReferenceModel, Reuse, prefill, uniform
@@ -167,7 +169,8 @@ def test_an_approximate_hit_across_extends_executes_as_the_reference_does(pair: 
     assert plan.vision == PARTIAL_PASS  # the gateway's default: composed again in each extend of the image
     encoder = partial_encoder(model, prompt, plan, alias)[0]
     approximate, chosen = execute(model, prompt, plan, encoder, alias, question=False)
-    assert len(chosen.drop) and len(chosen.reuse)  # every kind of row, spread over the extends
+    # without the question nothing is dropped: B takes every token R does not (engine_ext.selection)
+    assert not len(chosen.drop) and len(chosen.reuse) > len(plan.reuse) and len(chosen.recompute)
     reference = prefill(model, prompt, [approximate])
     flush(pair.b)
     hits = f"revisit: approximate hit {plan.key[:16]}"
@@ -180,7 +183,52 @@ def test_an_approximate_hit_across_extends_executes_as_the_reference_does(pair: 
     assert ran(pair, plan_rid) == {0: Outcome(PLANNED)}
     expected = sorted(reference.logits.log_softmax(-1).topk(5).values.tolist(), reverse=True)
     assert top5(served) == pytest.approx(expected, abs=2e-4)
-    # the later extends and every decode step keep the dropped tokens hidden, as the reference does
+    tokens = greedy(model, reference, 8)
+    assert text_of(served) == model.processor.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_a_question_split_over_extends_scores_with_its_first_rows_and_its_drops_stay_hidden(
+    pair: Pair, astronaut: Image.Image
+) -> None:
+    """A small image whole in worker A's first extend, its question running on into the second: the warmup scores
+    with the question's rows in the image's extend, the tokens dropped there stay hidden from the question's later
+    rows (the second extend) and in decode, as in the reference."""
+    from engine_ext.executor.approximate import tokens_digest
+    from offline.reference import greedy
+    from offline.reference.approximate import execute, partial_encoder
+
+    model, chunk = pair.model, CHUNKS[pair.arch][0]
+    small = astronaut.resize((112, 112))
+    question = "What is in the picture? Say it in a few words, please."
+    alias_prompt = model.prompt(["Look:", small, question])
+    grid = grid_of(alias_prompt)
+    alias_key = key_for(f"{pair.arch}-chunked-small")
+    chat(pair.a, content("Look:", small, question), tokens=1,
+         plan_rid=rid(ImagePlan(key=alias_key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)))
+    wait_stored(pair, alias_key)
+    image = small.copy()
+    ImageDraw.Draw(image).rectangle((2, 2, 20, 20), fill=(20, 20, 20))  # inside the first token
+    prompt = model.prompt([APPROXIMATE_PREAMBLE, image, question])
+    span = prompt.images[0]
+    assert span.stop < chunk < len(prompt)  # the image and the question's first rows in one extend, the rest after
+    plan = dataclasses.replace(gateway_plan(pair, alias_key, small, image, grid, ENTROPY_AWARE),
+                               key=key_for(f"{pair.arch}-chunked-small-edited"))
+    alias = stored_as_reference(pair, alias_key, alias_prompt)
+    encoder = partial_encoder(model, prompt, plan, alias)[0] if plan.vision == PARTIAL_PASS else model.encode(prompt)[0]
+    approximate, chosen = execute(model, prompt, plan, encoder, alias, asking_until=chunk)
+    assert len(chosen.drop)  # hidden from the second extend's rows at layers >= W
+    reference = prefill(model, prompt, [approximate])
+    flush(pair.a)
+    hits = f"revisit: approximate hit {plan.key[:16]}"
+    before = pair.a.log_file.read_text().count(hits)
+    plan_rid = rid(plan)
+    served = chat(pair.a, content(APPROXIMATE_PREAMBLE, image, question), plan_rid=plan_rid, tokens=8)
+    lines = [x for x in pair.a.log_file.read_text().splitlines() if hits in x][before:]
+    assert len(lines) == 1 and "without the question" not in lines[0]
+    assert f"{chosen.summary()}, recomputed {tokens_digest(chosen.recompute)}" in lines[0]
+    assert ran(pair, plan_rid) == {0: Outcome(PLANNED)}
+    expected = sorted(reference.logits.log_softmax(-1).topk(5).values.tolist(), reverse=True)
+    assert top5(served) == pytest.approx(expected, abs=2e-4)
     tokens = greedy(model, reference, 8)
     assert text_of(served) == model.processor.tokenizer.decode(tokens, skip_special_tokens=True)
 

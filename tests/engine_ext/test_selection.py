@@ -10,6 +10,7 @@ from engine_ext.selection import (
     DEVIATION,
     attention_score,
     budget,
+    candidates,
     deviation_score,
     score_kind,
     select,
@@ -55,6 +56,26 @@ def test_change_blind_baselines_rank_every_aligned_token_and_force_only_the_unal
     assert score_kind(vl) is None and sets(select(vl)) == ([0, 1, 2, 3, 4], [5, 6, 7], [])
     full = plan(FULL_REUSE, cmap, aligned, share=0.0, warmup=0, **shifted)
     assert sets(select(full)) == ([0, 1, 2, 3], [4, 5, 6, 7], [])
+
+
+def test_without_the_question_entropy_aware_drops_nothing_and_ranks_by_position() -> None:
+    # chunked prefill: the question is not computed with the image, so no score says what it needs
+    p = plan(ENTROPY_AWARE, "==x=~===", [0, 7], share=0.375)
+    assert score_kind(p, question=False) is None and budget(p, question=False) == 3
+    assert candidates(p, question=False) == [0, 1, 3, 4, 5, 6, 7]  # every token R need not take
+    # R: the changed token, the similar one, then the first; B: the rest, B0's and the tokens it would drop
+    assert sets(select(p, question=False)) == ([0, 2, 4], [1, 3, 5, 6, 7], [])
+    with pytest.raises(ValueError):
+        select(p)  # with the question, a score is needed
+
+
+def test_without_the_question_attention_only_ranks_by_position_and_shifted_tokens_are_forced() -> None:
+    p = plan(ATTENTION_ONLY, "=x======", [0, 2, 3, 4, 5, 6, 7])
+    assert score_kind(p, question=False) is None
+    assert sets(select(p, question=False)) == ([0, 1], [2, 3, 4, 5, 6, 7], [])
+    # entropy-aware over a shifted alias: the row with no alias token is recomputed, not dropped
+    shifted = plan(ENTROPY_AWARE, "xxxx====", [4, 5], share=0.5, shift=(1, 0))
+    assert sets(select(shifted, question=False)) == ([0, 1, 2, 3], [4, 5, 6, 7], [])
 
 
 def test_similar_tokens_are_recomputed_before_the_best_scored() -> None:
