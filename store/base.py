@@ -69,12 +69,18 @@ class KVStore(ABC):
 
     @abstractmethod
     def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
-                   with_encoder: bool = False) -> SparseRead | None:
+                   with_encoder: bool = False, heads: tuple[int, int] | None = None) -> SparseRead | None:
         """Layers [start, stop) of the given tokens (strictly increasing indices), reading and verifying only those
         byte ranges plus the header, and the encoder output when with_encoder. None when absent or when the header
         or any read block is damaged. An empty token list reads and verifies only the header (positions, shapes).
-        Never moves the entry. Raises InvalidReadError for tokens or layers the entry does not have. Close the
-        handle.
+
+        heads: a half-open range [h0, h1) of KV heads, what a tensor-parallel rank holds (store.heads.rank_heads);
+        None, every head. The blocks read and verified are the same either way (a block's checksum covers all its
+        heads, so a damaged head outside the range still makes the read None); the handle's shape, gather and
+        gather_into hold only those heads: (tokens, layers, 2, h1 - h0, head_dim).
+
+        Never moves the entry. Raises InvalidReadError for tokens, layers or heads the entry does not have (a head
+        range empty, reversed or past kv_heads). Close the handle.
         """
 
     @abstractmethod
@@ -131,9 +137,10 @@ class BufferTier(KVStore):
         return self._read(key, lambda view, release: open_full(self.name, view, release, key=key, seal=self.seal))
 
     def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
-                   with_encoder: bool = False) -> SparseRead | None:
+                   with_encoder: bool = False, heads: tuple[int, int] | None = None) -> SparseRead | None:
         return self._read(key, lambda view, release: open_sparse(self.name, view, token_indices, layer_range, release,
-                                                                 key=key, seal=self.seal, with_encoder=with_encoder))
+                                                                 key=key, seal=self.seal, with_encoder=with_encoder,
+                                                                 heads=heads))
 
     @abstractmethod
     def _read(self, key: str, opener): ...

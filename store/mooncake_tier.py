@@ -15,7 +15,8 @@ Reads. ``get`` copies the whole entry into an anonymous mapping of this process 
 _ReadBuffers) and verifies it like any tier.
 ``get_sparse`` reads only the header (two small ranged reads: the fixed prefix tells how long the header is), then
 exactly the requested blocks (and the encoder output when asked) in one ranged read, into a mapping the size of the
-entry whose other pages are never touched (so never allocated). Every block read is verified against the header's
+entry whose other pages are never touched (so never allocated). A read of a head range reads the same whole blocks
+(their checksums cover every head) and gathers only those heads. Every block read is verified against the header's
 checksums, so an entry damaged in the cluster, or replaced between the reads, reads as absent.
 
 Removal. Mooncake holds a short lease on an object after each read (so that its memory is not reused while a peer
@@ -238,7 +239,7 @@ class MooncakeTier(KVStore):
                                                                      seal=self.seal))
 
     def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
-                   with_encoder: bool = False) -> SparseRead | None:
+                   with_encoder: bool = False, heads: tuple[int, int] | None = None) -> SparseRead | None:
         def blocks(name: str, buffer: _ReadBuffer, size: int) -> bool:
             if size < PREFIX.size or not self._read_ranges(name, buffer, [ByteRange(0, min(size, FIRST_READ))]):
                 raise DamagedEntryError("shorter than the prefix, or gone")
@@ -249,7 +250,7 @@ class MooncakeTier(KVStore):
                                                                     [ByteRange(FIRST_READ, header_nbytes)]):
                 raise DamagedEntryError("gone while its header was read")
             header = parse_header(buffer.view).header
-            tokens, layer_start, layer_stop = check_sparse_request(header, token_indices, layer_range)
+            tokens, layer_start, layer_stop = check_sparse_request(header, token_indices, layer_range, heads)
             ranges = [header.encoder_range] if with_encoder and header.encoder_nbytes else []
             ranges += [header.token_layers_range(token, layer_start, layer_stop) for token in tokens]
             if not self._read_ranges(name, buffer, _coalesce(ranges)):
@@ -257,7 +258,8 @@ class MooncakeTier(KVStore):
             return True
 
         return self._read(key, blocks, lambda view, release: open_sparse(
-            self.name, view, token_indices, layer_range, release, key=key, seal=self.seal, with_encoder=with_encoder))
+            self.name, view, token_indices, layer_range, release, key=key, seal=self.seal, with_encoder=with_encoder,
+            heads=heads))
 
     def _read(self, key: str, fill: Callable[[str, _ReadBuffer, int], bool],
               opener: Callable[[memoryview, Callable[[], None]], T]) -> T | None:

@@ -57,10 +57,10 @@ class TieredStore(KVStore):
         return None
 
     def get_sparse(self, key: str, token_indices: Sequence[int], layer_range: tuple[int, int], *,
-                   with_encoder: bool = False) -> SparseRead | None:
+                   with_encoder: bool = False, heads: tuple[int, int] | None = None) -> SparseRead | None:
         validate_key(key)
         for tier in self.tiers:
-            read = tier.get_sparse(key, token_indices, layer_range, with_encoder=with_encoder)
+            read = tier.get_sparse(key, token_indices, layer_range, with_encoder=with_encoder, heads=heads)
             if read is not None:
                 return read
         return None

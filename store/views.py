@@ -1,4 +1,5 @@
-"""Read results: EntryView (a whole verified entry) and SparseRead (some tokens' layers), both zero-copy handles.
+"""Read results: EntryView (a whole verified entry) and SparseRead (some tokens' layers, all their KV heads or a
+head range), both zero-copy handles (a head range is cut out when gathered: the tier's bytes hold whole blocks).
 
 Both are context managers. Their memoryviews point into tier-owned memory (an mmap of a shared-memory file, or an
 LMDB page inside a read transaction) and stay valid only until the handle is closed; copy what must outlive it
@@ -93,7 +94,8 @@ class EntryView(_Handle):
 class SparseSegment(NamedTuple):
     """Consecutive requested tokens whose requested layers lie in one byte range.
 
-    data: (token_count, layer_stop - layer_start, 2, kv_heads, head_dim) bytes; tokens are
+    data: (token_count, layer_stop - layer_start, 2, kv_heads, head_dim) bytes, whole blocks with every KV head even
+    when the read asked for a head range (gather, gather_into and shape hold only those); tokens are
     token_indices[first : first + token_count] of the SparseRead.
     """
 
@@ -103,46 +105,70 @@ class SparseSegment(NamedTuple):
 
 
 class SparseRead(_Handle):
-    """Layers [layer_start, layer_stop) of chosen tokens; every block read was verified. Nothing else was read.
+    """Layers [layer_start, layer_stop) of chosen tokens, KV heads [head_start, head_stop) of each; every block read
+    was verified whole (all heads: a block's checksum covers them all). Nothing else was read.
 
-    bytes_read counts KV bytes read from the tier (the header area is read too, and not counted here).
+    The head range is what a tensor-parallel rank holds (store.heads.rank_heads); by default every head. bytes_read
+    counts KV bytes read from the tier, whole blocks (the header area is read too, and not counted here).
     """
 
     def __init__(self, *, tier: str, header: EntryHeader, token_indices: tuple[int, ...], layer_start: int,
                  layer_stop: int, segments: tuple[SparseSegment, ...], release: Callable[[], None],
-                 encoder: memoryview | None = None) -> None:
+                 encoder: memoryview | None = None, head_start: int = 0, head_stop: int | None = None) -> None:
         super().__init__(tier, release)
         self.header = header
         self.token_indices = token_indices
         self.layer_start = layer_start
         self.layer_stop = layer_stop
+        self.head_start = head_start
+        self.head_stop = header.kv_heads if head_stop is None else head_stop
         self.segments = segments
         self.encoder = encoder  # the verified encoder output, when it was asked for
         self.bytes_read = sum(s.data.nbytes for s in segments)
 
     @property
+    def all_heads(self) -> bool:
+        """Whether the read holds every KV head (then a segment's bytes are the gathered bytes as they are)."""
+        return self.head_start == 0 and self.head_stop == self.header.kv_heads
+
+    @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        """(len(token_indices), layer_stop - layer_start, 2, kv_heads, head_dim)."""
+        """(len(token_indices), layer_stop - layer_start, 2, head_stop - head_start, head_dim); without a head range
+        head_stop - head_start is the entry's kv_heads."""
         h = self.header
-        return len(self.token_indices), self.layer_stop - self.layer_start, 2, h.kv_heads, h.head_dim
+        return (len(self.token_indices), self.layer_stop - self.layer_start, 2, self.head_stop - self.head_start,
+                h.head_dim)
 
     def gather(self) -> bytes:
-        """One copy in request order, of self.shape."""
-        return b"".join(s.data for s in self.segments)
+        """One copy in request order, of self.shape (only the read's heads)."""
+        if self.all_heads:
+            return b"".join(s.data for s in self.segments)
+        return self.gather_array().tobytes()
 
     def gather_array(self) -> np.ndarray:
-        return np.frombuffer(self.gather(), dtype=DTYPES[self.header.kv_dtype]).reshape(self.shape)
+        """A copy in request order as an array of self.shape and the stored dtype."""
+        if self.all_heads:
+            return np.frombuffer(self.gather(), dtype=DTYPES[self.header.kv_dtype]).reshape(self.shape)
+        return self.gather_into(np.empty(self.shape, dtype=DTYPES[self.header.kv_dtype]))
 
     def gather_into(self, out: np.ndarray) -> np.ndarray:
         """Copy into a caller's C-contiguous array of self.shape and the stored dtype (e.g. a pinned host buffer):
-        one copy, without the GIL for large segments. Returns out."""
+        one copy (of only the read's heads, strided out of the whole blocks when it has a head range), without the
+        GIL for large segments. Returns out."""
         if out.shape != self.shape or out.dtype != DTYPES[self.header.kv_dtype] or not out.flags.c_contiguous:
             raise ValueError(f"out must be C-contiguous {self.shape} {DTYPES[self.header.kv_dtype]}, got "
                              f"{out.shape} {out.dtype}")
-        flat = out.reshape(len(self.token_indices), -1)
+        if self.all_heads:
+            for segment in self.segments:
+                rows = out[segment.first : segment.first + segment.token_count]
+                np.copyto(rows, np.frombuffer(segment.data, dtype=out.dtype).reshape(rows.shape))
+            return out
+        _, layers, _, _, head_dim = out.shape
+        stored = (layers, 2, self.header.kv_heads, head_dim)
         for segment in self.segments:
-            rows = flat[segment.first : segment.first + segment.token_count]
-            np.copyto(rows, np.frombuffer(segment.data, dtype=out.dtype).reshape(rows.shape))
+            blocks = np.frombuffer(segment.data, dtype=out.dtype).reshape(segment.token_count, *stored)
+            np.copyto(out[segment.first : segment.first + segment.token_count],
+                      blocks[:, :, :, self.head_start : self.head_stop])
         return out
 
     def encoder_array(self) -> np.ndarray:
@@ -174,12 +200,29 @@ def open_full(tier: str, buffer: memoryview, release: Callable[[], None], *, key
     return EntryView(tier=tier, buffer=buffer, parsed=parsed, release=release)
 
 
-def check_sparse_request(header: EntryHeader, token_indices: Sequence[int],
-                         layer_range: tuple[int, int]) -> tuple[tuple[int, ...], int, int]:
+def check_head_range(header: EntryHeader, heads: tuple[int, int] | None) -> tuple[int, int]:
+    """The head range [start, stop) a read asks for: every KV head when None. Raises InvalidReadError for an empty
+    or reversed range, or one past the entry's kv_heads."""
+    if heads is None:
+        return 0, header.kv_heads
+    try:
+        head_start, head_stop = (int(x) for x in heads)
+    except (TypeError, ValueError):
+        raise InvalidReadError(f"heads must be a (start, stop) pair of ints, got {heads!r:.80}") from None
+    if not 0 <= head_start < head_stop <= header.kv_heads:
+        raise InvalidReadError(f"head range {heads} outside [0, {header.kv_heads}] or empty")
+    return head_start, head_stop
+
+
+def check_sparse_request(header: EntryHeader, token_indices: Sequence[int], layer_range: tuple[int, int],
+                         heads: tuple[int, int] | None = None) -> tuple[tuple[int, ...], int, int]:
+    """The request's tokens and layer range, checked against the entry (and its head range, see check_head_range).
+    Raises InvalidReadError."""
     tokens = tuple(int(t) for t in token_indices)
     layer_start, layer_stop = (int(x) for x in layer_range)
     if not 0 <= layer_start < layer_stop <= header.num_layers:
         raise InvalidReadError(f"layer range {layer_range} outside [0, {header.num_layers}]")
+    check_head_range(header, heads)
     if tokens and not (0 <= tokens[0] and tokens[-1] < header.num_tokens
                        and all(a < b for a, b in zip(tokens, tokens[1:], strict=False))):
         raise InvalidReadError(f"token indices must be strictly increasing within [0, {header.num_tokens})")
@@ -187,16 +230,19 @@ def check_sparse_request(header: EntryHeader, token_indices: Sequence[int],
 
 
 def open_sparse(tier: str, buffer: memoryview, token_indices: Sequence[int], layer_range: tuple[int, int],
-                release: Callable[[], None], *, key: str, seal: EntrySeal, with_encoder: bool = False) -> SparseRead:
+                release: Callable[[], None], *, key: str, seal: EntrySeal, with_encoder: bool = False,
+                heads: tuple[int, int] | None = None) -> SparseRead:
     """Verify the header and its seal for ``key``, and exactly the requested blocks (and the encoder output when
     asked); coalesce requested ranges that touch. A request for every block is verified with the whole-region
-    checksum in one pass.
+    checksum in one pass. With ``heads`` the blocks read and verified are the same, whole; the handle gathers only
+    those heads.
 
     Raises DamagedEntryError, or InvalidReadError for a request the entry cannot satisfy.
     """
     parsed = parse_header(buffer, key=key, seal=seal)
     header = parsed.header
     tokens, layer_start, layer_stop = check_sparse_request(header, token_indices, layer_range)
+    head_start, head_stop = check_head_range(header, heads)
     encoder = None
     if with_encoder:
         verify_encoder(buffer, parsed)
@@ -220,4 +266,5 @@ def open_sparse(tier: str, buffer: memoryview, token_indices: Sequence[int], lay
     if run_stop >= 0:
         segments.append(SparseSegment(run_first, len(tokens) - run_first, buffer[run_start:run_stop]))
     return SparseRead(tier=tier, header=header, token_indices=tokens, layer_start=layer_start,
-                      layer_stop=layer_stop, segments=tuple(segments), release=release, encoder=encoder)
+                      layer_stop=layer_stop, segments=tuple(segments), release=release, encoder=encoder,
+                      head_start=head_start, head_stop=head_stop)

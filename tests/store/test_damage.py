@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lmdb
+import numpy as np
 import pytest
 
 from store import DramTier, EntryFormatError, LmdbTier, TieredStore, open_tier
@@ -154,3 +155,17 @@ def test_a_damaged_encoder_output_reads_absent_when_asked_for(kind, store_config
             assert read.bytes_read == entry.header.block_nbytes
     finally:
         tier.close()
+
+
+def test_a_damaged_head_outside_the_head_range_still_fails_the_read(damaged_store):
+    """The flipped byte lies in head 0's K of block (token 5, layer 3); a read of head 1 verifies the block whole."""
+    tier, entry, k, v = damaged_store
+    assert entry.header.kv_heads == 2
+    assert tier.get_sparse(KEY, [5], (3, 4), heads=(1, 2)) is None
+    assert tier.get_sparse(KEY, [2, 5, 9], (0, 4), heads=(1, 2)) is None
+    every = list(range(entry.header.num_tokens))
+    assert tier.get_sparse(KEY, every, (0, entry.header.num_layers), heads=(1, 2)) is None  # the one-pass check
+    assert tier.stats().damaged_reads == 3
+    with tier.get_sparse(KEY, [4, 6], (0, 4), heads=(1, 2)) as read:  # elsewhere the head range reads
+        kv = np.frombuffer(expected_sparse(k, v, [4, 6], 0, 4), dtype=k.dtype).reshape(2, 4, 2, 2, 16)
+        assert read.gather() == np.ascontiguousarray(kv[:, :, :, 1:2]).tobytes()

@@ -194,3 +194,46 @@ def test_reads_after_reads_see_only_their_own_entry(store):
                 assert bytes(view.buffer) == entry.data
             with store.get_sparse(key, [0, 7], (1, 3)) as read:
                 assert read.gather() == expected_sparse(k, v, [0, 7], 1, 3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("tokens,layers", [([0, 1, 2, 9, 63], (2, 4)), ([3, 4, 5, 20, 21], (0, 4)),
+                                           (list(range(SMALL["tokens"])), (0, SMALL["layers"])), ([], (0, 1))])
+@pytest.mark.parametrize("heads", [(0, 1), (1, 3), (3, 4), (0, 4)])
+def test_get_sparse_of_a_head_range_is_the_full_read_sliced(store, dtype, tokens, layers, heads):
+    entry, k, v, _ = make_entry(14, dtype=dtype, kv_heads=4)
+    key = key_for("heads")
+    store.put(key, entry)
+    h0, h1 = heads
+    with store.get_sparse(key, tokens, layers) as full, store.get_sparse(key, tokens, layers, heads=heads) as part:
+        whole = full.gather_array()  # (tokens, layers, 2, kv_heads, head_dim)
+        sliced = np.ascontiguousarray(whole[:, :, :, h0:h1])
+        assert part.shape == sliced.shape == (len(tokens), layers[1] - layers[0], 2, h1 - h0, 16)
+        assert (part.head_start, part.head_stop) == heads and (full.head_start, full.head_stop) == (0, 4)
+        np.testing.assert_array_equal(part.gather_array(), sliced)
+        assert part.gather() == sliced.tobytes()
+        out = np.empty(part.shape, dtype=sliced.dtype)
+        assert part.gather_into(out) is out
+        np.testing.assert_array_equal(out, sliced)
+        if heads != (0, 4):
+            with pytest.raises(ValueError):
+                part.gather_into(np.empty(full.shape, dtype=sliced.dtype))  # the shape is the head range's
+        assert part.bytes_read == full.bytes_read  # whole blocks are read (and verified) either way
+        assert [s.data.nbytes for s in part.segments] == [s.data.nbytes for s in full.segments]
+    with store.get_sparse(key, tokens, layers, with_encoder=True, heads=heads) as part:
+        assert part.gather() == sliced.tobytes()
+
+
+@pytest.mark.parametrize("heads", [(1, 1), (2, 1), (0, 5), (3, 5), (-1, 1), (4, 5), (0,), (0, 1, 2), "ab", None])
+def test_bad_head_range_is_refused(store, heads):
+    key = key_for("bad-heads")
+    store.put(key, make_entry(3, kv_heads=4)[0])
+    if heads is None:  # every head: the default
+        with store.get_sparse(key, [0], (0, 1), heads=heads) as read:
+            assert read.shape == (1, 1, 2, 4, 16)
+        return
+    with pytest.raises(InvalidReadError):
+        store.get_sparse(key, [0], (0, 1), heads=heads)
+    with pytest.raises(InvalidReadError):
+        store.get_sparse(key, [], (0, 1), heads=heads)  # checked even when no block is read
+    assert store.stats().damaged_reads == 0
