@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 SGLANG_VERSION := 0.5.23
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test install bench clean compose-tool
+.PHONY: serve test install bench clean compose-tool gpu-wheels
 
 $(INSTALLED): pyproject.toml requirements/sglang-cpu.txt requirements/response-cache.txt
 	@echo "[setup] creating $(VENV) and installing SGLang $(SGLANG_VERSION) (CPU) and the project; a few minutes on first run"
@@ -54,6 +54,13 @@ test: $(INSTALLED) $(CHROMIUM) $(REDIS_SERVER) compose-tool
 	$(BIN)/ruff check gateway engine_ext store dashboards plan settings launcher bundled offline soak replay tests bench
 	$(BIN)/mypy
 	REVISIT_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest $(ARGS)
+
+# Wheels of what bench/gpu_check.py needs and the GPU machines lack (their Python is 3.12), for its carry.
+GPU_WHEELS := blake3==1.0.11 lmdb==3.0.0
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
 
 bench: $(INSTALLED)
 	$(BIN)/python bench/gateway_overhead.py $(ARGS)
