@@ -74,6 +74,7 @@ EVENTS = {
     "approximate_fallback": "an approximate plan ran as a full prefill (alias absent or damaged, a cacheblend "
                             "image split over extends); the image is stored as after a miss",
     "decode_steps_hiding": "decode steps (per request) run by the executor to keep dropped tokens hidden",
+    "decode_kept_off_graph": "decode batches kept off CUDA graph replay, so that the executor hides dropped tokens",
     "plan_refused": "a request id carried a damaged plan or one of an unknown version; ran unplanned",
     "plan_mismatch": "a plan did not fit its request's images; ran unplanned",
     "store_bytes_read": "bytes read from the store for exact and approximate plans: headers, encoder outputs, K/V",

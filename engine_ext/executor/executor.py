@@ -96,6 +96,16 @@ class PlanExecutor:
 
     # --- per forward ---
 
+    def keep_off_graph(self, forward_batch) -> None:
+        """Before SGLang chooses between graph replay and its eager forward (which calls ``forward``): a decode
+        batch holding a request whose approximate prefill dropped tokens must run ``_decode_with_hidden``, so it is
+        marked the one way SGLang 0.5.23 keeps a decode batch off replay: an embedding override
+        (``DecodeCudaGraphRunner.can_run_graph`` refuses a batch with ``replace_embeds``; the eager decode reads
+        it nowhere). Other batches are left alone, to replay as SGLang decides."""
+        if forward_batch.forward_mode.is_decode() and self.approximate.hiding(forward_batch.rids):
+            forward_batch.replace_embeds = _OFF_GRAPH
+            self.events.add("decode_kept_off_graph")
+
     def forward(self, input_ids: torch.Tensor, forward_batch, run_model: Callable[[], object]):
         self.clock.start()
         try:
@@ -342,6 +352,10 @@ class PlanExecutor:
         """Wait for pending store writes (tests, shutdown)."""
         self._writer.submit(lambda: None).result(timeout)
 
+
+
+# What keep_off_graph sets: a decode batch with an embedding override never replays a graph.
+_OFF_GRAPH = torch.empty(0)
 
 
 class Marks:
