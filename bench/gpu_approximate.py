@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.timing import timed  # noqa: E402
 
 QUESTION = 64
 
@@ -62,27 +63,6 @@ def config(tiny: bool):
                       deepstack_visual_indexes=[8, 16, 24], num_position_embeddings=2304, in_channels=3)
     return Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=151655, video_token_id=151656,
                          vision_start_token_id=151652, vision_end_token_id=151653)
-
-
-def timed(fn, reps: int, device: str) -> float:
-    """Median milliseconds of fn over reps runs, after two warm-up runs."""
-    for _ in range(2):
-        fn()
-    out = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            out.append(start.elapsed_time(stop))
-        else:
-            began = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(out)
 
 
 def box_tokens(h: int, w: int, share: float) -> torch.Tensor:

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,26 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def timed(fn, reps: int, device: str) -> float:
-    """Median milliseconds of fn over reps runs, after two warm-up runs."""
-    for _ in range(2):
-        fn()
-    out = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            out.append(start.elapsed_time(stop))
-        else:
-            began = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(out)
+from bench.timing import timed  # noqa: E402
 
 
 def peak_mib(fn, device: str) -> float | None:
