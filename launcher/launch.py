@@ -31,7 +31,7 @@ from typing import NamedTuple
 import engine_ext
 from engine_ext.models import PACKAGE as MODEL_PACKAGE
 from launcher.config import LauncherConfig
-from launcher.cpu_support import kernel_stand_in_path
+from launcher.cpu_support import PLATFORM_NAME, PLATFORM_SITE, kernel_stand_in_path, thread_binds
 from launcher.errors import SGLangVersionError
 from launcher.process import DEFAULT_STOP_GRACE_S, WorkerProcess
 from launcher.spec import WorkerSpec
@@ -96,6 +96,16 @@ def shown(argv: list[str]) -> list[str]:
     return [("***" if previous == "--api-key" else arg) for previous, arg in zip(["", *argv], argv, strict=False)]
 
 
+def tensor_parallel_size(args: tuple[str, ...] | list[str]) -> int:
+    """The ``--tp-size`` (``--tensor-parallel-size``) among SGLang arguments, 1 if absent."""
+    names = ("--tp-size", "--tensor-parallel-size", "--tp")
+    for at, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in names:
+            return int(value or args[at + 1])
+    return 1
+
+
 def build_launch(spec: WorkerSpec, base_env: Mapping[str, str] | None = None) -> LaunchPlan:
     """The argv and full environment that start ``spec`` (nothing is started)."""
     config = LauncherConfig.from_env(base_env)
@@ -147,6 +157,16 @@ def build_launch(spec: WorkerSpec, base_env: Mapping[str, str] | None = None) ->
         stand_in = kernel_stand_in_path()
         if stand_in is not None:
             env["PYTHONPATH"] = _prepend_path(stand_in, env["PYTHONPATH"])
+        ranks = tensor_parallel_size(spec.extra_args)
+        if ranks > 1:
+            # SGLang's supported way to run tensor-parallel ranks on CPUs: its CPU platform as an out-of-tree plugin
+            # without PyNccl (launcher/cpu_support/platform_site), and each rank's threads bound to its own cores.
+            cores = sorted(os.sched_getaffinity(0))[: int(threads)] if hasattr(os, "sched_getaffinity") else list(
+                range(int(threads)))
+            per_rank = str(max(1, len(cores) // ranks))
+            env |= {"SGLANG_PLATFORM": PLATFORM_NAME, "SGLANG_CPU_OMP_THREADS_BIND": thread_binds(cores, ranks),
+                    "OMP_NUM_THREADS": per_rank, "MKL_NUM_THREADS": per_rank}
+            env["PYTHONPATH"] = _prepend_path(PLATFORM_SITE, env["PYTHONPATH"])
     else:
         env.pop("SGLANG_USE_CPU_ENGINE", None)  # inherited from a CPU host's environment
         if spec.max_total_tokens:

@@ -21,24 +21,22 @@ import hashlib
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine_ext import selection as select_
 from engine_ext import vision
 from engine_ext.executor.attention import PoolAttention
-from engine_ext.executor.entries import EntryHead, KVGroup, read_head
+from engine_ext.executor.context import Context
+from engine_ext.executor.entries import EntryHead, KVGroup
 from engine_ext.executor.events import FullPrefill
-from engine_ext.executor.exact import ReusedKV
+from engine_ext.executor.exact import agreed_head
+from engine_ext.executor.reused import ReusedKV
 from engine_ext.executor.rows import ImageRows
 from engine_ext.rope import frequency_axes
 from engine_ext.selection import ATTENTION, DEVIATION, score_kind
 from plan import APPROXIMATE, PARTIAL_PASS, SAME, ImagePlan
 from plan.outcome import PLANNED, Outcome
-
-if TYPE_CHECKING:
-    from engine_ext.executor.executor import PlanExecutor
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +63,9 @@ class ApproximateHits:
     """One per PlanExecutor: the approximate spans' preparation and selection, and what outlives a forward (the
     tokens each request's prefill dropped, the encoder outputs a partial pass put in SGLang's cache)."""
 
-    def __init__(self, worker: PlanExecutor) -> None:
-        self.worker = worker
+    def __init__(self, context: Context, model) -> None:
+        self.context = context
+        self.model = model  # SGLang's model: its vision tower (partial passes) and rotary embedding (axes)
         self._axes: torch.Tensor | None = None  # the M-RoPE axis of each rotary frequency, probed on first use
         # per request id: (W, prompt positions) of tokens an approximate prefill dropped; insertion-ordered, bounded
         self._hidden: dict[str, list[tuple[int, torch.Tensor]]] = {}
@@ -83,7 +82,7 @@ class ApproximateHits:
 
     def prepare(self, rows: ImageRows, plan: ImagePlan, forward_batch) -> ApproximateSpan:
         """Check that the plan can run here; start reading the alias' K/V of its candidates. Raises FullPrefill."""
-        layers = len(self.worker.layers)
+        layers = self.context.shape.layers
         device = rows.slots.device
         end = rows.batch_lo + rows.done - rows.lo  # the batch row after the request's last row in this extend
         after_image = rows.batch_lo + rows.stop - rows.lo  # the batch row of the image's end, if in this extend
@@ -98,18 +97,9 @@ class ApproximateHits:
         assert plan.alias is not None  # an approximate ImagePlan always names one
         alias_grid = plan.alias_grid or plan.grid
         partial = plan.vision == PARTIAL_PASS
-        worker = self.worker
-        try:
-            head = read_head(worker.store, plan.alias, model_id=worker.model_id, layers=layers,
-                             kv_heads=worker.kv_heads, head_dim=worker.head_dim, tokens=alias_grid[0] * alias_grid[1],
-                             with_encoder=partial)
-            axes = self._frequency_axes()
-        except FullPrefill:
-            raise
-        except Exception as exc:  # a store that cannot be read means a full prefill, never a failed request
-            log.exception("revisit: preparing the approximate plan for %s failed", plan.key[:16])
-            raise FullPrefill("store_error", str(exc)) from exc
-        worker.events.add("store_bytes_read", head.nbytes)
+        context = self.context
+        head = agreed_head(context, plan.alias, tokens=alias_grid[0] * alias_grid[1], with_encoder=partial)
+        axes = self._frequency_axes()
         if partial:
             self._partial_vision_pass(rows, plan, head)
         here = range(rows.lo - rows.start, rows.hi - rows.start)  # the image's tokens computed in this extend
@@ -121,9 +111,10 @@ class ApproximateHits:
             sources = torch.tensor([plan.alias_token(i) for i in candidates.tolist()], dtype=torch.long)
             now = forward_batch.mrope_positions[:, rows.batch_rows_of(candidates)]  # (3, candidates)
             deltas = now.cpu() - head.positions[:, sources]
-            future = worker.reader.fetch(worker.store, plan.alias, tokens=sources.tolist(), depth=first,
-                                         layers=layers, kv_dtype=head.kv_dtype, delta=deltas,
-                                         frequencies=worker.frequencies, device=question.device, axes=axes)
+            future = context.reader.fetch(context.store, plan.alias, tokens=sources.tolist(), depth=first,
+                                          layers=layers, kv_dtype=head.kv_dtype, delta=deltas,
+                                          frequencies=context.shape.frequencies, device=question.device, axes=axes,
+                                          heads=context.tp.read_heads)
         return ApproximateSpan(rows=rows, plan=plan, sequence=rows.request, question=question, asks=asks,
                                candidates=candidates, first=first, future=future, kind=kind,
                                score=torch.zeros(rows.tokens, dtype=torch.float64))
@@ -140,52 +131,55 @@ class ApproximateHits:
         cache = mm_schedule.embedding_cache
         if cache is None or cache.has(rows.item_hash):
             return  # SGLang holds the image's own encoder output: nothing to save
+        composed, tokens = None, torch.empty(0)
         try:
             item = rows.item
             h, w = plan.grid
             changed = torch.tensor([mark != SAME for mark in plan.change_map]).view(h, w)  # pixels differ
-            visual = self.worker.model.visual
+            visual = self.model.visual
             encode = vision.margin_tokens(changed, arch=self._arch(), window_tokens=vision.window_tokens_of(visual))
             tokens = encode.flatten().nonzero().flatten()
             assert head.encoder is not None  # read with the header for a partial pass
             alias_encoder = head.encoder
             sources = torch.tensor([-1 if (j := plan.alias_token(i)) is None else j for i in range(plan.tokens)])
-            composed = alias_encoder.new_zeros(plan.tokens, alias_encoder.shape[-1])
+            built = alias_encoder.new_zeros(plan.tokens, alias_encoder.shape[-1])
             aligned = (sources >= 0).nonzero().flatten()
-            composed[aligned] = alias_encoder[sources[aligned]]
+            built[aligned] = alias_encoder[sources[aligned]]
             if len(tokens):
                 embeds, deepstack = vision.encode_partial_sglang(visual, item.feature, item.image_grid_thw, tokens)
-                composed[tokens] = torch.cat([embeds, *deepstack], dim=-1).to(composed.device, composed.dtype)
+                built[tokens] = torch.cat([embeds, *deepstack], dim=-1).to(built.device, built.dtype)
             if bool((~encode.flatten())[sources < 0].any()):
                 raise ValueError("a token with no alias token lies outside the margin")
+            composed = built
         except Exception:
             log.exception("revisit: the partial vision pass for %s failed; the full pass runs", plan.key[:16])
-            self.worker.events.add("vision_partial_failed")
-            self.worker.events.fallback(APPROXIMATE, "vision_partial_failed")
-            self.worker.ran.record(rows.rid, rows.index, Outcome(PLANNED, "vision_partial_failed"))
+        if not self.context.tp.agree(composed is not None):  # every rank's vision tower runs the same pass
+            self.context.events.add("vision_partial_failed")
+            self.context.events.fallback(APPROXIMATE, "vision_partial_failed")
+            self.context.ran.record(rows.rid, rows.index, Outcome(PLANNED, "vision_partial_failed"))
             return
         if cache.set(rows.item_hash, EmbeddingResult(embedding=composed)):
             self._composed.append(rows.item_hash)
-            self.worker.events.add("vision_partial_images")
-            self.worker.events.add("vision_partial_tokens", len(tokens))
+            self.context.events.add("vision_partial_images")
+            self.context.events.add("vision_partial_tokens", len(tokens))
             log.info("revisit: partial vision pass for %s: %d of %d tokens encoded", plan.key[:16], len(tokens),
                      plan.tokens)
 
     def _arch(self) -> str:
-        return getattr(self.worker.model.config, "model_type", "")
+        return getattr(self.model.config, "model_type", "")
 
     def _frequency_axes(self) -> torch.Tensor:
         """The M-RoPE axis of each rotary frequency, read off the model's own rotary embedding (probed once)."""
         if self._axes is None:
-            worker = self.worker
-            rotary = worker.layers[0].self_attn.rotary_emb
-            half = worker.head_dim // 2
+            shape = self.context.shape
+            rotary = self.model.model.layers[0].self_attn.rotary_emb
+            half = shape.head_dim // 2
 
             def sines(positions: torch.Tensor) -> torch.Tensor:
                 rows = positions.shape[1]
-                device = worker.frequencies.device if worker.frequencies.is_cuda else next(
-                    worker.model.parameters()).device
-                q = torch.zeros(rows, worker.head_dim, device=device)
+                device = shape.frequencies.device if shape.frequencies.is_cuda else next(
+                    self.model.parameters()).device
+                q = torch.zeros(rows, shape.head_dim, device=device)
                 k = torch.cat([torch.ones(rows, half, device=device), torch.zeros(rows, half, device=device)], -1)
                 _, turned = rotary(positions.to(device), q, k.clone())
                 return turned.view(rows, -1)[:, half:].float().cpu()  # k's second half after RoPE: the sines
@@ -201,7 +195,7 @@ class ApproximateHits:
         if span.kind == ATTENTION and layer < span.plan.warmup_layers:
             asking = torch.searchsorted(active, span.question)
             probs = attention.probs(attn, q[asking], span.sequence, span.question, slice(rows.start, rows.stop))
-            values = v_all[image_rows].view(rows.tokens, self.worker.kv_heads, -1)
+            values = v_all[image_rows].view(rows.tokens, -1, self.context.shape.head_dim)  # this rank's heads
             span.score += select_.attention_score(probs, values).to(span.score.device)
         elif span.kind == DEVIATION and layer == 0:
             span.group = self._wait(span)
@@ -216,11 +210,14 @@ class ApproximateHits:
             return span.group
         try:
             span.group = span.future.result()
+            if span.group is not None:
+                span.group.wait()
         except Exception:
             log.exception("revisit: reading the alias' K/V failed")
             span.group = None
         span.future = None
-        if span.group is None:
+        if not self.context.tp.agree(span.group is not None):  # a rank that could not read its heads
+            span.group = None
             span.failed = True
         return span.group
 
@@ -229,8 +226,10 @@ class ApproximateHits:
         plan, rows = span.plan, span.rows
         warmup = plan.warmup_layers
         if span.kind == DEVIATION and self._wait(span) is None:
-            self.worker.fell_back(rows, plan, FullPrefill("kv_read_failed", "the alias' layer-0 K/V"))
+            self.context.ran.fell_back(rows, plan, FullPrefill("kv_read_failed", "the alias' layer-0 K/V"))
             return  # every row stays computed at every layer: a full prefill of the image
+        if span.kind is not None:  # each rank scored with its own attention heads
+            span.score = self.context.tp.total(span.score)
         chosen = select_.select(plan, span.score if span.kind is not None else None, question=span.asks)
         device = rows.slots.device
         here = rows.lo - rows.start, rows.hi - rows.start  # the image's tokens computed in this extend
@@ -242,13 +241,13 @@ class ApproximateHits:
         if len(reuse):
             group = self._wait(span)
             if group is None:
-                self.worker.events.add("kv_read_failed", len(reuse))
-                self.worker.fell_back(rows, plan, FullPrefill("kv_read_failed", "the alias' K/V, damaged or gone"))
+                self.context.events.add("kv_read_failed", len(reuse))
+                self.context.ran.fell_back(rows, plan, FullPrefill("kv_read_failed", "the alias' K/V, damaged or gone"))
                 return  # nothing reused, nothing dropped: from here on a full prefill of the image
             picked = torch.searchsorted(span.candidates, reuse)
-            reused.ready.append((rows.batch_rows_of(reuse), KVGroup(
+            reused.add(rows.batch_rows_of(reuse), KVGroup(
                 depth=span.first, tokens=tuple(group.tokens[i] for i in picked.tolist()),
-                k=group.k[:, picked], v=group.v[:, picked])))
+                k=group.k[:, picked], v=group.v[:, picked]))
             depth[rows.batch_rows_of(reuse)] = warmup
         drop = in_extend(chosen.drop)
         if len(drop):
@@ -259,10 +258,10 @@ class ApproximateHits:
         if len(earlier):
             attention.hide(span.sequence, rows.start + earlier)
         if rows.lo == rows.start:  # counted once, in the extend that starts the image
-            self.worker.events.add("approximate_executed")
-        self.worker.events.add("approximate_rows_reused", len(reuse))
-        self.worker.events.add("approximate_rows_recomputed", len(in_extend(chosen.recompute)))
-        self.worker.events.add("approximate_rows_dropped", len(drop))
+            self.context.events.add("approximate_executed")
+        self.context.events.add("approximate_rows_reused", len(reuse))
+        self.context.events.add("approximate_rows_recomputed", len(in_extend(chosen.recompute)))
+        self.context.events.add("approximate_rows_dropped", len(drop))
         log.info("revisit: approximate hit %s from %s (%s, %s%s): %s, recomputed %s", plan.key[:16],
                  plan.alias[:16] if plan.alias else "-", rows.rid[:40], plan.selector,
                  "" if span.asks else f", without the question, rows {rows.lo}-{rows.hi}", chosen.summary(),

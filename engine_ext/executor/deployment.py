@@ -3,8 +3,8 @@
 Every SGLang setting that changes how the forward runs on a GPU is supported, adapted or refused; the README's "GPU
 workers" section lists them, with where in SGLang 0.5.23 each was read. The refused ones stop the worker at start,
 here, with a message that names the flag and says why: each would make a reuse plan compute something other than
-what the extension's path computes, silently (another rank's KV heads, unscaled fp8 K/V, a LoRA segment per row
-the extension does not pass on) or not at all (a collective whose ranks disagree).
+what the extension's path computes, silently (unscaled fp8 K/V, a LoRA segment per row the extension does not pass
+on) or not at all (a collective whose ranks disagree). Tensor parallelism is supported (executor.context).
 
 Pure over the server arguments (SGLang's ``ServerArgs``, duck-typed) and the environment, so it is tested without
 a worker; the worker calls :func:`check` with ``sglang.srt.runtime_context.get_server_args()``.
@@ -32,10 +32,6 @@ def refusals(args: Any, env: Mapping[str, str] | None = None) -> list[str]:
         return getattr(args, name, default)
 
     found = []
-    if (value("tp_size", 1) or 1) > 1:
-        found.append("--tp-size: each rank holds only some KV heads, and would store them as the whole entry "
-                     "under the image's key; approximate selections would differ per rank and its collectives "
-                     "mismatch (tensor parallelism is not supported yet)")
     if (value("pp_size", 1) or 1) > 1:
         found.append("--pp-size: the extension's decoder runs every layer, a pipeline rank holds only some")
     if (value("attn_dp_size", 1) or 1) > 1 or value("enable_dp_attention"):

@@ -13,6 +13,7 @@ waits for as little as possible:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -103,12 +104,25 @@ class KVGroup:
     tokens: tuple[int, ...]  # the rows as indices into the image, increasing
     k: torch.Tensor  # (layers - depth, len(tokens), kv_heads * head_dim), keys moved to this request's positions
     v: torch.Tensor
+    ready: torch.cuda.Event | None = None  # on a GPU: recorded on the reader's stream once k and v are there
+
+    def wait(self) -> KVGroup:
+        """Make the caller's CUDA stream wait for the reader's copies and turns, and tell the allocator that stream
+        uses k and v (the reader's stream made them). SGLang runs the forward on a stream of its own, never the
+        reader's: without this the layers could read K/V not yet copied. Nothing to do on a CPU."""
+        if self.ready is not None:
+            current = torch.cuda.current_stream(self.k.device)
+            current.wait_event(self.ready)
+            self.k.record_stream(current)
+            self.v.record_stream(current)
+        return self
 
 
 class KVFetch:
     """Reads stored K/V on one reader thread; one per worker process. Each fetch is a Future of a KVGroup on the
     requested device, or of None when the store no longer holds an intact copy of those blocks (the caller then
-    computes those rows instead)."""
+    computes those rows instead). On a GPU the copies and turns run on the reader's own CUDA stream: the caller
+    calls ``KVGroup.wait`` on its stream before using the K/V."""
 
     def __init__(self, on_read: Callable[[int], None] | None = None) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-kv-reader")
@@ -116,12 +130,13 @@ class KVFetch:
 
     def fetch(self, store: KVStore, key: str, *, tokens: list[int], depth: int, layers: int, kv_dtype: str,
               delta: int | torch.Tensor, frequencies: torch.Tensor, device: torch.device,
-              axes: torch.Tensor | None = None) -> Future[KVGroup | None]:
+              axes: torch.Tensor | None = None, heads: tuple[int, int] | None = None) -> Future[KVGroup | None]:
         """Rows ``tokens`` of the entry under ``key``, layers [depth, layers), keys moved by ``delta`` positions: one
         step for the whole image (an int), or (3, tokens) steps per M-RoPE axis and token with ``axes``, the axis of
-        each rotary frequency (tokens that moved inside the image: engine_ext.rope.reposition_axes)."""
+        each rotary frequency (tokens that moved inside the image: engine_ext.rope.reposition_axes). ``heads``: the
+        KV heads [start, stop) to read (a tensor-parallel rank's), None for all."""
         return self._thread.submit(_read_group, store, key, tuple(tokens), depth, layers, kv_dtype, delta,
-                                   frequencies, device, axes, self._on_read)
+                                   frequencies, device, axes, self._on_read, heads)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -129,8 +144,9 @@ class KVFetch:
 
 def _read_group(store: KVStore, key: str, tokens: tuple[int, ...], depth: int, layers: int, kv_dtype: str,
                 delta: int | torch.Tensor, frequencies: torch.Tensor, device: torch.device,
-                axes: torch.Tensor | None, on_read: Callable[[int], None] | None = None) -> KVGroup | None:
-    read = store.get_sparse(key, tokens, (depth, layers))
+                axes: torch.Tensor | None, on_read: Callable[[int], None] | None = None,
+                heads: tuple[int, int] | None = None) -> KVGroup | None:
+    read = store.get_sparse(key, tokens, (depth, layers), heads=heads)
     if read is None:
         return None
     with read:
@@ -142,13 +158,31 @@ def _read_group(store: KVStore, key: str, tokens: tuple[int, ...], depth: int, l
     if on_read is not None:
         on_read(host.numel() * host.element_size())
     kv = host.view(torch.bfloat16) if kv_dtype == "bfloat16" else host
-    kv = kv.to(device, non_blocking=True).transpose(0, 1)  # (layers - depth, tokens, 2, kv_heads, head_dim)
-    if isinstance(delta, torch.Tensor):
-        assert axes is not None, "per-axis steps need the axis of each frequency"
-        k = reposition_axes(kv[:, :, 0], delta.to(device), frequencies.to(device), axes)
-    else:
-        k = reposition(kv[:, :, 0], delta, frequencies.to(device))  # on the device: a GPU turns them in no time
-    return KVGroup(depth=depth, tokens=tokens, k=k.flatten(2), v=kv[:, :, 1].flatten(2))
+    stream = _reader_stream(device)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        kv = kv.to(device, non_blocking=True).transpose(0, 1)  # (layers - depth, tokens, 2, kv_heads, head_dim)
+        if isinstance(delta, torch.Tensor):
+            assert axes is not None, "per-axis steps need the axis of each frequency"
+            k = reposition_axes(kv[:, :, 0], delta.to(device), frequencies.to(device), axes)
+        else:
+            k = reposition(kv[:, :, 0], delta, frequencies.to(device))  # on the device: a GPU turns them in no time
+        ready = None
+        if stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(stream)
+    return KVGroup(depth=depth, tokens=tokens, k=k.flatten(2), v=kv[:, :, 1].flatten(2), ready=ready)
+
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _reader_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The reader thread's CUDA stream for a device (made once), None off a GPU."""
+    if device.type != "cuda":
+        return None
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
 
 
 def read(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads: int, head_dim: int,

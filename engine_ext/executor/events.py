@@ -14,10 +14,15 @@ import logging
 import os
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 from plan import RequestPlan
 from plan.outcome import CAUSES, FORWARD_ENDED, FORWARD_STARTED, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, Outcomes
+
+if TYPE_CHECKING:
+    from engine_ext.executor.rows import ImageRows
+    from plan import ImagePlan
 
 log = logging.getLogger(__name__)
 _RANK = {PLANNED: 0, FULL_PREFILL: 2, UNPLANNED: 3}
@@ -92,12 +97,14 @@ EVENTS = {
 
 class ExecutionEvents:
     """Counts of EVENTS; see the module docstring. Thread-safe enough for the executor's two threads (the
-    forward and the store writer): each increment is one dictionary update under the GIL."""
+    forward and the store writer): each increment is one dictionary update under the GIL. ``metrics``: whether
+    they go to the worker's /metrics (under tensor parallelism, the first rank's only: the multiprocess registry
+    sums the ranks')."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, metrics: bool = True) -> None:
         self.counts: Counter[str] = Counter()
         self._metric = self._fallbacks = None
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by SGLang before it starts the scheduler
+        if metrics and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by SGLang before it starts the scheduler
             from prometheus_client import Counter as PrometheusCounter
 
             self._metric = PrometheusCounter(METRIC, "What the engine extension executed, by event.", ["event"],
@@ -121,18 +128,51 @@ class ExecutionEvents:
             self._fallbacks.labels(plan, cause).inc()
 
 
+class Marks:
+    """A bounded set that forgets its oldest members first."""
+
+    def __init__(self, bound: int) -> None:
+        self._bound = bound
+        self._members: dict[Hashable, None] = {}  # insertion-ordered
+
+    def __contains__(self, mark: Hashable) -> bool:
+        return mark in self._members
+
+    def add(self, mark: Hashable) -> bool:
+        """Whether ``mark`` is new."""
+        if mark in self._members:
+            return False
+        self._members[mark] = None
+        while len(self._members) > self._bound:
+            self._members.pop(next(iter(self._members)))
+        return True
+
+
 class OutcomeLog:
     """What ran for each planned image of the requests in a forward, merged over a request's chunks (the worst
     outcome wins: a full prefill over a degraded plan over a plan as written), and left for the gateway in the
-    OutcomeBox at the end of each forward (plan.outcome)."""
+    OutcomeBox at the end of each forward (plan.outcome). ``reports``: whether this process leaves them (under
+    tensor parallelism, the first rank only)."""
 
-    def __init__(self, box: Callable[[], Outcomes], events: ExecutionEvents) -> None:
+    def __init__(self, box: Callable[[], Outcomes], events: ExecutionEvents, *, reports: bool = True) -> None:
         self._box_factory = box
         self._box: Outcomes | None = None
         self._events = events
+        self._reports = reports
         self._by_rid: OrderedDict[str, dict[int, Outcome]] = OrderedDict()  # bounded
         self._touched: set[str] = set()
         self._muted: set[str] = set()  # this forward's requests whose gateway reads nothing back
+        self._fell_back = Marks(4096)  # (request id, image) of the plans that ran as a full prefill
+
+    def fell_back(self, rows: ImageRows, plan: ImagePlan, fallback: FullPrefill) -> None:
+        """An image of an exact or approximate plan computed as after a miss: counted by cause (once, in the first
+        extend that falls back: each later chunk of the image falls back again), logged, and reported."""
+        if self._fell_back.add((rows.rid, rows.index)):
+            self._events.add(f"{plan.strategy}_fallback")
+            self._events.fallback(plan.strategy, fallback.cause)
+            log.warning("revisit: the %s plan for %s (%s) runs as a full prefill: %s", plan.strategy,
+                        plan.key[:16], rows.rid[:40], fallback)
+        self.record(rows.rid, rows.index, Outcome(FULL_PREFILL, fallback.cause))
 
     def mute(self, rid: str) -> None:
         """Nothing is left for this request (its plan is not RequestPlan.reported) in this forward."""
@@ -149,7 +189,7 @@ class OutcomeLog:
 
     def flush(self) -> None:
         """Write the outcomes of the requests this forward touched."""
-        for rid in self._touched - self._muted:
+        for rid in (self._touched - self._muted) if self._reports else ():
             request_id = RequestPlan.request_id(rid)
             outcomes = self._by_rid.get(rid)
             if request_id is None or not outcomes:

@@ -38,8 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -47,13 +46,15 @@ import torch
 from engine_ext.executor import exact
 from engine_ext.executor.approximate import ApproximateHits, ApproximateSpan
 from engine_ext.executor.attention import PoolAttention
+from engine_ext.executor.context import Context, LazyStore, ModelShape, TensorParallel
 from engine_ext.executor.entries import KVFetch, StoredImage, to_entry
-from engine_ext.executor.events import ExecutionEvents, ForwardClock, FullPrefill, OutcomeLog
-from engine_ext.executor.exact import ReusedKV, ReuseSpan
+from engine_ext.executor.events import ExecutionEvents, ForwardClock, FullPrefill, Marks, OutcomeLog
+from engine_ext.executor.reused import ReusedKV, ReuseSpan
 from engine_ext.executor.rows import ImageRows, locate
 from engine_ext.rope import inv_freq
 from plan import APPROXIMATE, EXACT, MISS, ImagePlan, PlanError, RequestPlan, plan_key
-from plan.outcome import EVERY_IMAGE, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, Outcomes, outcome_box
+from plan.outcome import EVERY_IMAGE, PLANNED, UNPLANNED, Outcome, Outcomes, outcome_box
+from store import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -61,38 +62,32 @@ log = logging.getLogger(__name__)
 class PlanExecutor:
     """One per model instance (one per worker process); see the module docstring."""
 
-    def __init__(self, model, *, model_id: str, store_factory: Callable[[], object] | None = None,
-                 outcomes_factory: Callable[[], Outcomes] | None = None, plan_key: bytes | None = None) -> None:
+    def __init__(self, model, *, model_id: str, store_factory: Callable[[], KVStore] | None = None,
+                 outcomes_factory: Callable[[], Outcomes] | None = None, plan_key: bytes | None = None,
+                 tp: TensorParallel | None = None) -> None:
         self.model = model
         # Plans are executed only when authenticated under the secret the gateway shares (plan/request.py).
         self.plan_key = plan_key if plan_key is not None else _plan_key()
         self.layers = model.model.layers
-        self.model_id = model_id
         attn = self.layers[0].self_attn
-        self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.frequencies = inv_freq(attn.rotary_emb.base, attn.rotary_emb.rotary_dim)
-        self._store_factory = store_factory or _open_store
-        self._store = None
-        self._store_lock = threading.Lock()
+        kv_heads = getattr(attn, "total_num_kv_heads", attn.num_kv_heads)  # the model's; the pool holds the rank's
+        tp = tp if tp is not None else TensorParallel.of_worker(kv_heads)
+        if not tp.leader:  # the first rank logs what ran; the others only what goes wrong
+            logging.getLogger("engine_ext").setLevel(logging.WARNING)
+        events = ExecutionEvents(metrics=tp.leader)
+        self.context = Context(
+            shape=ModelShape(model_id=model_id, layers=len(self.layers), kv_heads=kv_heads, head_dim=attn.head_dim,
+                             frequencies=inv_freq(attn.rotary_emb.base, attn.rotary_emb.rotary_dim)),
+            tp=tp, stores=LazyStore(store_factory or _open_store), events=events,
+            reader=KVFetch(on_read=lambda nbytes: events.add("store_bytes_read", nbytes)),
+            ran=OutcomeLog(outcomes_factory or _open_outcomes, events, reports=tp.leader))
+        self.events, self.ran = events, self.context.ran
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revisit-store-writer")
-        self.reader = KVFetch(on_read=lambda nbytes: self.events.add("store_bytes_read", nbytes))
-        self.events = ExecutionEvents()
         self.clock = ForwardClock()  # a forward in progress, for the gateway's health checks
         self._captured = Marks(4096)  # (request id, image) of the misses stored
         self._begun = Marks(4096)  # (request id, image) of the plans executed in an extend (chunked prefill)
-        self._fell_back = Marks(4096)  # (request id, image) of the plans that ran as a full prefill
         self._scoped = Marks(65536)  # item hashes keyed by their tenant's scope (_scope_items)
-        self.ran = OutcomeLog(outcomes_factory or _open_outcomes, self.events)
-        self.approximate = ApproximateHits(self)
-
-    # --- the store, opened on first use ---
-
-    @property
-    def store(self):
-        with self._store_lock:
-            if self._store is None:
-                self._store = self._store_factory()
-            return self._store
+        self.approximate = ApproximateHits(self.context, model)
 
     # --- per forward ---
 
@@ -147,7 +142,7 @@ class PlanExecutor:
                         self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue
                 if plan.strategy == EXACT:
-                    reuse.append(exact.prepare(self, rows, plan, forward_batch))
+                    reuse.append(exact.prepare(self.context, rows, plan, forward_batch))
                     self._begun.add((rows.rid, rows.index))
                     self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue
@@ -157,7 +152,7 @@ class PlanExecutor:
                     self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue  # computed approximately: never stored
             except FullPrefill as fallback:
-                self.fell_back(rows, plan, fallback)
+                self.ran.fell_back(rows, plan, fallback)
             if plan.strategy == MISS:
                 self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                 if rows.in_extend and rows.lo == rows.start:  # counted once, in the chunk that starts the image
@@ -179,17 +174,6 @@ class PlanExecutor:
         for rows, plan, positions in captures:
             self._capture(rows, plan, positions)
         return out
-
-    def fell_back(self, rows: ImageRows, plan: ImagePlan, fallback: FullPrefill) -> None:
-        """An image of an exact or approximate plan computed as after a miss: counted by cause (once, in the first
-        extend that falls back: each later chunk of the image falls back again), logged, and reported to the
-        gateway."""
-        if self._fell_back.add((rows.rid, rows.index)):
-            self.events.add(f"{plan.strategy}_fallback")
-            self.events.fallback(plan.strategy, fallback.cause)
-        self.ran.record(rows.rid, rows.index, Outcome(FULL_PREFILL, fallback.cause))
-        log.warning("revisit: the %s plan for %s (%s) runs as a full prefill: %s", plan.strategy, plan.key[:16],
-                    rows.rid[:40], fallback)
 
     def _plans(self, rids) -> dict[str, RequestPlan]:
         plans = {}
@@ -239,7 +223,7 @@ class PlanExecutor:
         depth = torch.full((embeds.shape[0],), len(self.layers), device=embeds.device)  # (batch rows,)
         for span in spans:
             depth[span.rows.batch_rows] = span.depth
-        reused = ReusedKV(spans, depth, len(self.layers), self.events, self.ran)
+        reused = ReusedKV(spans, depth, self.context)
         attention = PoolAttention(forward_batch)
         pending = list(approximate)
         hidden = self.approximate.hidden_in(forward_batch.rids)  # dropped in earlier chunks of these requests
@@ -293,6 +277,7 @@ class PlanExecutor:
         rows_total = embeds.shape[0]
         deepstack_layers = 0 if deepstack is None else len(getattr(model.model, "deepstack_embed_to_decoder_layer", ()))
         hidden = embeds.clone()
+        tp = self.context.tp
         for index, layer in enumerate(self.layers):
             before(index)
             active = (depth > index).nonzero().flatten()
@@ -311,8 +296,10 @@ class PlanExecutor:
                 measure(index, attn.attn, q, active, k_all, v_all)
             if not len(active):
                 continue
-            x = x + attn.o_proj(attended)[0]
-            x = x + layer.mlp(layer.post_attention_layernorm(x), forward_batch=forward_batch)
+            # SGLang's layers leave the sums over tensor-parallel ranks to the layer boundaries, which this loop
+            # replaces (o_proj and the MLP's down projection are built without reducing their results)
+            x = x + tp.reduce(attn.o_proj(attended)[0])
+            x = x + tp.reduce(layer.mlp(layer.post_attention_layernorm(x), forward_batch=forward_batch))
             if deepstack is not None and index < deepstack_layers:
                 x = x + deepstack[active, index * hidden_size : (index + 1) * hidden_size].to(x.dtype)
             hidden[active] = x
@@ -321,26 +308,40 @@ class PlanExecutor:
     # --- misses ---
 
     def _capture(self, rows: ImageRows, plan: ImagePlan, positions: torch.Tensor) -> None:
-        """Copy the image's K/V out of the pool now; build and store the entry on the writer thread."""
+        """Copy the image's K/V out of the pool now (every rank's heads, gathered); build and store the entry on
+        the writer thread (the first rank's)."""
         from sglang.srt.managers import mm_schedule
         from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
         cache = mm_schedule.embedding_cache
         encoded = cache.get_single(rows.item_hash) if cache is not None else None
-        if encoded is None:
+        tp = self.context.tp
+        if not tp.agree(encoded is not None):
             log.warning("revisit: encoder output of %s not in the encoder cache; not stored", plan.key[:16])
             self.events.add("capture_skipped")
             return
+        assert encoded is not None
         pool = get_token_to_kv_pool()
-        k = torch.stack([pool.get_key_buffer(i)[rows.slots] for i in range(len(self.layers))]).clone()
-        v = torch.stack([pool.get_value_buffer(i)[rows.slots] for i in range(len(self.layers))]).clone()
+        layers = range(len(self.layers))
+        # (layers, tokens, this rank's heads, head_dim) -> every head, gathered from every rank
+        k = tp.gather_heads(torch.stack([pool.get_key_buffer(i)[rows.slots] for i in layers])).clone()
+        v = tp.gather_heads(torch.stack([pool.get_value_buffer(i)[rows.slots] for i in layers])).clone()
+        if not tp.leader:
+            return
         image = StoredImage(encoder=encoded.embedding.detach().clone(), positions=positions, k=k, v=v)
-        self._writer.submit(self._write, plan, image)
+        copied = None
+        if k.is_cuda:  # the copies run on SGLang's forward stream; the writer copies to the host on another
+            copied = torch.cuda.Event()
+            copied.record()
+        self._writer.submit(self._write, plan, image, copied)
 
-    def _write(self, plan: ImagePlan, image: StoredImage) -> None:
+    def _write(self, plan: ImagePlan, image: StoredImage, copied: torch.cuda.Event | None = None) -> None:
+        if copied is not None:
+            copied.synchronize()
         try:
-            entry = to_entry(self.model_id, plan.grid, image, plan.prefix_digest, seal=self.store.seal)
-            size = self.store.put(plan.key, entry)
+            store = self.context.store
+            entry = to_entry(self.context.shape.model_id, plan.grid, image, plan.prefix_digest, seal=store.seal)
+            size = store.put(plan.key, entry)
         except Exception:
             log.exception("revisit: storing %s failed", plan.key)
             self.events.add("store_failed")
@@ -356,26 +357,6 @@ class PlanExecutor:
 
 # What keep_off_graph sets: a decode batch with an embedding override never replays a graph.
 _OFF_GRAPH = torch.empty(0)
-
-
-class Marks:
-    """A bounded set that forgets its oldest members first."""
-
-    def __init__(self, bound: int) -> None:
-        self._bound = bound
-        self._members: dict[Hashable, None] = {}  # insertion-ordered
-
-    def __contains__(self, mark: Hashable) -> bool:
-        return mark in self._members
-
-    def add(self, mark: Hashable) -> bool:
-        """Whether ``mark`` is new."""
-        if mark in self._members:
-            return False
-        self._members[mark] = None
-        while len(self._members) > self._bound:
-            self._members.pop(next(iter(self._members)))
-        return True
 
 
 def _scope_items(forward_batch, plans: dict[str, RequestPlan], scoped: Marks) -> None:

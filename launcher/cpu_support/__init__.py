@@ -12,6 +12,22 @@ import importlib.util
 from pathlib import Path
 
 STUB_SITE = Path(__file__).resolve().parent / "stub_site"
+# SGLang's CPU platform declared out of tree and without PyNccl, for tensor-parallel CPU workers (see the module in it).
+PLATFORM_SITE = Path(__file__).resolve().parent / "platform_site"
+PLATFORM_NAME = "revisit_cpu"
+
+
+def thread_binds(cores: list[int], ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for ``ranks`` tensor-parallel ranks over ``cores``: each rank its own
+    contiguous share ("0-3|4-7"), or every rank all of them when there are fewer cores than ranks."""
+    if ranks < 1 or not cores:
+        raise ValueError(f"need at least one rank and one core, got {ranks} and {cores}")
+    if len(cores) < ranks:
+        share = ",".join(map(str, cores))
+        return "|".join([share] * ranks)
+    size = len(cores) // ranks
+    parts = [cores[r * size : (r + 1) * size] for r in range(ranks)]
+    return "|".join(",".join(map(str, part)) for part in parts)
 
 
 def has_real_sgl_kernel() -> bool:

@@ -16,7 +16,6 @@ two extends, worker B's in three; both share one store, as workers on one host d
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,11 +24,9 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from launcher import WorkerSpec, start_worker
-from offline.reference import Fresh, ReferenceModel, Reuse, prefill, uniform
+from offline.reference import Fresh, Reuse, prefill, uniform
 from plan import CACHEBLEND, ENTROPY_AWARE, EXACT, MISS, PARTIAL_PASS, ImagePlan
 from plan.outcome import FULL_PREFILL, PLANNED, Outcome
-from tests.conftest import free_port
 from tests.engine_ext.test_reuse_worker import (
     APPROXIMATE_PREAMBLE,
     QUESTION,
@@ -48,6 +45,7 @@ from tests.engine_ext.test_reuse_worker import (
     top5,
     vision_runs,
     wait_stored,
+    worker_pair,
 )
 
 pytestmark = pytest.mark.sglang
@@ -62,21 +60,8 @@ MOVED_PREAMBLE = "Something else came first, and it was long. Look:"
 @pytest.fixture(scope="module", params=sorted(CHUNKS))
 def pair(request, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     arch = request.param
-    root = tmp_path_factory.mktemp(f"chunked-{arch}")
-    env = {"REVISIT_STORE_DRAM_DIR": str(root / "dram"), "REVISIT_STORE_LMDB_DIR": str(root / "lmdb")}
-    workers = [start_worker(WorkerSpec(model_path=tiny_models[arch], port=free_port(), served_model_name="m",
-                                       log_file=root / f"worker-{name}.log", env=env,
-                                       extra_args=("--chunked-prefill-size", str(chunk))))
-               for name, chunk in zip("ab", CHUNKS[arch], strict=True)]
-    try:
-        async def ready() -> None:
-            await asyncio.gather(*(w.wait_ready_async(600) for w in workers))
-
-        asyncio.run(ready())
-        yield Pair(arch, *workers, env, ReferenceModel.load(tiny_models[arch]))
-    finally:
-        for worker in workers:
-            worker.stop()
+    a, b = (("--chunked-prefill-size", str(chunk)) for chunk in CHUNKS[arch])
+    yield from worker_pair(arch, tiny_models[arch], tmp_path_factory.mktemp(f"chunked-{arch}"), (a, b))
 
 
 @pytest.fixture(scope="module")

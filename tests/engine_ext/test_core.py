@@ -141,6 +141,8 @@ def test_a_row_group_read_is_those_rows_layers_moved_to_the_new_positions(device
     try:
         group = reader.fetch(dram, key, tokens=rows, depth=depth, layers=LAYERS, kv_dtype=head.kv_dtype, delta=delta,
                              frequencies=frequencies, device=device).result(timeout=60)
+        assert group is not None
+        group.wait()  # on a GPU: the reader's stream made them
     finally:
         reader.close()
     assert group is not None and group.depth == depth and group.tokens == tuple(rows)

@@ -19,7 +19,6 @@ sglang = pytest.importorskip("sglang.srt.server_args")
 
 # one per refused setting: the server arguments (or environment) that ask for it, and the flag the refusal names
 REFUSED = {
-    "tp": ({"tp_size": 2}, {}, "--tp-size"),
     "pp": ({"pp_size": 2}, {}, "--pp-size"),
     "dp attention": ({"attn_dp_size": 2}, {}, "--attn-dp-size"),
     "speculative": ({"speculative_algorithm": "NGRAM"}, {}, "--speculative-algorithm"),
@@ -44,7 +43,8 @@ def test_sglang_defaults_and_the_supported_settings_pass(tiny_models: dict[str, 
     check(server_args(path), {})
     supported = server_args(path, chunked_prefill_size=8192, kv_cache_dtype="bfloat16", page_size=16,
                             cuda_graph_backend_prefill="disabled", enable_multimodal=True, disable_radix_cache=True,
-                            enable_mixed_chunk=True, enable_torch_compile=True, attention_backend="fa3")
+                            enable_mixed_chunk=True, enable_torch_compile=True, attention_backend="fa3",
+                            tp_size=4)
     assert refusals(supported, {"SGLANG_USE_HND_KVCACHE": "0"}) == []
 
 
@@ -83,7 +83,7 @@ def test_a_decode_batch_hiding_dropped_tokens_is_kept_off_graph_replay() -> None
     from engine_ext.executor.events import ExecutionEvents
 
     executor.events = ExecutionEvents()
-    executor.approximate = ApproximateHits(executor)
+    executor.approximate = ApproximateHits(None, None)  # type: ignore[arg-type]
     executor.approximate._remember_hidden("hiding", 2, torch.tensor([5, 6]))
 
     def batch(mode: str, rids: list[str]) -> SimpleNamespace:

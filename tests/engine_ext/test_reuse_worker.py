@@ -63,22 +63,28 @@ class Pair:
         return open_store(StoreConfig.from_env(self.store_env))
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def pair(request, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    arch = request.param
-    root = tmp_path_factory.mktemp(f"reuse-{arch}")
+def worker_pair(arch: str, model_path: Path, root: Path, extra_args: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
+                timeout: float = 600) -> Iterator[Pair]:
+    """Workers a and b on one model (each with its own SGLang arguments), sharing a store under root; stopped after."""
     env = {"REVISIT_STORE_DRAM_DIR": str(root / "dram"), "REVISIT_STORE_LMDB_DIR": str(root / "lmdb")}
-    workers = [start_worker(WorkerSpec(model_path=tiny_models[arch], port=free_port(), served_model_name="m",
-                                       log_file=root / f"worker-{name}.log", env=env)) for name in "ab"]
+    workers = [start_worker(WorkerSpec(model_path=model_path, port=free_port(), served_model_name="m",
+                                       log_file=root / f"worker-{name}.log", env=env, extra_args=extra))
+               for name, extra in zip("ab", extra_args, strict=True)]
     try:
         async def ready() -> None:
-            await asyncio.gather(*(w.wait_ready_async(600) for w in workers))
+            await asyncio.gather(*(w.wait_ready_async(timeout) for w in workers))
 
         asyncio.run(ready())
-        yield Pair(arch, *workers, env, ReferenceModel.load(tiny_models[arch]))
+        yield Pair(arch, *workers, env, ReferenceModel.load(model_path))
     finally:
         for worker in workers:
             worker.stop()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    arch = request.param
+    yield from worker_pair(arch, tiny_models[arch], tmp_path_factory.mktemp(f"reuse-{arch}"))
 
 
 @pytest.fixture(scope="module")

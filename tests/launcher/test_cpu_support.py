@@ -78,3 +78,31 @@ def test_stand_in_on_the_path_is_not_mistaken_for_the_real_package(monkeypatch: 
     assert importlib.util.find_spec("sgl_kernel") is not None
     assert not has_real_sgl_kernel()
     assert kernel_stand_in_path() == STUB_SITE
+
+
+def test_a_tensor_parallel_cpu_worker_gets_the_platform_without_pynccl_and_its_own_cores() -> None:
+    from launcher.cpu_support import PLATFORM_NAME, PLATFORM_SITE, thread_binds
+    from launcher.launch import tensor_parallel_size
+
+    spec = WorkerSpec(model_path=Path("/nonexistent"), device="cpu", extra_args=("--tp-size", "2"), cpu_threads=4)
+    _, env = build_launch(spec)
+    assert env["SGLANG_PLATFORM"] == PLATFORM_NAME and env["PYTHONPATH"].startswith(str(PLATFORM_SITE))
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1 and env["OMP_NUM_THREADS"] in ("1", "2")
+    # SGLang discovers the platform through its entry point, and it activates in CPU workers only
+    probe = subprocess.run([sys.executable, "-c", (
+        "import importlib.metadata as m, os;"
+        "ep = [e for e in m.entry_points(group='sglang.srt.platforms') if e.name == 'revisit_cpu'][0];"
+        "print(ep.load()());"
+        "os.environ['SGLANG_USE_CPU_ENGINE'] = '0'; print(ep.load()())")],
+        env={**os.environ, "PYTHONPATH": f"{PLATFORM_SITE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+             "SGLANG_USE_CPU_ENGINE": "1"}, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.split() == ["revisit_cpu_platform.RevisitCpuPlatform", "None"], probe.stderr
+    # a one-rank worker, and a GPU worker, get none of it
+    for plain in (WorkerSpec(model_path=Path("/nonexistent"), device="cpu"),
+                  WorkerSpec(model_path=Path("/nonexistent"), device="cuda", extra_args=("--tp-size", "2"))):
+        _, env = build_launch(plain)
+        assert "SGLANG_PLATFORM" not in env and str(PLATFORM_SITE) not in env["PYTHONPATH"]
+    assert tensor_parallel_size(["--tp-size=4"]) == 4 and tensor_parallel_size(["--log-requests"]) == 1
+    assert thread_binds([0, 1, 2, 3], 2) == "0,1|2,3" and thread_binds([0], 2) == "0|0"
+    with pytest.raises(ValueError):
+        thread_binds([], 2)
