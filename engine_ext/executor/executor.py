@@ -28,10 +28,11 @@ executes the plan for the image rows it holds. An exact plan's rows read their s
 whole image moves; an extend of only reused rows computes nothing at the layers they reuse. An approximate plan
 decides the same R, B and D in every extend of its image (an image split over extends, without the question:
 engine_ext.selection), and the tokens dropped in one extend stay hidden in the later extends and the decode steps
-of the request. A request without a plan, or with one that does not fit its images,
-runs exactly as in SGLang. Rows an earlier request left in the radix cache are
-never touched (the gateway salts approximate requests' prefix cache per request, so none is ever left). What was
-done is counted (executor.events).
+of the request.
+
+A request without a plan, or with one that does not fit its images, runs exactly as in SGLang. Rows an earlier
+request left in the radix cache are never touched (the gateway salts approximate requests' prefix cache per
+request, so none is ever left). What was done is counted (executor.events).
 """
 
 from __future__ import annotations
@@ -115,15 +116,14 @@ class PlanExecutor:
         if not forward_batch.forward_mode.is_extend() or not (forward_batch.mm_inputs or hiding):
             return run_model()
         try:
-            return self._extend(input_ids, forward_batch, run_model)
+            return self._extend(input_ids, forward_batch, run_model, hiding)
         finally:
             self.ran.flush()  # what ran, for the gateway (plan.outcome)
 
-    def _extend(self, input_ids: torch.Tensor, forward_batch, run_model: Callable[[], object]):
+    def _extend(self, input_ids: torch.Tensor, forward_batch, run_model: Callable[[], object], hiding: bool):
+        """``hiding``: a request of the batch had image tokens dropped by an earlier extend; they stay hidden here."""
         plans = self._plans(forward_batch.rids)
         _scope_items(forward_batch, plans, self._scoped)
-        # a later chunk of a request whose earlier chunk dropped image tokens: they stay hidden here too
-        hiding = self.approximate.hiding(forward_batch.rids)
         if not plans and not hiding:
             return run_model()
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool

@@ -72,7 +72,6 @@ class ReusedKV:
 
     def write(self, layer: int, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
         """Put the stored K/V of this layer's reused rows into the layer's (batch rows, kv_size) K/V."""
-        for batch_rows, group in self._ready:
-            if layer >= group.depth:
-                k_all[batch_rows] = group.k[layer - group.depth].to(k_all.dtype)
-                v_all[batch_rows] = group.v[layer - group.depth].to(v_all.dtype)
+        for batch_rows, group in self._ready:  # each arrived (or was added) at a layer >= its depth
+            k_all[batch_rows] = group.k[layer - group.depth].to(k_all.dtype)
+            v_all[batch_rows] = group.v[layer - group.depth].to(v_all.dtype)
