@@ -36,6 +36,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from plan.outcome import FORWARD_ENDED, FORWARD_STARTED
+from soak.created import Created
 from store.dram import TEMP_PREFIX
 from store.entry import parse_header
 
@@ -87,7 +88,7 @@ async def worker_killed_mid_prefill(soak: Soak, result: FaultResult) -> None:
 
 
 async def worker_killed_mid_store_write(soak: Soak, result: FaultResult) -> None:
-    """Watch the shared-memory tier for a put's temporary file while new images arrive; kill its writer at once."""
+    """Watch the shared-memory tier for a put's temporary file being made while new images arrive; kill its writer."""
     result.explains = True
     dram = soak.stack.store.dram_path
     stop = asyncio.Event()
@@ -95,9 +96,11 @@ async def worker_killed_mid_store_write(soak: Soak, result: FaultResult) -> None
 
     def watch() -> tuple[str, int, int] | None:
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not stop.is_set():
-            for name in os.listdir(dram):
-                if name.startswith(TEMP_PREFIX):
+        with Created(dram) as created:
+            while time.monotonic() < deadline and not stop.is_set():
+                for name in created.names(timeout=0.2):
+                    if not name.startswith(TEMP_PREFIX):
+                        continue
                     pid = int(name[len(TEMP_PREFIX):].split(".", 1)[0])
                     try:  # a worker's (the gateway writes here too, promoting): frozen mid-write at once, killed
                         group = os.getpgid(pid)  # below (Stack.kill_worker) as a crash here would kill it
@@ -107,7 +110,6 @@ async def worker_killed_mid_store_write(soak: Soak, result: FaultResult) -> None
                     except (ProcessLookupError, PermissionError):
                         continue
                     return name, pid, group
-            time.sleep(0.0005)
         return None
 
     async def feed() -> None:
