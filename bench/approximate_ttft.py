@@ -5,7 +5,9 @@ image size, rounds alternate (order rotating) requests sent straight to the work
 
     miss        a new image (one pixel changed per request): vision tower + full prefill
     llm         the seen image again, SGLang's encoder cache holding its encoder output and its prefix cache
-                flushed: the decoder's full prefill alone
+                flushed: the decoder's full prefill alone (sent as the alias was, under an unstored miss's plan
+                without a scope, so the encoder cache keys it as it keyed the alias: a request without a plan is
+                keyed by its own id and shares nothing)
     approx/full     a near-duplicate (the alias with a box redrawn, a new shade each request, so that no cache of
                     the worker holds it) under the gateway's approximate plan with the full vision pass
     approx/partial  the same with the partial vision pass (the tower over the redrawn tokens and their margin)
@@ -14,7 +16,8 @@ The plans are the gateway's own (its default pixel features, settings and select
 Prints p50 TTFT per case and its ratio to the miss and to llm, and the bytes each approximate hit reads from the
 store against its alias' whole entry.
 
-    .venv/bin/python bench/approximate_ttft.py [--size bench] [--sides 896 1344] [--rounds 3] [--selector NAME]
+    .venv/bin/python bench/approximate_ttft.py [--size deep|bench|tiny] [--sides 896 1344] [--rounds 3]
+        [--selector NAME]
 
 896 px is 1,024 image tokens and 1344 px 2,304 on Qwen2.5-VL (bench/reuse_ttft.py says why not more on CPU).
 """
@@ -88,7 +91,7 @@ def read_share(plan: ImagePlan, layers: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="bench", choices=("tiny", "bench"))
+    parser.add_argument("--size", default="deep", choices=("tiny", "bench", "deep"))
     parser.add_argument("--sides", type=int, nargs="+", default=[896, 1344])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--selector", default=MatchSettings().strategy)
@@ -132,7 +135,8 @@ def main() -> None:
                     if case == "miss":
                         payload = body("Look:", variant(base, next(shades)))
                     elif case == "llm":
-                        payload = body("Look:", seen)
+                        payload = body("Look:", seen, rid(ImagePlan(key=alias, strategy=MISS, tokens=grid[0] * grid[1],
+                                                                    grid=grid, store=False)))
                     else:
                         image = redrawn(base, next(shades) % 200 + 20)
                         plan = dataclasses.replace(plan_for(alias, base, image, grid, args.selector, layers),

@@ -43,7 +43,9 @@ def gateway_process(env: Mapping[str, str], log_path: Path, timeout_s: float = 6
                     code: Path | None = None) -> Iterator[Gateway]:
     """Run `revisit gateway` with env added to this process's environment, until the block ends; yields it once
     its /health answers 200. ``code``: run the gateway of another checkout of the project (a folder holding its
-    packages, say a ``git worktree`` of an older commit) in this environment, instead of this one's."""
+    packages, say a ``git worktree`` of an older commit) in this environment, instead of this one's. A bench is one
+    user's machine: the gateway serves any key (REVISIT_AUTH=open, each key its own namespace) unless env says
+    otherwise."""
     port = free_port()
     args = ["gateway", "--port", str(port), "--log-level", "warning"]
     if code is None:
@@ -51,7 +53,7 @@ def gateway_process(env: Mapping[str, str], log_path: Path, timeout_s: float = 6
     else:
         command = [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())", *args]
         extra = {"PYTHONPATH": str(code)}
-    process = subprocess.Popen(command, env={**os.environ, **env, **extra}, cwd=code,
+    process = subprocess.Popen(command, env={**os.environ, "REVISIT_AUTH": "open", **env, **extra}, cwd=code,
                                stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

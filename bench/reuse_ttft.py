@@ -9,14 +9,16 @@ image size, rounds alternate the three cases (the order rotates every round), ea
 
     miss       an image never seen (one pixel changed per request): vision tower + full prefill
     llm        the seen image as a miss whose encoder output SGLang still caches: the decoder's full prefill
-               alone (through the gateway as a new tenant's image, so it is planned as a miss)
+               alone (through the gateway with reuse off for the request, x-revisit-reuse-mode: off, so the same
+               namespace's encoder cache entry serves it; at the worker under an unstored miss's plan without a
+               scope, warmed once: a request without a plan is keyed by its own id and shares nothing)
     same       the seen image after the same text: encoder output and all image KV reused
     moved      the seen image after a different preamble: keys moved, uniform r = --ratio recomputed per layer
 
 SGLang's own prefix cache is emptied before every request (POST /flush_cache), so the same-prefix case measures
 this project's reuse, not SGLang's radix cache. Prints p50 TTFT per case and its ratio to the miss.
 
-    .venv/bin/python bench/reuse_ttft.py [--size bench] [--sides 896 1344] [--rounds 3] [--ratio 0.05]
+    .venv/bin/python bench/reuse_ttft.py [--size deep|bench|tiny] [--sides 896 1344] [--rounds 3] [--ratio 0.05]
 
 896 px is 1,024 image tokens and 1344 px 2,304 on Qwen2.5-VL. 1792 px (4,096 tokens) does not fit a 24 GiB CPU
 host: SGLang's CPU vision attention materialises the full-attention blocks' score matrices (16 heads x 16,384
@@ -43,8 +45,9 @@ from bench.harness import gateway_process, scratch_store  # noqa: E402
 from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from gateway.config import ProcessorSettings  # noqa: E402
 from gateway.images import token_grid  # noqa: E402
+from gateway.routes.openai_api import REUSE_MODE_HEADER  # noqa: E402
 from launcher import WorkerSpec, start_worker  # noqa: E402
-from plan import EXACT, PUBLIC_PLAN_KEY, ImagePlan, RequestPlan  # noqa: E402
+from plan import EXACT, MISS, PUBLIC_PLAN_KEY, ImagePlan, RequestPlan  # noqa: E402
 from plan.checkpoint import text_layers  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.images_lib import data_url, encode, small  # noqa: E402
@@ -77,9 +80,11 @@ def exact_rid(key: str, grid: tuple[int, int], ratios: tuple[float, ...]) -> str
     return RequestPlan(images=(plan,)).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
 
 
-def ttft(client: httpx.Client, url: str, payload: dict, api_key: str = "sk-bench") -> tuple[float, httpx.Headers]:
+def ttft(client: httpx.Client, url: str, payload: dict, api_key: str = "sk-bench",
+         headers: dict[str, str] | None = None) -> tuple[float, httpx.Headers]:
     started = time.perf_counter()
-    with client.stream("POST", url, json=payload, headers={"Authorization": f"Bearer {api_key}"}) as response:
+    with client.stream("POST", url, json=payload,
+                       headers={"Authorization": f"Bearer {api_key}", **(headers or {})}) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: {") and '"content":"' in line:
@@ -89,7 +94,7 @@ def ttft(client: httpx.Client, url: str, payload: dict, api_key: str = "sk-bench
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="bench", choices=("tiny", "bench"))
+    parser.add_argument("--size", default="deep", choices=("tiny", "bench", "deep"))
     parser.add_argument("--sides", type=int, nargs="+", default=[896, 1344], help="square image sides in pixels")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ratio", type=float, default=0.05, help="recompute ratio of the moved case")
@@ -153,6 +158,12 @@ def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, st
                 raise RuntimeError("the worker never stored the entry")
             time.sleep(0.2)
 
+        # The worker-side llm case's plan: an unstored miss without a scope, so SGLang's encoder cache keys the image
+        # by its pixels alone; seen once here, so its encoder output is cached.
+        unstored = RequestPlan(images=(ImagePlan(key=key, strategy=MISS, tokens=rows * cols, grid=(rows, cols),
+                                                 store=False),)).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
+        ttft(client, worker.url + "/v1/chat/completions", body("Look:", seen, unstored))
+
         times: dict[tuple[str, str], list[float]] = {(c, p): [] for c in CASES for p in ("gateway", "worker")}
         for round_index in range(args.rounds):
             shift = round_index % len(CASES)
@@ -166,13 +177,17 @@ def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, st
                             preamble, variant(base, next(serial)) if case == "miss" else seen)
                     else:
                         ratios = () if case == "same" else (args.ratio,) * layers
-                        rid = None if case in ("miss", "llm") else exact_rid(key, (rows, cols), ratios)
+                        rid = None if case == "miss" else unstored if case == "llm" else \
+                            exact_rid(key, (rows, cols), ratios)
                         url, payload = worker.url + "/v1/chat/completions", body(
                             preamble, variant(base, next(serial)) if case == "miss" else seen, rid)
-                    tenant = f"sk-bench-{next(serial)}" if case == "llm" else "sk-bench"
-                    seconds, headers = ttft(client, url, payload, tenant)
-                    expected = {"llm": "miss", "same": "exact_same_prefix", "moved": "exact_moved"}.get(case)
-                    if path == "gateway" and expected:
+                    # Through the gateway, a miss's image (one pixel changed) is a near-duplicate of the stored one:
+                    # exact reuse only, so that it is planned as the miss it is.
+                    mode = {"llm": "off", "miss": "exact"}.get(case) if path == "gateway" else None
+                    seconds, headers = ttft(client, url, payload, headers={REUSE_MODE_HEADER: mode} if mode else None)
+                    expected = {"llm": None, "miss": "miss", "same": "exact_same_prefix",
+                                "moved": "exact_moved"}[case]  # llm: planned nothing, so no header
+                    if path == "gateway":
                         assert headers.get("x-revisit-reuse") == expected, (case, headers.get("x-revisit-reuse"))
                     times[(case, path)].append(seconds)
             print(f"  {side}px round {round_index + 1}/{args.rounds} done", flush=True)

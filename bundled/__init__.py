@@ -1,7 +1,7 @@
 """Model building and training: the project's bundled vision-language models, built offline from recipes.
 
 Two architectures (Qwen2.5-VL and Qwen3-VL) in two sizes: ``tiny`` for tests and ``bench`` for
-timing, with a locally trained tokenizer and deterministic random weights; and two small Qwen2.5-VL
+timing (and a Qwen2.5-VL ``deep``: a real model's depth and head layout at a narrow width, for timing reuse), with a locally trained tokenizer and deterministic random weights; and two small Qwen2.5-VL
 readers whose weights were trained here to read panels (bundled.reader) and are committed: ``reader`` and
 ``oracle``, whose answers come from late-layer image KV.
 Nothing is downloaded. Neither the gateway nor the engine extension imports this package; the launcher's
@@ -15,6 +15,7 @@ from bundled.build import RECIPE_FILE, build_model, is_built, model_dir
 from bundled.recipes import (
     ARCHS,
     BENCH,
+    DEEP,
     DEFAULT_ARCH,
     DEFAULT_SIZE,
     ORACLE,
@@ -30,6 +31,7 @@ from bundled.recipes import (
 __all__ = [
     "ARCHS",
     "BENCH",
+    "DEEP",
     "DEFAULT_ARCH",
     "DEFAULT_SIZE",
     "ORACLE",

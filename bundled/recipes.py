@@ -31,7 +31,11 @@ READER = "reader"
 # A deeper reader whose answers come from late-layer image KV (bundled.reader.swap): the oracle that can judge
 # approximate reuse.
 ORACLE = "oracle"
-SIZES = (TINY, BENCH, READER, ORACLE)
+# A real model's depth at a narrow width: Qwen2.5-VL-7B's 28 decoder layers with its 28 query and 4 KV heads, and
+# the 32-block vision tower, so that the shares of warmup layers, recomputed layers and vision in a prefill are a
+# real model's, while a miss of a 1K-token image takes seconds on two cores (the reuse benches and the replay).
+DEEP = "deep"
+SIZES = (TINY, BENCH, READER, ORACLE, DEEP)
 DEFAULT_SIZE = TINY
 
 # Bumped whenever the build code changes what it writes for an unchanged recipe.
@@ -198,6 +202,31 @@ _READER_VISION = VisionSpec(
     window_size=112,
 )
 
+# Qwen2.5-VL-7B's decoder (hidden 3584 = 28 x 128, 4 KV heads, MLP 18944, 28 layers) at head_dim 16: the same
+# layer count and head layout, an eighth of the width, the MLP the same multiple (5.29x) of it.
+_DEEP_TEXT = TextSpec(
+    hidden_size=448,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=16,
+    intermediate_size=2368,
+    rope_theta=1_000_000.0,
+    mrope_section=(2, 3, 3),  # the 7B's (16, 24, 24) at an eighth
+)
+# The vision tower's real depth (32 blocks, full attention at 7, 15, 23, 31) at the width that keeps a real 7B's
+# ratio of decoder to vision work per image token (about 2.6 : 1 in multiply-adds: 4 patches of a ~0.67B tower per
+# token of a ~7B decoder); its MLP the real tower's multiple (2.67x) of its width.
+_DEEP_VISION = VisionSpec(
+    depth=32,
+    hidden_size=160,
+    num_heads=5,
+    intermediate_size=432,
+    patch_size=14,
+    fullatt_block_indexes=(7, 15, 23, 31),
+    window_size=112,
+)
+
 RECIPES: dict[tuple[str, str], ModelRecipe] = {
     (QWEN2_5_VL, TINY): ModelRecipe(
         arch=QWEN2_5_VL,
@@ -232,6 +261,14 @@ RECIPES: dict[tuple[str, str], ModelRecipe] = {
             fullatt_block_indexes=(7, 15, 23, 31),
             window_size=112,
         ),
+    ),
+    (QWEN2_5_VL, DEEP): ModelRecipe(
+        arch=QWEN2_5_VL,
+        size=DEEP,
+        dtype="bfloat16",
+        max_image_tokens=2304,
+        text=_DEEP_TEXT,
+        vision=_DEEP_VISION,
     ),
     (QWEN2_5_VL, READER): ModelRecipe(
         arch=QWEN2_5_VL,

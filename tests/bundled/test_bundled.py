@@ -16,6 +16,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from bundled import (
     ARCHS,
     BENCH,
+    DEEP,
     DEFAULT_ARCH,
     QWEN2_5_VL,
     QWEN3_VL,
@@ -155,3 +156,15 @@ def test_cli_builds_and_prints_the_path(tmp_path: Path) -> None:
     assert "initialising" in result.stderr and "built" in result.stderr
     again = subprocess.run([*command, "path", *where], capture_output=True, text=True, check=True)
     assert Path(again.stdout.strip()) == path
+
+
+def test_the_deep_recipe_has_a_real_models_depth_and_head_layout() -> None:
+    """Qwen2.5-VL-7B's decoder layers and heads, and the 32-block tower, at a narrow width (bundled/recipes.py)."""
+    deep = get_recipe(QWEN2_5_VL, DEEP)
+    text, vision = deep.text, deep.vision
+    assert (text.num_layers, text.num_heads, text.num_kv_heads) == (28, 28, 4)
+    assert text.intermediate_size / text.hidden_size == pytest.approx(18944 / 3584, rel=0.01)
+    assert (vision.depth, vision.fullatt_block_indexes, vision.window_size) == (32, (7, 15, 23, 31), 112)
+    assert vision.intermediate_size / vision.hidden_size == pytest.approx(3420 / 1280, rel=0.02)
+    assert vision.hidden_size // vision.num_heads == 32 and text.hidden_size < 1024  # narrow: seconds on a CPU
+    assert deep.max_image_tokens == 2304
