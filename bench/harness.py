@@ -44,8 +44,9 @@ def gateway_process(env: Mapping[str, str], log_path: Path, timeout_s: float = 6
     """Run `revisit gateway` with env added to this process's environment, until the block ends; yields it once
     its /health answers 200. ``code``: run the gateway of another checkout of the project (a folder holding its
     packages, say a ``git worktree`` of an older commit) in this environment, instead of this one's. A bench is one
-    user's machine: the gateway serves any key (REVISIT_AUTH=open, each key its own namespace) unless env says
-    otherwise."""
+    user's machine: the gateway serves any key (REVISIT_AUTH=open, each key its own namespace); and it measures the
+    reuse paths themselves, so every plan is sent whether predicted to pay or not (REVISIT_PLAN_BY_COST=0); env may
+    say otherwise."""
     port = free_port()
     args = ["gateway", "--port", str(port), "--log-level", "warning"]
     if code is None:
@@ -53,7 +54,8 @@ def gateway_process(env: Mapping[str, str], log_path: Path, timeout_s: float = 6
     else:
         command = [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())", *args]
         extra = {"PYTHONPATH": str(code)}
-    process = subprocess.Popen(command, env={**os.environ, "REVISIT_AUTH": "open", **env, **extra}, cwd=code,
+    defaults = {"REVISIT_AUTH": "open", "REVISIT_PLAN_BY_COST": "0"}
+    process = subprocess.Popen(command, env={**os.environ, **defaults, **env, **extra}, cwd=code,
                                stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

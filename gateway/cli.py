@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="bundled",
                        help="a Hugging Face style model folder, or 'bundled' (default) for the bundled model")
     serve.add_argument("--arch", default=None, help="bundled model architecture (qwen2_5_vl or qwen3_vl)")
-    serve.add_argument("--size", default=None, help="bundled model size (tiny, bench, reader or oracle)")
+    serve.add_argument("--size", default=None, help="bundled model size (tiny, bench, deep, reader or oracle)")
     serve.add_argument("--served-model-name", default=None, help="model id clients use (default: from the model)")
     serve.add_argument("--workers", type=int, default=1, help="number of local SGLang workers (default 1)")
     serve.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="worker device (default cpu)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,9 @@ class Route:
     public_id: str | None = None  # the id clients see (the upstream one may carry a plan)
     shape: openai_shape.Shape = openai_shape.Shape()  # the response's shape (which endpoint's, extras or not)
     on_served: Callable[[Worker], None] | None = None  # called with the worker that answered
+    # Called with the worker and the seconds from sending to its first event (a stream) or its answer (not a stream)
+    # when nothing else was in flight there meanwhile: a sample of its costs (gateway/calibration.py).
+    on_first: Callable[[Worker, float], None] | None = None
 
 
 def _dumps(body: dict[str, Any]) -> bytes:
@@ -111,10 +115,12 @@ class Dispatcher:
         while True:
             worker = self._next(tried, last_error, route.prefer)
             async with self._pool.lease(worker):
+                alone, sent = worker.inflight == 1, time.perf_counter()
                 with self._pool.until_taken_out(worker) as waiting:
                     try:
                         response = await self._client.post(worker.url + request.path, content=request.payload,
                                                            headers=_JSON)
+                        alone, took = alone and worker.inflight == 1, time.perf_counter() - sent
                     except httpx.TimeoutException as exc:
                         raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
                     except httpx.TransportError as exc:
@@ -125,6 +131,7 @@ class Dispatcher:
                     last_error = _TAKEN_OUT
                     continue
             if response.status_code == 200:
+                _first(route, worker, took, alone)
                 worker.served += 1
                 try:
                     result = route.shape.completion(response.json(), public_id=route.public_id)
@@ -154,9 +161,10 @@ class Dispatcher:
             response: httpx.Response | None = None
             try:
                 with self._pool.until_taken_out(worker) as waiting:
-                    sent = self._client.build_request("POST", worker.url + request.path, content=request.payload,
-                                                      headers=_JSON)
-                    response = await self._client.send(sent, stream=True)
+                    built = self._client.build_request("POST", worker.url + request.path,
+                                                       content=request.payload, headers=_JSON)
+                    alone, sent = worker.inflight == 1, time.perf_counter()
+                    response = await self._client.send(built, stream=True)
                     if response.status_code != 200:
                         payload = await response.aread()
                         if 400 <= response.status_code < 500:
@@ -169,6 +177,7 @@ class Dispatcher:
                         last_error = "worker closed the stream before sending anything"
                         self._pool.mark_failed(worker, last_error)
                         raise _Retry
+                    _first(route, worker, time.perf_counter() - sent, alone and worker.inflight == 1)
                 if waiting.cancelled_caught:
                     last_error = _TAKEN_OUT
                     raise _Retry
@@ -224,6 +233,13 @@ class Dispatcher:
             yield _sse("[DONE]")
         finally:
             await _close(response, lease)
+
+
+def _first(route: Route, worker: Worker, seconds: float, alone: bool) -> None:
+    """Report the worker's time to its first event to the route, if it served this request alone (this request's
+    lease was the only one in flight there when it was sent and when the event came)."""
+    if route.on_first is not None and alone:
+        route.on_first(worker, seconds)
 
 
 class _Retry(Exception):

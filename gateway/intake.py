@@ -67,6 +67,7 @@ class IntakeResult:
     prefix_digests: tuple[str, ...] = ()
     videos: tuple[CanonicalVideo, ...] = ()
     body_bytes: int = 0  # the size of the request body as it came
+    text_chars: int = 0  # the characters of its messages' text (what its text costs: gateway/calibration.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,8 @@ class Intake:
                 raise InvalidRequest(f"request has {count} {what}; at most {limit} are allowed per request",
                                      param="messages", code=f"too_many_{what}")
         size = self.prompt_size
-        text_tokens = size.text_tokens(message_chars(body["messages"])) if size is not None else 0
+        text_chars = message_chars(body["messages"])
+        text_tokens = size.text_tokens(text_chars) if size is not None else 0
         if size is not None:  # before any image is fetched: a prompt its text alone makes too long
             size.check(text_tokens, param="messages")
         images, videos = await _both(self._resolve_images(refs, namespace),
@@ -161,6 +163,7 @@ class Intake:
             prefix_digests=digests,
             videos=tuple(videos),
             body_bytes=body_bytes,
+            text_chars=text_chars,
         )
 
     async def _resolve_video(self, ref: VideoPartRef, namespace: str) -> CanonicalVideo:

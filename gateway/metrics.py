@@ -82,7 +82,8 @@ class PlannerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = planner_stats(self._planner)
         plans = CounterMetricFamily("revisit_plans", "Images planned, by kind (miss, exact_same_prefix, exact_moved, "
-                                    "approximate), and lookups that were near misses or guard fallbacks.",
+                                    "approximate), and lookups that were near misses, guard fallbacks or cost "
+                                    "fallbacks.",
                                     labels=["kind"])
         for kind, count in sorted(stats["plans"].items()):
             plans.add_metric([kind], count)
@@ -94,7 +95,7 @@ class PlannerCollector(Collector):
 
 def planner_stats(planner: Planner) -> dict:
     """The planner's counts and the match index's size (call on the cache thread, where they change)."""
-    plans = {kind: 0 for kind in (*KINDS, "near_miss", "guard_fallback", "store_unavailable")}
+    plans = {kind: 0 for kind in (*KINDS, "near_miss", "guard_fallback", "cost_fallback", "store_unavailable")}
     plans.update(planner.counts)
     matcher = planner.matcher
     return {"plans": plans, "matching": {"enabled": matcher is not None,
@@ -107,6 +108,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/admin", "/dashboard")
 COMPLETING = ENDPOINTS[:2]  # the endpoints that run the model: their latency is labelled by reuse
 NO_IMAGE = "none"  # the reuse label of a request without images or videos
+PLAIN = "plain"  # ... of one whose images were planned nothing (reuse off for it): plain SGLang
 MIXED = "mixed"  # ... of one whose images were planned as different kinds, or that has images and videos
 VIDEO = "video"  # ... of one with videos and no image: videos run as plain SGLang (gateway/videos.py)
 RESPONSE_CACHED = "response_cache"  # ... of one the response cache answered (gateway/response_cache): no model ran

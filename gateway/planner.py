@@ -14,6 +14,11 @@ settings and the tenant's namespace (so no plan ever names another tenant's entr
                                       is a miss when the guard finds too much changed
     anything else                     miss
 
+A plan is a prediction that it pays: with the workers' costs measured (gateway/calibration.py), an exact or
+approximate plan predicted to take no less time than computing the image as plain SGLang does is not sent. The
+image is computed instead: an approximate candidate as a miss (so it is stored, and its next sight is exact), an
+exact one without storing (its entry is there). Counted as "cost_fallback".
+
 Every new image is indexed for approximate matching (its features persist beside the store): a miss's entry is
 stored by its worker. An image planned as approximate is stored only when its worker had to run it as a full
 prefill (its alias gone or damaged: the KV is then exact); otherwise nothing is stored, and its index record,
@@ -38,10 +43,12 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.books.errors import BooksError
 from gateway.cache import CacheManager
 from gateway.config import ReuseSettings
+from gateway.costs import CostModel, pays, text_tokens
 from gateway.images import CanonicalImage
 from gateway.intake import IntakeResult
 from gateway.matching.matcher import Match, Matcher
@@ -50,6 +57,9 @@ from gateway.videos import FrameBook, FramesSeen
 from plan import EXACT, MISS, ImagePlan, RequestPlan
 from plan.outcome import EVERY_IMAGE, PLANNED, Outcome
 from store import StoreError
+
+if TYPE_CHECKING:
+    from gateway.calibration import WorkerCosts
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +71,9 @@ KINDS = ("miss", "exact_same_prefix", "exact_moved", "approximate")  # what each
 # nothing (plain SGLang; nothing is stored). A client can only ask for less than the gateway's settings allow.
 REUSE_MODES = ("all", "exact", "off")
 # Also counted: "admitted" (entries found in the store and taken into the books), "near_miss" (candidates compared
-# but none similar enough), "guard_fallback" (a match planned as a miss: too much changed), "store_unavailable"
-# (requests planned nothing because the store or the shared books did not answer).
+# but none similar enough), "guard_fallback" (a match planned as a miss: too much changed), "cost_fallback" (an exact
+# or approximate plan not sent: predicted no faster than plain SGLang), "store_unavailable" (requests planned nothing
+# because the store or the shared books did not answer).
 
 
 @dataclass(frozen=True)
@@ -100,10 +111,12 @@ def outcome_of(ran: Mapping[int, Outcome] | None, index: int) -> Outcome | None:
 
 
 class Planner:
-    def __init__(self, cache: CacheManager, settings: ReuseSettings, matcher: Matcher | None = None) -> None:
+    def __init__(self, cache: CacheManager, settings: ReuseSettings, matcher: Matcher | None = None,
+                 costs: WorkerCosts | None = None) -> None:
         self.cache = cache
         self.settings = settings
         self.matcher = matcher if settings.match.enabled else None
+        self.costs = costs
         self._holder: OrderedDict[str, str] = OrderedDict()  # image or video key -> worker URL that last served it
         self.counts: Counter[str] = Counter()
         self.frames = FrameBook()  # the frames of recent videos (gateway/videos.py)
@@ -119,9 +132,13 @@ class Planner:
         if not self.enabled or not intake.images or mode == "off":
             # A video is not planned for (it runs as plain SGLang): it keeps to the worker that served it last.
             return Planned(None, self._video_holder(intake), ())
+        # The worker likely to run it (the one that served one of its images last): its costs say what pays.
+        costs = self._costs_for(next((self._holder[image.key] for image in intake.images
+                                      if image.key in self._holder), None))
         try:
             plans, kinds, similarities = await self.cache.run(self._plan_images, intake,
-                                                              strategy or self.settings.match.strategy, mode == "all")
+                                                              strategy or self.settings.match.strategy, mode == "all",
+                                                              costs)
         except (StoreError, BooksError) as exc:
             # The shared tier or the shared books did not answer: the request runs as in plain SGLang (nothing
             # reused, nothing stored) rather than not at all.
@@ -147,18 +164,27 @@ class Planner:
     def _in_books(self, keys: list[str]) -> frozenset[str]:
         return frozenset(key for key in keys if key in self.cache.policy)
 
-    def _plan_images(self, intake: IntakeResult, strategy: str, approximate: bool = True) -> \
+    def _costs_for(self, url: str | None) -> CostModel | None:
+        """The costs of the worker at ``url``, else of any measured worker; None when none is known (or plans are
+        not chosen by cost)."""
+        if self.costs is None:
+            return None
+        return (self.costs.model(url) if url is not None else None) or self.costs.any_model()
+
+    def _plan_images(self, intake: IntakeResult, strategy: str, approximate: bool = True,
+                     costs: CostModel | None = None) -> \
             tuple[list[ImagePlan], list[str], list[float | None]]:
         """The cache thread's part of plan()."""
         plans: list[ImagePlan] = []
         kinds: list[str] = []
         similarities: list[float | None] = []
+        context = text_tokens(intake.text_chars) + sum(image.grid.tokens for image in intake.images)
         for image, prefix_digest in zip(intake.images, intake.prefix_digests, strict=True):
             grid = (image.grid.rows, image.grid.cols)
             stored_digest = self._stored_prefix_digest(image.key)
             similarities.append(None)
             if stored_digest is None:
-                plan = self._plan_new(image, prefix_digest, intake.namespace, strategy, approximate)
+                plan = self._plan_new(image, prefix_digest, intake.namespace, strategy, approximate, costs, context)
                 plans.append(plan)
                 kinds.append(plan.strategy)
                 if plan.strategy != MISS:
@@ -172,15 +198,20 @@ class Planner:
                                        store=False))
                 kinds.append("miss")
                 continue
-            plans.append(ImagePlan(key=image.key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid,
-                                   ratios=ratios, prefix_digest=prefix_digest))
+            exact = ImagePlan(key=image.key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid, ratios=ratios,
+                              prefix_digest=prefix_digest)
+            if not self._pays(exact, costs, context):
+                plans.append(ImagePlan(key=image.key, strategy=MISS, tokens=exact.tokens, grid=grid, store=False))
+                kinds.append("miss")
+                continue
+            plans.append(exact)
             kinds.append("exact_same_prefix" if same else "exact_moved")
             self.cache.record_exact_hit(image.key)
         self.counts.update(kinds)
         return plans, kinds, similarities
 
     def _plan_new(self, image: CanonicalImage, prefix_digest: str, namespace: str, strategy: str,
-                  approximate: bool = True) -> ImagePlan:
+                  approximate: bool = True, costs: CostModel | None = None, context: int = 0) -> ImagePlan:
         """An image the store does not hold: approximate when it nearly duplicates a stored image of its
         namespace (and the guard agrees, and ``approximate``), else a miss. Either way the worker stores it, so it
         is indexed."""
@@ -204,8 +235,18 @@ class Planner:
         if plan is None:
             self.counts["guard_fallback"] += 1
             return miss
+        if not self._pays(plan, costs, context):
+            return miss
         self.cache.record_approximate_hit(alias.alias)
         return plan
+
+    def _pays(self, plan: ImagePlan, costs: CostModel | None, context: int) -> bool:
+        """Whether the plan is predicted to beat plain SGLang under ``costs`` (those of the worker likely to run
+        it), in a prompt of ``context`` tokens; True without costs. Counts a "cost_fallback" when not."""
+        if costs is None or self.costs is None or pays(plan, self.costs.facts, costs, context):
+            return True
+        self.counts["cost_fallback"] += 1
+        return False
 
     def _usable_alias(self, matches: tuple[Match, ...]) -> Match | None:
         """The best match whose entry the store holds (admitting it to the books if need be). Matches whose entry

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from gateway.admission import Admission
 from gateway.books import BookLog, BooksError, BooksUnavailable, SharedBooks, SharedFeatureStore
 from gateway.cache import CacheManager
+from gateway.calibration import WorkerCosts
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.image_fetch import ImageFetcher
@@ -64,6 +65,7 @@ class Services:
     plan_key: bytes  # plans are authenticated with it (plan.plan_key), under the secret the workers share
     outcomes: Outcomes | None = None  # what workers ran, per request (plan.outcome); None without a store
     responses: ResponseCache | None = None  # answers served without the model; None when off everywhere
+    costs: WorkerCosts | None = None  # each worker's costs (gateway/calibration.py); None without the model's facts
     started_at: int = field(default_factory=lambda: int(time.time()))
     _rebuild: asyncio.Task[None] | None = None
     _books: asyncio.Task[None] | None = None
@@ -119,7 +121,13 @@ class Services:
                 matcher.on_indexed, matcher.on_forgotten = policy.announce_indexed, policy.announce_forgotten
                 policy.learn, policy.forget = matcher.learn, matcher.forget
         cache = CacheManager(policy, store=store, on_gone=matcher.remove if matcher is not None else None)
-        planner = Planner(cache, reuse, matcher)
+        # Each worker's costs, measured when it comes up (gateway/calibration.py): the planner sends only plans
+        # predicted to pay.
+        costs = WorkerCosts(config.model_facts, config.model, config.processor, pool, client) \
+            if config.model_facts is not None and config.calibrate else None
+        if costs is not None:
+            pool.on_up = costs.came_up
+        planner = Planner(cache, reuse, matcher, costs if config.plan_by_cost else None)
         registry = build_registry(policy, planner)
         response_metrics = ResponseCacheMetrics(registry)  # exported, at zero, when the response cache is off
         responses = None
@@ -158,6 +166,7 @@ class Services:
                                  secret=config.secret)
             if store is not None and reuse.store is not None else None,
             responses=responses,
+            costs=costs,
         )
 
     @property
@@ -253,6 +262,8 @@ class Services:
                     await task
         await self.loop_lag.stop()
         await self.pool.stop()
+        if self.costs is not None:
+            await self.costs.aclose()
         if self.responses is not None and self.responses.embedder is not None:
             self.responses.embedder.close()
         await asyncio.to_thread(self.cache.close)

@@ -87,6 +87,7 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._ticket = itertools.count(1)
         self.on_devices: Callable[[list[str]], None] | None = None  # told the devices the workers run on, as learnt
+        self.on_up: Callable[[Worker], None] | None = None  # told of a worker that came up (first, or back)
 
     @property
     def ready(self) -> bool:
@@ -151,6 +152,8 @@ class WorkerPool:
                 worker.device = device
                 if self.on_devices is not None:
                     self.on_devices([w.device for w in self.workers if w.device is not None])
+        if ok and came_back and self.on_up is not None:
+            self.on_up(worker)
 
     async def _field(self, worker: Worker, path: str, name: str) -> object:
         """Field ``name`` of the JSON object the worker answers ``path`` with (None when it gives none)."""

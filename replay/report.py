@@ -107,6 +107,10 @@ def summarize(run: Run) -> dict[str, Any]:
             "decisions": _delta(first.get("decisions", {}), last.get("decisions", {})),
             "evictions": _delta(first.get("evictions", {}), last.get("evictions", {})),
             "entries_at_end": {tier: usage.get("entries") for tier, usage in last.get("tiers", {}).items()},
+            "cost_fallbacks": admin_plans.get("cost_fallback", 0),
+            # The gateway's predictions of its requests' TTFT against what they took, by what they ran as, over
+            # its last requests served alone (every run against that gateway so far, this one's last).
+            "predicted": (last.get("worker_costs") or {}).get("predicted") or {},
         }
         hits = sum(ran[k] for k in (*EXACT, "approximate"))
         if run.samples[0].bytes_read is not None and run.samples[-1].bytes_read is not None:
@@ -169,6 +173,15 @@ def markdown(report: dict[str, Any]) -> str:
                       + "; approximate hits " + _by_tier(g["hits"].get("approximate", {}))
                       + "; decisions " + (", ".join(f"{k} {v}" for k, v in g["decisions"].items() if v) or "none")
                       + "; evictions " + ", ".join(f"{t} {sum(v.values())}" for t, v in g["evictions"].items())]
+            if g.get("cost_fallbacks"):
+                lines += ["", f"Plans not sent because predicted not to pay (cost fallbacks): {g['cost_fallbacks']}"]
+            if g.get("predicted"):
+                lines += ["", "The gateway's predicted TTFT against the measured, by what ran (its last requests "
+                          "served alone; the median of each):", "",
+                          "| ran as | requests | predicted / measured | relative error |", "|---|---|---|---|"]
+                for kind, row_ in g["predicted"].items():
+                    lines.append(f"| {kind} | {row_['requests']} | {row_['predicted_over_measured']:.2f} | "
+                                 f"{row_['relative_error']:.1%} |")
             if g.get("bytes_per_hit") is not None:
                 lines += ["", f"Store bytes the workers read: {g['store_bytes_read'] / 1048576:.1f} MiB, "
                           f"{g['bytes_per_hit'] / 1024:.1f} KiB per hit"]

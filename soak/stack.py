@@ -175,6 +175,8 @@ class Stack:
         env = {**os.environ, **self.store_env(), "REVISIT_MODEL": MODEL_ID,
                "REVISIT_WORKERS": ",".join(self.worker_urls), "REVISIT_MODEL_DIR": str(self.model_path),
                "REVISIT_ADMIN_TOKEN": ADMIN_TOKEN,
+               # Every plan sent, whether it pays on the oracle reader or not: the soak's faults meet every reuse path.
+               "REVISIT_PLAN_BY_COST": "0",
                "REVISIT_DRAM_CAPACITY_BYTES": str(s.dram_capacity_bytes),
                "REVISIT_LMDB_CAPACITY_BYTES": str(s.lmdb_capacity_bytes),
                "REVISIT_UPSTREAM_TIMEOUT_S": str(s.upstream_timeout_s),

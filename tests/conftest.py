@@ -237,8 +237,14 @@ def gateway_config(model_path: Path, worker_urls: list[str], *, store: StoreConf
     settings = {"health_interval_s": 0.5, "tenants": TenantSettings.open(), **overrides}
     if store is not None:
         settings["reuse"] = ReuseSettings.for_model(model_path, store=store)
+    from gateway.costs import ModelFacts
     from plan.checkpoint import longest_token_chars, vocab_size
 
+    # Workers are not measured (the probes would show in the workers' counts that tests read) and every plan that can
+    # be made is sent: the tests of the reuse paths need them on a model where they do not pay.
+    # tests/e2e/test_costs.py turns both on.
+    settings = {"model_facts": ModelFacts.from_model_dir(model_path), "calibrate": False, "plan_by_cost": False,
+                **settings}
     return GatewayConfig(
         model=MODEL_ID, workers=tuple(worker_urls), processor=ProcessorSettings.from_model_dir(model_path),
         vocab_size=vocab_size(model_path), max_token_chars=longest_token_chars(model_path), **settings

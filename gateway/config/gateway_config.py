@@ -18,6 +18,7 @@ from gateway.config.media import ImageLimits, ProcessorSettings, VideoSettings
 from gateway.config.responses import ResponseCacheSettings
 from gateway.config.reuse import MatchSettings, PolicySettings, ReuseSettings
 from gateway.config.tenants import KEYS, OPEN, TenantSettings, read_key_file
+from gateway.costs import ModelFacts
 from plan import (
     DEFAULT_RECOMPUTE_RATIO,
 )
@@ -91,6 +92,14 @@ class GatewayConfig:
     reuse: ReuseSettings = field(default_factory=lambda: ReuseSettings(enabled=False))
     # Answers served without the model (gateway/response_cache); off by default.
     responses: ResponseCacheSettings = field(default_factory=ResponseCacheSettings)
+    # What a request's work depends on in the model (layers, KV bytes, vision patches: from REVISIT_MODEL_DIR), and
+    # whether each worker's costs are measured when it comes up (gateway/calibration.py); without the model's facts
+    # nothing is.
+    model_facts: ModelFacts | None = None
+    calibrate: bool = True
+    # Whether the planner sends only plans predicted to pay (gateway/planner.py); off, every plan that can be made is
+    # sent (to exercise or measure the reuse paths where they do not pay: the soak, the reuse benches).
+    plan_by_cost: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -167,6 +176,7 @@ class GatewayConfig:
             kwargs["processor"] = ProcessorSettings.from_model_dir(model_dir)
             kwargs["vocab_size"] = vocab_size(model_dir)
             kwargs["max_token_chars"] = longest_token_chars(model_dir)
+            kwargs["model_facts"] = ModelFacts.from_model_dir(model_dir)
         image_kwargs = {
             key: value
             for key, value in (
@@ -215,6 +225,8 @@ class GatewayConfig:
             ("books_password_file", "BOOKS_PASSWORD_FILE", Path),
             ("books_follow_interval_s", "BOOKS_FOLLOW_INTERVAL_S", float),
             ("keep_alive_s", "KEEP_ALIVE_S", float),
+            ("calibrate", "CALIBRATE", bool),
+            ("plan_by_cost", "PLAN_BY_COST", bool),
         ):
             if (value := get(name, cast)) is not None:
                 kwargs[key] = value

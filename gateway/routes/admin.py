@@ -7,7 +7,7 @@ wrong token is a 401; with no token configured the admin API is disabled and ans
 
 Routes:
   GET    /admin/stats                    the policy's figures, the planner's counts and the match index's size
-                                         (the same as /metrics)
+                                         (the same as /metrics); each worker's measured costs (worker_costs)
   GET    /admin/entries?limit&cursor&tier entries sorted by key; ``next_cursor`` pages on
   GET    /admin/entries/{key}            one entry
   DELETE /admin/entries/{key}?force=     drop it (409 when pinned, unless force=true)
@@ -157,7 +157,8 @@ async def stats(request: Request) -> dict:
         request, lambda policy, cache: {**policy.stats().as_dict(), **planner_stats(planner),
                                         "books": books_status(policy)}),
         "response_cache": responses, "admission": services.admission.stats(),
-        "worker_turns": services.turns.stats()}
+        "worker_turns": services.turns.stats(),
+        "worker_costs": services.costs.snapshot() if services.costs is not None else None}
 
 
 def books_status(policy: CachePolicy) -> dict:

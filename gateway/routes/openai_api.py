@@ -6,21 +6,23 @@ import dataclasses
 import hashlib
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.calibration import request_work
 from gateway.config import RESPONSE_CACHE_LEVELS, RESPONSE_CACHE_OFF, MatchSettings
+from gateway.costs import ModelFacts, Work
 from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
-from gateway.metrics import FRAMES_SEEN, RESPONSE_CACHED, reuse_label
+from gateway.metrics import FRAMES_SEEN, PLAIN, RESPONSE_CACHED, reuse_label
 from gateway.offload import lane, off_loop, on_thread
 from gateway.openai_shape import CHAT, TEXT, Shape
-from gateway.planner import REUSE_MODES, Planned
+from gateway.planner import REUSE_MODES, Planned, outcome_of
 from gateway.prompt_size import prompt_tokens_at_least
 from gateway.protocol import parse_completion_body
 from gateway.response_cache import NOT_LOOKED_UP, Answer, Asked, Found, asked, recorded, replay_stream
@@ -28,7 +30,7 @@ from gateway.services import Services
 from gateway.tenancy import Caller
 from gateway.workers import Worker
 from plan import MISS, SELECTORS, ImagePlan, RequestPlan
-from plan.outcome import PLANNED
+from plan.outcome import PLANNED, Outcome
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -111,15 +113,40 @@ async def chat_completions(request: Request) -> Any:
     def on_served(worker: Worker) -> None:
         services.planner.served(intake, worker.url)
 
+    # The worker's time to its first token, when it served this request alone: a sample of its costs (a stream's
+    # first event, or a whole answer of one token).
+    first: list[tuple[Worker, float]] = []
+    sampled = services.costs is not None and not intake.videos and \
+        (intake.params.stream or (intake.params.max_tokens or intake.params.max_completion_tokens) == 1)
     route = Route(prefer=planned.prefer, public_id=public_id, on_served=on_served,
-                  shape=Shape(CHAT, extras=config.response_extras))
+                  shape=Shape(CHAT, extras=config.response_extras),
+                  on_first=(lambda worker, seconds: first.append((worker, seconds))) if sampled else None)
 
-    async def reuse_header() -> None:
+    async def after_prefill() -> None:
+        ran = None
         if planned.kinds:
-            headers[REUSE_HEADER] = await _what_ran(services, planned, request_id)
+            headers[REUSE_HEADER], ran = await _what_ran(services, planned, request_id)
+        if first and services.costs is not None:
+            worker, seconds = first[0]
+            work, kind = _work_that_ran(services.costs.facts, intake, plan, planned.kinds, ran)
+            services.costs.observe(worker.url, work, seconds, kind=kind)
 
     return await _answer(request, services, upstream, route, stream=intake.params.stream, headers=headers,
-                         after_prefill=reuse_header, keep=_keeper(services, question, found))
+                         after_prefill=after_prefill, keep=_keeper(services, question, found))
+
+
+def _work_that_ran(model: ModelFacts, intake: IntakeResult, plan: RequestPlan | None, kinds: Sequence[str],
+                   ran: Mapping[int, Outcome] | None) -> tuple[Work, str]:
+    """The request's work as the worker ran it, and its reuse label: an image it computed as after a miss counts as
+    plain, and as a miss; images of a request planned nothing (reuse off for it) as "plain"."""
+    images, ran_as = [], []
+    for index, image in enumerate(intake.images):
+        image_plan = plan.images[index] if plan is not None and index < len(plan.images) else None
+        outcome = outcome_of(ran, index)
+        fell_back = outcome is not None and outcome.ran != PLANNED
+        images.append((image.grid.tokens, None if fell_back else image_plan))
+        ran_as.append(PLAIN if index >= len(kinds) else "miss" if fell_back else kinds[index])
+    return request_work(model, intake.text_chars, images), reuse_label(ran_as)
 
 
 def _cached_answer(request: Request, services: Services, found: Found, intake: IntakeResult,
@@ -207,21 +234,21 @@ async def _answer(request: Request, services: Services, upstream: UpstreamReques
     return JSONResponse(result, headers=headers)
 
 
-async def _what_ran(services: Services, planned: Planned, request_id: str) -> str:
-    """The reuse header from what the worker reports it ran (plan.outcome), its fallbacks counted and logged. The
-    outcome is read on a thread: a round trip to the books' server (or a small file in shared memory), which the
-    event loop must not wait on."""
+async def _what_ran(services: Services, planned: Planned, request_id: str) -> tuple[str, dict[int, Outcome] | None]:
+    """The reuse header from what the worker reports it ran (plan.outcome), its fallbacks counted and logged, and
+    the outcomes (None when the worker reported none). The outcome is read on a thread: a round trip to the books'
+    server (or a small file in shared memory), which the event loop must not wait on."""
     reported = services.outcomes is not None and planned.plan is not None and planned.plan.reported
     ran = await on_thread(services.outcomes.take, request_id) if reported and services.outcomes is not None else None
     if ran is None:
         if reported:
             services.requests.unreported.inc()
-        return planned.reuse_header()
+        return planned.reuse_header(), None
     for kind, outcome in planned.fallbacks(ran):
         services.requests.fallbacks.labels(kind, outcome.cause or "", outcome.ran).inc()
         log.warning("request %s: an image planned as %s ran as %s (%s)", request_id, kind,
                     "a full prefill" if outcome.ran != PLANNED else "planned, degraded", outcome.cause)
-    return planned.reuse_header(ran)
+    return planned.reuse_header(ran), ran
 
 
 def _requested_strategy(request: Request, settings: MatchSettings) -> str | None:

@@ -28,7 +28,8 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 @pytest.fixture(scope="module")
 def admin_gateway(workers, model_path, shared_store):
     server = run_gateway(gateway_config(model_path, [w.url for w in workers], store=shared_store,
-                                        admin_token=TOKEN, responses=ResponseCacheSettings(namespaces=("*",))))
+                                        admin_token=TOKEN, responses=ResponseCacheSettings(namespaces=("*",)),
+                                        calibrate=True))  # the workers' costs shown (plans all sent, as in tests)
     try:
         yield server
     finally:
@@ -104,6 +105,10 @@ def test_the_page_shows_live_figures_that_follow_the_requests(admin_gateway, bro
     page.wait_for_function("/exact\\s+1\\b/.test(document.querySelector('[data-testid=responses]').innerText)",
                            timeout=15000)
     assert "answers held" in page.get_by_test_id("responses").inner_text()
+    # Each worker's measured costs, once the gateway has measured it (at start), and the predictions' accuracy.
+    page.wait_for_function("(document.querySelector('[data-testid=costs]').innerText.match(/ ms/g) || []).length "
+                           f">= {5 * len(admin_gateway.config.workers)}", timeout=120000)
+    assert all(url in page.get_by_test_id("costs").inner_text() for url in admin_gateway.config.workers)
     shot = tmp_path / "operator.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 10_000

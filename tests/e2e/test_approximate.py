@@ -86,7 +86,8 @@ def test_a_restarted_gateway_still_finds_the_alias(gateway, model_path, tmp_path
     port = free_port()
     env = {**STORE_ENV, "REVISIT_MODEL": MODEL_ID, "REVISIT_MODEL_DIR": str(model_path),
            "REVISIT_WORKERS": ",".join(gateway.config.workers), "REVISIT_HEALTH_INTERVAL_S": "0.5",
-           "REVISIT_ADMIN_TOKEN": "admin-token-for-tests"}
+           "REVISIT_ADMIN_TOKEN": "admin-token-for-tests", "REVISIT_PLAN_BY_COST": "0",
+           "REVISIT_CALIBRATE": "0"}
     url = f"http://127.0.0.1:{port}"
 
     logs = []

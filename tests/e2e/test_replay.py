@@ -33,7 +33,9 @@ def embedded(tmp_path_factory):
     port, worker_port = free_port(), free_port()
     dram = Path("/dev/shm") / f"revisit-replay-{uuid.uuid4().hex[:12]}"
     env = {**os.environ, "REVISIT_STORE_DRAM_DIR": str(dram), "REVISIT_STORE_LMDB_DIR": str(logs / "lmdb"),
-           "REVISIT_ADMIN_TOKEN": TOKEN, "REVISIT_BOOKS_INTERVAL_S": "0.5"}
+           "REVISIT_ADMIN_TOKEN": TOKEN, "REVISIT_BOOKS_INTERVAL_S": "0.5",
+           # Every plan sent, whether it pays on the tiny model or not: the replay's counts of each kind are tested.
+           "REVISIT_PLAN_BY_COST": "0"}
     process = subprocess.Popen([REVISIT, "serve", "--port", str(port), "--worker-port", str(worker_port),
                                 "--log-dir", str(logs), "--log-level", "warning"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,

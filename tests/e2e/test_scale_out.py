@@ -62,7 +62,9 @@ class Host:
         env = {**self.env, "REVISIT_MODEL": MODEL_ID, "REVISIT_MODEL_DIR": str(model_path),
                "REVISIT_WORKERS": self.worker.url, "REVISIT_BOOKS_URL": books_url,  # type: ignore[attr-defined]
                "REVISIT_ADMIN_TOKEN": ADMIN_TOKEN, "REVISIT_BOOKS_INTERVAL_S": "1",
-               "REVISIT_HEALTH_INTERVAL_S": "0.5", "REVISIT_MOONCAKE_CAPACITY_BYTES": str(256 << 20)}
+               "REVISIT_HEALTH_INTERVAL_S": "0.5", "REVISIT_MOONCAKE_CAPACITY_BYTES": str(256 << 20),
+               "REVISIT_PLAN_BY_COST": "0", "REVISIT_CALIBRATE": "0"}  # the reuse paths, on a model where
+        # they do not pay, and no probes in the workers' counts
         self.gateway = start_gateway_process(
             env, self.port, log_file=self.folder / f"gateway-{time.time():.0f}.log", timeout=120,
             ready=lambda r: r.status_code == 200 and all(w["healthy"] for w in r.json()["workers"]))

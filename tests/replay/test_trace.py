@@ -152,4 +152,20 @@ def test_the_report_counts_what_the_headers_said(tmp_path):
     for name in report["plots"]:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "hit rate: exact | 30.0%" in (tmp_path / "report.md").read_text()
+    assert "predicted" not in (tmp_path / "report.md").read_text()  # a gateway that predicts nothing shows nothing
     assert json.loads((tmp_path / "report.json").read_text())["runs"][0]["images"]["total"] == 10
+
+
+def test_the_report_shows_the_gateways_predictions_and_cost_fallbacks(tmp_path):
+    results = [_result(i, ["miss"], 1.0) for i in range(3)]
+    last = {**_stats(0, 0, 3), "plans": {**_stats(0, 0, 3)["plans"], "cost_fallback": 2},
+            "worker_costs": {"workers": {}, "predicted": {
+                "miss": {"requests": 3, "predicted_over_measured": 0.91, "relative_error": 0.09}}}}
+    run = Run(settings=ReplaySettings(url="http://x"), results=results, wall_s=1.0,
+              samples=[Sample(0.0, _stats(0, 0, 0), None), Sample(1.0, last, None)])
+    summary = summarize(run)
+    assert summary["gateway"]["cost_fallbacks"] == 2
+    assert summary["gateway"]["predicted"]["miss"]["predicted_over_measured"] == 0.91
+    write_report([run], tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "cost fallbacks): 2" in text and "| miss | 3 | 0.91 | 9.0% |" in text

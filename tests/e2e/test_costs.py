@@ -1,0 +1,143 @@
+"""Each worker's costs, measured by the gateway when the worker comes up and refitted from what it serves alone."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from gateway.calibration import WorkerCosts
+from gateway.costs import FEATURES, CostModel, Costs
+from tests.conftest import gateway_config, run_gateway
+from tests.images_lib import data_url, encode, small
+
+pytestmark = pytest.mark.sglang
+
+TOKEN = "admin-token-for-costs"
+
+
+@pytest.fixture(scope="module")
+def measuring(workers, model_path):
+    """A gateway of its own in front of the session's workers, with the admin API on: it measures them anew. No
+    store (LMDB opens one environment per process: the session gateway's)."""
+    server = run_gateway(gateway_config(model_path, [w.url for w in workers], admin_token=TOKEN, calibrate=True))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def costs(gateway) -> dict:
+    services = gateway.app.state.services
+    assert services.costs is not None, "the tests' gateway knows its model's facts, so it measures its workers"
+    deadline = time.monotonic() + 120
+    while True:
+        snapshot = services.costs.snapshot()["workers"]
+        if len(snapshot) == len(gateway.config.workers) and all("costs" in s for s in snapshot.values()):
+            return snapshot
+        assert not any("error" in (s.get("calibration") or {}) for s in snapshot.values()), snapshot
+        assert time.monotonic() < deadline, f"the workers were never calibrated: {snapshot}"
+        time.sleep(0.5)
+
+
+def test_every_worker_is_measured_when_it_comes_up(measuring) -> None:
+    for url, worker in costs(measuring).items():
+        probes = worker["calibration"]["probes"]
+        assert len(probes) == 6 and all(p["seconds"] > 0 for p in probes), probes
+        assert [bool(p["work"].get("vision_patches")) for p in probes] == [False, False, False, True, True, True]
+        measured = worker["costs"]
+        assert set(measured) == set(FEATURES)
+        # Prefill and the request's own cost are what every prediction rests on: the probes must find them.
+        assert measured["token_layers"] > 0 and measured["request"] > 0, (url, measured)
+        # What the probes cannot exercise starts from the prefill: the executor's loop no cheaper than SGLang's.
+        assert measured["planned_token_layers"] >= measured["token_layers"]
+
+
+def test_the_admin_stats_show_the_costs(measuring) -> None:
+    costs(measuring)
+    stats = httpx.get(measuring.url + "/admin/stats", timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    workers = stats["worker_costs"]["workers"]
+    assert set(workers) == set(measuring.config.workers)
+    assert all(w["costs"]["token_layers"] > 0 for w in workers.values())
+
+
+def test_a_request_served_alone_is_a_sample(measuring) -> None:
+    costs(measuring)
+    services = measuring.app.state.services
+    before = sum(model.observed for model in services.costs.models.values())
+    picture = data_url(encode(small("coffee.png", (112, 112))))
+    for _ in range(2):
+        with httpx.stream("POST", measuring.url + "/v1/chat/completions", timeout=120,
+                          headers={"Authorization": "Bearer sk-costs"},
+                          json={"model": "revisit-tiny", "max_tokens": 4, "temperature": 0, "stream": True,
+                                "messages": [{"role": "user", "content": [
+                                    {"type": "image_url", "image_url": {"url": picture}},
+                                    {"type": "text", "text": "Describe it."}]}]}) as response:
+            assert response.status_code == 200
+            response.read()
+    after = sum(model.observed for model in services.costs.models.values())
+    assert after - before == 2
+    # What the costs predicted for them, before they were samples, by what ran (no store here: plain SGLang).
+    assert services.costs.accuracy()["plain"]["requests"] >= 2
+    # Not streamed and more than one token: its time is not a time to first token, so no sample.
+    httpx.post(measuring.url + "/v1/chat/completions", timeout=120, json={
+        "model": "revisit-tiny", "max_tokens": 3, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hello."}]}).raise_for_status()
+    assert sum(model.observed for model in services.costs.models.values()) == after
+    # Not streamed, one token: its answer is its first token.
+    httpx.post(measuring.url + "/v1/chat/completions", timeout=120, json={
+        "model": "revisit-tiny", "max_tokens": 1, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hello."}]}).raise_for_status()
+    assert sum(model.observed for model in services.costs.models.values()) == after + 1
+
+
+def ask(gateway, picture: str, key: str) -> str:
+    response = httpx.post(gateway.url + "/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {key}"},
+                          json={"model": "revisit-tiny", "max_tokens": 2, "temperature": 0, "messages": [
+                              {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
+                                                           {"type": "text", "text": "Describe it."}]}]})
+    assert response.status_code == 200, response.text
+    return response.headers["x-revisit-reuse"]
+
+
+def test_a_plan_predicted_not_to_pay_is_not_sent(gateway) -> None:
+    """The same stored image, once under costs where reading its K/V costs more than computing it (plain SGLang
+    then: computed, not stored again), once under costs where reading is cheap (an exact hit). On the session's
+    gateway (it holds the store), its planner given the workers' costs for the test."""
+    services = gateway.app.state.services
+    picture = data_url(encode(small("chelsea.png", (168, 168))))
+    key = f"sk-{uuid.uuid4().hex}"
+    assert ask(gateway, picture, key) == "miss"
+    wait_stored(gateway, picture, key)
+    assert gateway.config.model_facts is not None
+    costs = WorkerCosts(gateway.config.model_facts, gateway.config.model,
+                        gateway.config.processor, services.pool, services.client)
+    planner = services.planner
+    before = planner.counts["cost_fallback"]
+    try:
+        planner.costs = costs
+        dear = Costs.of(request=0.01, token_layers=1e-6, vision_patches=1e-6, read_token_layers=1.0)
+        costs.models = {url: CostModel(dear) for url in gateway.config.workers}
+        assert ask(gateway, picture, key) == "miss"
+        assert planner.counts["cost_fallback"] == before + 1
+        cheap = Costs.of(request=0.01, token_layers=1e-3, vision_patches=1e-3, read_token_layers=1e-9)
+        costs.models = {url: CostModel(cheap) for url in gateway.config.workers}
+        assert ask(gateway, picture, key) == "exact_same_prefix"
+        assert planner.counts["cost_fallback"] == before + 1
+    finally:
+        planner.costs = None
+
+
+def wait_stored(gateway, picture: str, key: str) -> None:
+    """Until the worker has stored the image (its key from a request that plans nothing)."""
+    image_key = httpx.post(gateway.url + "/v1/chat/completions", timeout=120, headers={
+        "Authorization": f"Bearer {key}", "x-revisit-reuse-mode": "off"}, json={
+        "model": "revisit-tiny", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": picture}}]}]}).headers["x-revisit-image-keys"]
+    store = gateway.app.state.services.cache.store
+    deadline = time.monotonic() + 60
+    while not store.contains(image_key):
+        assert time.monotonic() < deadline, "the worker never stored the entry"
+        time.sleep(0.2)

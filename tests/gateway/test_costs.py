@@ -1,0 +1,160 @@
+"""The cost model: least squares with no negative cost, pulled toward its prior where the samples say nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from gateway.costs import (
+    FEATURES,
+    CostModel,
+    Costs,
+    ModelFacts,
+    Work,
+    fit,
+    image_work,
+    nnls,
+    partial_pass_tokens,
+    text_work,
+)
+from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, EXACT, FULL_PASS, MISS, PARTIAL_PASS, ImagePlan
+
+TRUE = Costs.of(request=0.05, token_layers=2e-5, planned_token_layers=2.6e-5, vision_patches=1e-4,
+                vision_pairs=0.8, read_token_layers=1e-6, planned_images=0.004)
+
+
+def plain(tokens: int, layers: int = 28, image_tokens: int = 0) -> Work:
+    return Work(token_layers=tokens * layers) + (Work.vision(4 * image_tokens) if image_tokens else Work(request=0))
+
+
+def exact(text: int, image_tokens: int, layers: int = 28) -> Work:
+    return Work(token_layers=text * layers, read_token_layers=image_tokens * layers, planned_images=1)
+
+
+def approximate(image_tokens: int, changed: float, layers: int = 28, warmup: int = 3, share: float = 0.3) -> Work:
+    computed = image_tokens * (warmup + (layers - warmup) * share)
+    return Work(token_layers=20 * layers, planned_token_layers=computed,
+                read_token_layers=image_tokens * (layers - warmup), planned_images=1) + \
+        Work.vision(int(4 * image_tokens * changed))
+
+
+def samples(rng: random.Random, n: int, noise: float = 0.03) -> list[tuple[Work, float]]:
+    out = []
+    for _ in range(n):
+        tokens = rng.choice([64, 256, 1024, 2304])
+        work = rng.choice([plain(20 + tokens, image_tokens=tokens), plain(rng.randint(10, 2000)),
+                           exact(20, tokens), approximate(tokens, rng.uniform(0.02, 0.4))])
+        out.append((work, TRUE.seconds(work) * (1 + rng.gauss(0, noise))))
+    return out
+
+
+def test_nnls_matches_least_squares_when_unconstrained_and_clips_otherwise() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.random((40, 4))
+    x = np.array([1.0, 2.0, 0.5, 3.0])
+    assert np.allclose(nnls(a, a @ x), x, atol=1e-8)
+    y = a @ np.array([1.0, -2.0, 0.5, 3.0])
+    solved = nnls(a, y)
+    assert (solved >= 0).all() and solved[1] == 0.0
+    # The optimum under the constraint: no feasible step improves on it.
+    residual = np.linalg.norm(a @ solved - y)
+    for _ in range(200):
+        assert np.linalg.norm(a @ np.maximum(solved + rng.normal(0, 0.05, 4), 0) - y) >= residual - 1e-9
+
+
+def test_fit_recovers_the_costs_that_made_the_samples() -> None:
+    data = samples(random.Random(1), 300)
+    prior = Costs.of(**{name: 3 * cost for name, cost in TRUE.as_dict().items()})  # a prior 3x off everywhere
+    fitted = fit([w.vector() for w, _ in data], [s for _, s in data], prior=prior)
+    held_out = samples(random.Random(2), 100, noise=0.0)
+    errors = [abs(fitted.seconds(w) - s) / s for w, s in held_out]
+    assert max(errors) < 0.08, max(errors)
+    # The costs the samples pin down (vision's two terms trade off over four image sizes; a plan's few ms hide
+    # among seconds): the predictions above are what the planner uses.
+    for name in ("token_layers", "planned_token_layers", "read_token_layers"):
+        assert fitted.as_dict()[name] == pytest.approx(TRUE.as_dict()[name], rel=0.15), name
+
+
+def test_a_cost_the_samples_never_exercise_keeps_its_prior() -> None:
+    rng = random.Random(3)
+    only_plain = [(w, s) for w, s in samples(rng, 400) if not w.planned_images][:60]
+    prior = Costs.of(**{**TRUE.as_dict(), "planned_token_layers": 5e-5, "read_token_layers": 3e-6})
+    fitted = fit([w.vector() for w, _ in only_plain], [s for _, s in only_plain], prior=prior).as_dict()
+    assert fitted["planned_token_layers"] == pytest.approx(5e-5, rel=1e-6)
+    assert fitted["read_token_layers"] == pytest.approx(3e-6, rel=1e-6)
+    assert fitted["token_layers"] == pytest.approx(2e-5, rel=0.1)
+
+
+def test_the_model_refits_as_samples_come_and_reports_its_error() -> None:
+    model = CostModel(Costs.of(**{name: 2 * cost for name, cost in TRUE.as_dict().items()}), refit_every=16)
+    work = approximate(1024, 0.05)
+    before = abs(model.predict(work) - TRUE.seconds(work)) / TRUE.seconds(work)
+    for w, s in samples(random.Random(4), 160):
+        model.observe(w, s)
+    after = abs(model.predict(work) - TRUE.seconds(work)) / TRUE.seconds(work)
+    assert before > 0.9 and after < 0.1, (before, after)
+    snapshot = model.snapshot()
+    assert snapshot["samples"] == 160 and snapshot["relative_error"]["median"] < 0.05
+    model.observe(work, float("nan"))
+    model.observe(work, -1.0)
+    assert model.observed == 160
+
+
+def test_costs_refuse_what_cannot_be_a_cost() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        Costs.of(gpu_seconds=1.0)
+    with pytest.raises(ValueError, match="negative"):
+        Costs.of(request=-1.0)
+    with pytest.raises(ValueError, match="one cost per feature"):
+        Costs((1.0,))
+    assert len(Work().vector()) == len(FEATURES)
+
+
+# --- the work of each plan, counted from the plan alone ---
+
+KEY, ALIAS = "a" * 64, "b" * 64
+SHAPE = ModelFacts(layers=28)
+
+
+def test_a_miss_and_plain_sglang_compute_every_layer_and_the_whole_tower() -> None:
+    for plan in (None, ImagePlan(key=KEY, strategy=MISS, tokens=64, grid=(8, 8))):
+        work = image_work(plan, SHAPE, 64)
+        # Its rows attend over half the prompt on average: here the image alone, 64 tokens.
+        assert work.as_dict() == {"token_layers": 64 * 28, "attention_pairs": 0.057, "vision_patches": 256,
+                                  "vision_pairs": 0.066}
+    in_a_prompt = image_work(None, SHAPE, 64, context=1000)
+    assert in_a_prompt.attention_pairs == pytest.approx(64 * 28 * 500 / 1e6)
+    text = text_work(100, SHAPE)
+    assert (text.request, text.token_layers, text.attention_pairs) == (1.0, 2800, pytest.approx(2800 * 50 / 1e6))
+
+
+def test_an_exact_hit_reads_every_layer_and_recomputes_its_ratios() -> None:
+    same = image_work(ImagePlan(key=KEY, strategy=EXACT, tokens=64, grid=(8, 8)), SHAPE, 64)
+    assert same.as_dict() == {"read_token_layers": 64 * 28, "planned_images": 1}
+    moved = image_work(ImagePlan(key=KEY, strategy=EXACT, tokens=64, grid=(8, 8), ratios=(0.5,) + (0.05,) * 27),
+                       SHAPE, 64)
+    assert moved.planned_token_layers == 32 + 27 * 3 and moved.read_token_layers == 64 * 28
+
+
+def test_an_approximate_hit_counts_warmup_budget_reads_and_the_partial_pass() -> None:
+    change_map = "=" * 64
+    change_map = change_map[:9] + "x" + change_map[10:]  # token (1, 1) changed
+    reuse = tuple(i for i in range(64) if i != 9)
+    plan = ImagePlan(key=KEY, strategy=APPROXIMATE, tokens=64, grid=(8, 8), alias=ALIAS, change_map=change_map,
+                     warmup_layers=3, reuse=reuse, recompute_share=0.25, selector=ATTENTION_ONLY,
+                     vision=PARTIAL_PASS)
+    work = image_work(plan, SHAPE, 64)
+    assert work.planned_token_layers == 64 * 3 + 16 * 25  # ceil(0.25 x 64) = 16 rows after the warmup
+    assert work.read_token_layers == 63 * 25
+    # The ring around (1, 1) spans rows and columns 0-2: windows (0, 0) only, 4 x 4 tokens.
+    assert partial_pass_tokens(plan, SHAPE) == 16 and work.vision_patches == 64
+    assert partial_pass_tokens(plan, ModelFacts(layers=28, window_tokens=None)) == 9
+    full = image_work(dataclasses.replace(plan, vision=FULL_PASS), SHAPE, 64)
+    assert full.vision_patches == 256
+    many_changed = dataclasses.replace(plan, change_map="x" * 20 + change_map[20:], reuse=tuple(range(20, 64)))
+    assert image_work(many_changed, SHAPE, 64).planned_token_layers == 64 * 3 + 20 * 25  # forced over the budget
+    blend = dataclasses.replace(plan, selector=CACHEBLEND, reuse=tuple(range(64)))
+    assert image_work(blend, SHAPE, 64).read_token_layers == 64 * 28  # CacheBlend reads from layer 0
