@@ -1,9 +1,10 @@
 """Model building and training: the project's bundled vision-language models, built offline from recipes.
 
 Two architectures (Qwen2.5-VL and Qwen3-VL) in two sizes: ``tiny`` for tests and ``bench`` for
-timing (and a Qwen2.5-VL ``deep``: a real model's depth and head layout at a narrow width, for timing reuse), with a locally trained tokenizer and deterministic random weights; and two small Qwen2.5-VL
-readers whose weights were trained here to read panels (bundled.reader) and are committed: ``reader`` and
-``oracle``, whose answers come from late-layer image KV.
+timing (and a Qwen2.5-VL ``deep``: a real model's depth and head layout at a narrow width, for timing reuse), with
+a locally trained tokenizer and deterministic random weights; and two small Qwen2.5-VL readers whose weights were
+trained here to read panels (bundled.reader) and are committed: ``reader`` and ``oracle``, whose answers come from
+late-layer image KV.
 Nothing is downloaded. Neither the gateway nor the engine extension imports this package; the launcher's
 worker command and ``revisit serve`` build a bundled model before starting workers on it.
 
