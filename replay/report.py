@@ -6,7 +6,8 @@ Figures per run (one per reuse mode with ``--compare``):
   planned) and by what was planned, and the hit
   rates: exact, approximate, either; per workload family too;
 - time to first token and latency, p50 / p95 / mean, per request kind (the kind its images got, "mixed" when they
-  differ, "none" without images or with reuse off);
+  differ, "none" without images or with reuse off), and time to first token per prompt size (``SIZE_BUCKETS``, by
+  the prompt tokens the worker counted: a request's images are most of them), side by side across runs;
 - the gateway's own counts over the same run (``/admin/stats`` sampled before, during and after): its plans, which
   must equal what the headers said when nothing else used the gateway meanwhile, and the tier traffic: hits per
   tier, promotions, demotions, admissions and evictions.
@@ -31,6 +32,9 @@ from replay.runner import PLAIN, Run
 KINDS = ("miss", "exact_same_prefix", "exact_moved", "approximate", PLAIN)
 EXACT = ("exact_same_prefix", "exact_moved")
 WINDOW = 50  # images per point of the hit-rate plot
+# Prompt sizes in tokens: (label, at least, under).
+SIZE_BUCKETS = (("< 128", 0, 128), ("128-511", 128, 512), ("512-1023", 512, 1024), ("1024-2047", 1024, 2048),
+                (">= 2048", 2048, 1 << 62))
 
 
 def request_kind(reuse: Sequence[str]) -> str:
@@ -94,6 +98,9 @@ def summarize(run: Run) -> dict[str, Any]:
         "latency_s": {kind: _spread([r.latency_s for r in rs if r.latency_s is not None])
                       for kind, rs in by_kind.items()},
         "ttft_all_s": _spread([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttft_by_size_s": {label: _spread([r.ttft_s for r in ok if r.ttft_s is not None and r.prompt_tokens is not None
+                                           and low <= r.prompt_tokens < high])
+                           for label, low, high in SIZE_BUCKETS},
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
         "cached_tokens": sum(r.cached_tokens or 0 for r in ok),
     }
@@ -153,6 +160,11 @@ def markdown(report: dict[str, Any]) -> str:
         row(f"hit rate: {rate}", [f"{r['hit_rate'][rate]:.1%}" for r in runs])
     row("TTFT p50 / p95 (ms)", [f"{_ms(r['ttft_all_s']['p50'])} / {_ms(r['ttft_all_s']['p95'])}" for r in runs])
     row("prompt tokens cached by SGLang", [f"{r['cached_tokens']} of {r['prompt_tokens']}" for r in runs])
+    for label, _, _ in SIZE_BUCKETS:
+        spreads = [r.get("ttft_by_size_s", {}).get(label, {}) for r in runs]
+        if any(spread.get("n") for spread in spreads):
+            row(f"TTFT p50 / p95 (ms), prompts of {label} tokens",
+                [f"{_ms(s_.get('p50'))} / {_ms(s_.get('p95'))} (n {s_.get('n', 0)})" for s_ in spreads])
     for r in runs:
         lines += ["", f"## Mode {r['mode']}", "", "| request kind | n | TTFT p50 ms | TTFT p95 ms | latency p50 ms |",
                   "|---|---|---|---|---|"]

@@ -143,6 +143,8 @@ def test_the_report_counts_what_the_headers_said(tmp_path):
     assert summary["requests"] == 11 and summary["ok"] == 10 and summary["failed"] == {"413": 1}
     assert summary["hit_rate"] == {"exact": 0.3, "approximate": 0.1, "any": 0.4}
     assert summary["ttft_s"]["exact_same_prefix"]["p50"] == pytest.approx(0.1)
+    # Every request here has 100 prompt tokens: one size bucket holds them all.
+    assert summary["ttft_by_size_s"]["< 128"]["n"] == 10 and summary["ttft_by_size_s"]["128-511"]["n"] == 0
     assert summary["gateway"]["plans"] == {"miss": 6, "exact_same_prefix": 3, "exact_moved": 0, "approximate": 1}
     assert summary["images"]["ran"]["plain"] == 0
     assert summary["gateway"]["plans_match_headers"]
@@ -153,6 +155,8 @@ def test_the_report_counts_what_the_headers_said(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "hit rate: exact | 30.0%" in (tmp_path / "report.md").read_text()
     assert "predicted" not in (tmp_path / "report.md").read_text()  # a gateway that predicts nothing shows nothing
+    assert "TTFT p50 / p95 (ms), prompts of < 128 tokens | 1000 / 1000 (n 10) |" in (tmp_path / "report.md").read_text()
+    assert "prompts of 128-511 tokens" not in (tmp_path / "report.md").read_text()  # empty buckets left out
     assert json.loads((tmp_path / "report.json").read_text())["runs"][0]["images"]["total"] == 10
 
 
