@@ -9,11 +9,14 @@ import math
 import uuid
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from gateway.cache import CacheManager
+from gateway.calibration import WorkerCosts
 from gateway.config import GatewayConfig, MatchSettings, PolicySettings, ProcessorSettings, ReuseSettings
+from gateway.costs import CostModel, Costs, ModelFacts
 from gateway.images import canonicalize
 from gateway.intake import IntakeResult
 from gateway.matching.align import CHANGED
@@ -21,6 +24,7 @@ from gateway.matching.matcher import Matcher
 from gateway.matching.plans import approximate_plan, plan_against
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
+from gateway.workers import WorkerPool
 from plan import (
     APPROXIMATE,
     ATTENTION_ONLY,
@@ -256,3 +260,28 @@ def test_with_the_cluster_or_the_books_away_requests_are_planned_nothing_at_once
     finally:
         manager.close()
         cluster.stop()
+
+
+def test_a_near_duplicate_predicted_not_to_pay_is_planned_as_a_storing_miss(cache) -> None:
+    """With a worker's costs known, an approximate plan is sent only where it is predicted to beat plain SGLang;
+    otherwise the image is a miss that stores it (so its next sight is exact), counted as a cost fallback."""
+    manager, matcher = cache
+    client = httpx.AsyncClient()
+    costs = WorkerCosts(ModelFacts(layers=8, kv_bytes_per_token_layer=64), "m", PROCESSOR,
+                        WorkerPool([], client, interval_s=1.0, timeout_s=1.0), client)
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8), matcher, costs)
+    a = aligned("page.png", 10, 16)
+    first = plan(planner, a, "ns")
+    store_like_a_worker(manager, first.plan.images[0].key, (10, 16))  # type: ignore[union-attr]
+    near = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24))
+    assert plan(planner, near, "ns").kinds == ("approximate",)  # no worker measured yet: every plan is sent
+    # The executor's layer loop dear, SGLang's prefill and the tower cheap: reuse does not pay.
+    costs.models["http://worker"] = CostModel(Costs.of(token_layers=1e-7, vision_patches=1e-7,
+                                                       planned_token_layers=1e-3))
+    refused = plan(planner, near, "ns")
+    assert refused.kinds == ("miss",) and refused.plan is not None and refused.plan.images[0].store
+    assert planner.counts["cost_fallback"] == 1
+    # The other way round: reuse pays.
+    costs.models["http://worker"] = CostModel(Costs.of(token_layers=1e-3, vision_patches=1e-3,
+                                                       planned_token_layers=1e-3, read_token_layers=1e-9))
+    assert plan(planner, near, "ns").kinds == ("approximate",) and planner.counts["cost_fallback"] == 1
