@@ -241,8 +241,8 @@ def test_the_gateway_takes_an_outcome_off_the_event_loop():
     async def answer():
         return await _what_ran(services, planned, "r1"), threading.current_thread()  # type: ignore[arg-type]
 
-    header, loop_thread = asyncio.run(answer())
-    assert header == "hit" and seen["thread"] is not loop_thread
+    (header, ran), loop_thread = asyncio.run(answer())
+    assert header == "hit" and ran == {0: Outcome(PLANNED)} and seen["thread"] is not loop_thread
 
 
 # ---- with the right secret everything works ---------------------------------------------------
