@@ -214,18 +214,19 @@ _DEEP_TEXT = TextSpec(
     rope_theta=1_000_000.0,
     mrope_section=(2, 3, 3),  # the 7B's (16, 24, 24) at an eighth
 )
-# The vision tower's real depth (32 blocks, full attention at 7, 15, 23, 31) at the width that keeps a real 7B's
-# ratio of decoder to vision work per image token (about 2.6 : 1 in multiply-adds: 4 patches of a ~0.67B tower per
-# token of a ~7B decoder); its MLP the real tower's multiple (2.67x) of its width.
-_DEEP_VISION = VisionSpec(
+# The vision tower of every Qwen2.5-VL release (3B to 72B): 32 blocks of width 1280.
+_QWEN2_5_VL_VISION = VisionSpec(
     depth=32,
-    hidden_size=160,
-    num_heads=5,
-    intermediate_size=432,
+    hidden_size=1280,
+    num_heads=16,
+    intermediate_size=3420,
     patch_size=14,
     fullatt_block_indexes=(7, 15, 23, 31),
     window_size=112,
 )
+# That tower at the width that keeps a real 7B's ratio of decoder to vision work per image token (about 2.6 : 1 in
+# multiply-adds: 4 patches of a ~0.67B tower per token of a ~7B decoder); its MLP the same multiple (2.67x) of it.
+_DEEP_VISION = dataclasses.replace(_QWEN2_5_VL_VISION, hidden_size=160, num_heads=5, intermediate_size=432)
 
 RECIPES: dict[tuple[str, str], ModelRecipe] = {
     (QWEN2_5_VL, TINY): ModelRecipe(
@@ -243,7 +244,6 @@ RECIPES: dict[tuple[str, str], ModelRecipe] = {
             window_size=112,
         ),
     ),
-    # The vision tower of every Qwen2.5-VL release (3B to 72B): 32 blocks of width 1280.
     (QWEN2_5_VL, BENCH): ModelRecipe(
         arch=QWEN2_5_VL,
         size=BENCH,
@@ -252,15 +252,7 @@ RECIPES: dict[tuple[str, str], ModelRecipe] = {
         # attention need more than 21 GB.
         max_image_tokens=2304,
         text=_BENCH_TEXT,
-        vision=VisionSpec(
-            depth=32,
-            hidden_size=1280,
-            num_heads=16,
-            intermediate_size=3420,
-            patch_size=14,
-            fullatt_block_indexes=(7, 15, 23, 31),
-            window_size=112,
-        ),
+        vision=_QWEN2_5_VL_VISION,
     ),
     (QWEN2_5_VL, DEEP): ModelRecipe(
         arch=QWEN2_5_VL,
