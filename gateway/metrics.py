@@ -107,6 +107,7 @@ def planner_stats(planner: Planner) -> dict:
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/admin", "/dashboard")
 COMPLETING = ENDPOINTS[:2]  # the endpoints that run the model: their latency is labelled by reuse
+STREAM_END = b"data: [DONE]\n\n"  # the last event of an OpenAI stream, as the gateway relays it
 NO_IMAGE = "none"  # the reuse label of a request without images or videos
 PLAIN = "plain"  # ... of one whose images were planned nothing (reuse off for it): plain SGLang
 MIXED = "mixed"  # ... of one whose images were planned as different kinds, or that has images and videos
@@ -203,9 +204,13 @@ class RequestTimer:
             if message["type"] == "http.response.start":
                 status.append(message["status"])
             elif message["type"] == "http.response.body":
-                if not first and message.get("body"):
+                body = message.get("body", b"")
+                if not first and body:
                     first.append(time.perf_counter())
-                ended = not message.get("more_body", False)
+                # A stream's last event sent is its end, as the dispatcher counts it: a client that leaves as soon
+                # as it has read it (OpenAI's client does) was served all the same, whether or not the empty frame
+                # after it still reaches it.
+                ended = not message.get("more_body", False) or body.endswith(STREAM_END)
             await send(message)
 
         failed: BaseException | None = None
