@@ -28,17 +28,15 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Sequence
 
 import httpx
 import numpy as np
 from PIL import Image
 
 from gateway.config import ProcessorSettings
-from gateway.costs import CostModel, Costs, ModelFacts, Work, fit, image_work, text_tokens, text_work
+from gateway.costs import FEATURES, CostModel, Costs, ModelFacts, Work, fit, image_work, text_work
 from gateway.images import token_grid
 from gateway.workers import Worker, WorkerPool
-from plan import ImagePlan
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +47,6 @@ _TEXT_PROBES = (1, 40, 170)  # words (about seven tokens each)
 _IMAGE_PROBES = (8, 16, 24)  # token grid sides: vision is quadratic on CPU, so three sizes
 _PROBE_TIMEOUT_S = 600.0
 PREDICTIONS_KEPT = 1024
-
-
-def request_work(model: ModelFacts, text_chars: int, images: Sequence[tuple[int, ImagePlan | None]]) -> Work:
-    """A chat request's work: its text (``text_chars``) and each image (its tokens, and the plan it ran under: None
-    for plain SGLang or a fallback to a full prefill)."""
-    text = text_tokens(text_chars)
-    context = text + sum(tokens for tokens, _ in images)
-    work = text_work(text, model, context)
-    for tokens, plan in images:
-        work = work + image_work(plan, model, tokens, context)
-    return work
 
 
 class WorkerCosts:
@@ -213,7 +200,8 @@ def calibrated(samples: list[tuple[Work, float]], facts: ModelFacts) -> Costs:
     per_token_layer = max((long_s - short_s) / max(long.token_layers - short.token_layers, 1.0), 1e-9)
     request = max(short_s - short.token_layers * per_token_layer, 1e-4)
     line = Costs.of(request=request, token_layers=per_token_layer)
-    costs = fit([w.vector() for w, _ in samples], [s for _, s in samples], prior=line, prior_weight=0.05).as_dict()
+    fitted = fit([w.vector() for w, _ in samples], [s for _, s in samples], prior=line, prior_weight=0.05)
+    costs = dict(zip(FEATURES, fitted.per_unit, strict=True))
     effective = max(costs["token_layers"], per_token_layer / 4)  # never free, whatever the fit traded for attention
     return Costs.of(request=costs["request"], token_layers=costs["token_layers"],
                     attention_pairs=costs["attention_pairs"], vision_patches=costs["vision_patches"],

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -296,6 +296,17 @@ def image_work(plan: ImagePlan | None, model: ModelFacts, tokens: int, context: 
                 read_token_layers=len(plan.reuse) * (layers - first_read), planned_images=1)
     encoded = partial_pass_tokens(plan, model) if plan.vision == PARTIAL_PASS else tokens
     return work + Work.vision(encoded * model.patches_per_token)
+
+
+def request_work(model: ModelFacts, text_chars: int, images: Sequence[tuple[int, ImagePlan | None]]) -> Work:
+    """A chat request's work: its text (``text_chars``) and each image (its tokens, and the plan it ran under: None
+    for plain SGLang or a fallback to a full prefill)."""
+    text = text_tokens(text_chars)
+    context = text + sum(tokens for tokens, _ in images)
+    work = text_work(text, model, context)
+    for tokens, plan in images:
+        work = work + image_work(plan, model, tokens, context)
+    return work
 
 
 def partial_pass_tokens(plan: ImagePlan, model: ModelFacts) -> int:

@@ -13,9 +13,8 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.calibration import request_work
 from gateway.config import RESPONSE_CACHE_LEVELS, RESPONSE_CACHE_OFF, MatchSettings
-from gateway.costs import ModelFacts, Work
+from gateway.costs import ModelFacts, Work, request_work
 from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult

@@ -11,6 +11,7 @@ import pytest
 from gateway.calibration import WorkerCosts
 from gateway.costs import FEATURES, CostModel, Costs
 from tests.conftest import gateway_config, run_gateway
+from tests.e2e.test_reuse import wait_stored
 from tests.images_lib import data_url, encode, small
 
 pytestmark = pytest.mark.sglang
@@ -93,13 +94,13 @@ def test_a_request_served_alone_is_a_sample(measuring) -> None:
     assert sum(model.observed for model in services.costs.models.values()) == after + 1
 
 
-def ask(gateway, picture: str, key: str) -> str:
+def ask(gateway, picture: str, key: str) -> httpx.Headers:
     response = httpx.post(gateway.url + "/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {key}"},
                           json={"model": "revisit-tiny", "max_tokens": 2, "temperature": 0, "messages": [
                               {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
                                                            {"type": "text", "text": "Describe it."}]}]})
     assert response.status_code == 200, response.text
-    return response.headers["x-revisit-reuse"]
+    return response.headers
 
 
 def test_a_plan_predicted_not_to_pay_is_not_sent(gateway) -> None:
@@ -109,8 +110,9 @@ def test_a_plan_predicted_not_to_pay_is_not_sent(gateway) -> None:
     services = gateway.app.state.services
     picture = data_url(encode(small("chelsea.png", (168, 168))))
     key = f"sk-{uuid.uuid4().hex}"
-    assert ask(gateway, picture, key) == "miss"
-    wait_stored(gateway, picture, key)
+    first = ask(gateway, picture, key)
+    assert first["x-revisit-reuse"] == "miss"
+    wait_stored(gateway, first["x-revisit-image-keys"])
     assert gateway.config.model_facts is not None
     costs = WorkerCosts(gateway.config.model_facts, gateway.config.model,
                         gateway.config.processor, services.pool, services.client)
@@ -120,24 +122,11 @@ def test_a_plan_predicted_not_to_pay_is_not_sent(gateway) -> None:
         planner.costs = costs
         dear = Costs.of(request=0.01, token_layers=1e-6, vision_patches=1e-6, read_token_layers=1.0)
         costs.models = {url: CostModel(dear) for url in gateway.config.workers}
-        assert ask(gateway, picture, key) == "miss"
+        assert ask(gateway, picture, key)["x-revisit-reuse"] == "miss"
         assert planner.counts["cost_fallback"] == before + 1
         cheap = Costs.of(request=0.01, token_layers=1e-3, vision_patches=1e-3, read_token_layers=1e-9)
         costs.models = {url: CostModel(cheap) for url in gateway.config.workers}
-        assert ask(gateway, picture, key) == "exact_same_prefix"
+        assert ask(gateway, picture, key)["x-revisit-reuse"] == "exact_same_prefix"
         assert planner.counts["cost_fallback"] == before + 1
     finally:
         planner.costs = None
-
-
-def wait_stored(gateway, picture: str, key: str) -> None:
-    """Until the worker has stored the image (its key from a request that plans nothing)."""
-    image_key = httpx.post(gateway.url + "/v1/chat/completions", timeout=120, headers={
-        "Authorization": f"Bearer {key}", "x-revisit-reuse-mode": "off"}, json={
-        "model": "revisit-tiny", "max_tokens": 1, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": picture}}]}]}).headers["x-revisit-image-keys"]
-    store = gateway.app.state.services.cache.store
-    deadline = time.monotonic() + 60
-    while not store.contains(image_key):
-        assert time.monotonic() < deadline, "the worker never stored the entry"
-        time.sleep(0.2)
