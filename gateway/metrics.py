@@ -82,8 +82,8 @@ class PlannerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = planner_stats(self._planner)
         plans = CounterMetricFamily("revisit_plans", "Images planned, by kind (miss, exact_same_prefix, exact_moved, "
-                                    "approximate), and lookups that were near misses, guard fallbacks or cost "
-                                    "fallbacks.",
+                                    "approximate), exact plans on derived entries (derived_hit), and lookups "
+                                    "that were near misses, guard fallbacks or cost fallbacks.",
                                     labels=["kind"])
         for kind, count in sorted(stats["plans"].items()):
             plans.add_metric([kind], count)
@@ -95,7 +95,8 @@ class PlannerCollector(Collector):
 
 def planner_stats(planner: Planner) -> dict:
     """The planner's counts and the match index's size (call on the cache thread, where they change)."""
-    plans = {kind: 0 for kind in (*KINDS, "near_miss", "guard_fallback", "cost_fallback", "store_unavailable")}
+    plans = {kind: 0 for kind in (*KINDS, "derived_hit", "near_miss", "guard_fallback", "cost_fallback",
+                                  "store_unavailable")}
     plans.update(planner.counts)
     matcher = planner.matcher
     return {"plans": plans, "matching": {"enabled": matcher is not None,

@@ -19,10 +19,13 @@ approximate plan predicted to take no less time than computing the image as plai
 image is computed instead: an approximate candidate as a miss (so it is stored, and its next sight is exact), an
 exact one without storing (its entry is there). Counted as "cost_fallback".
 
-Every new image is indexed for approximate matching (its features persist beside the store): a miss's entry is
-stored by its worker. An image planned as approximate is stored only when its worker had to run it as a full
-prefill (its alias gone or damaged: the KV is then exact); otherwise nothing is stored, and its index record,
-never backed by an entry, is dropped once the pending grace has passed and a lookup finds it.
+A miss is indexed for approximate matching (its features persist beside the store): its entry is stored by its
+worker. An image planned as approximate leaves a derived entry (its worker stores the K/V it computed, marked with
+the alias: store.entry.EntryHeader.derived_from), so that its next sight is an exact hit; a derived entry is never
+an alias (errors would compound), so such an image is not indexed. Without derived entries (``derive`` off), an
+approximate image is indexed and stored only when its worker had to run it as a full prefill (its alias gone or
+damaged: the KV is then exact); otherwise its index record, never backed by an entry, is dropped once the
+pending grace has passed and a lookup finds it. Derived entries found by a lookup (from an older index) leave it.
 
 The planner learns about entries from the store itself: a worker writes an entry after the miss that planned it,
 recording the plan's prefix digest in it, and the next plan that finds it in the store admits it to the policy
@@ -70,7 +73,8 @@ KINDS = ("miss", "exact_same_prefix", "exact_moved", "approximate")  # what each
 # What a request lets the planner reuse (the x-revisit-reuse-mode request header): everything, exact hits only, or
 # nothing (plain SGLang; nothing is stored). A client can only ask for less than the gateway's settings allow.
 REUSE_MODES = ("all", "exact", "off")
-# Also counted: "admitted" (entries found in the store and taken into the books), "near_miss" (candidates compared
+# Also counted: "admitted" (entries found in the store and taken into the books), "derived_hit" (exact plans whose
+# entry is a derived one: an approximate hit's K/V), "near_miss" (candidates compared
 # but none similar enough), "guard_fallback" (a match planned as a miss: too much changed), "cost_fallback" (an exact
 # or approximate plan not sent: predicted no faster than plain SGLang), "store_unavailable" (requests planned nothing
 # because the store or the shared books did not answer).
@@ -82,14 +86,17 @@ class Planned:
     prefer: str | None  # worker URL to prefer, if any
     kinds: tuple[str, ...]  # per image, one of KINDS
     similarities: tuple[float | None, ...] = ()  # per image: an approximate plan's match score
+    derived: tuple[bool, ...] = ()  # per image: an exact plan's entry is a derived one (an approximate hit's K/V)
 
     def reuse_header(self, ran: Mapping[int, Outcome] | None = None) -> str:
         """Per image, what ran: ``miss``, ``exact_same_prefix``, ``exact_moved`` or ``approximate;similarity=0.9731``
-        (rounded down: a near-duplicate never reads as 1) when the worker ran the plan, with ``;degraded=<cause>``
+        (rounded down: a near-duplicate never reads as 1) when the worker ran the plan, an exact kind with
+        ``;derived`` when its entry holds an approximate hit's K/V, with ``;degraded=<cause>``
         when some of it was computed instead; ``miss;planned=<kind>;fallback=<cause>`` when the worker had to
         compute the image as after a miss (plan.outcome.CAUSES). Without ``ran`` (the worker reported nothing),
         what was planned."""
         parts = []
+        derived = self.derived or (False,) * len(self.kinds)
         for index, (kind, similarity) in enumerate(zip(self.kinds, self.similarities or (None,) * len(self.kinds),
                                                        strict=True)):
             outcome = outcome_of(ran, index)
@@ -97,6 +104,7 @@ class Planned:
                 parts.append(f"miss;planned={kind};fallback={outcome.cause}")
                 continue
             part = kind if similarity is None else f"{kind};similarity={similarity:.4f}"
+            part += ";derived" if derived[index] else ""
             parts.append(part if outcome is None or outcome.cause is None else f"{part};degraded={outcome.cause}")
         return ",".join(parts)
 
@@ -136,9 +144,8 @@ class Planner:
         costs = self._costs_for(next((self._holder[image.key] for image in intake.images
                                       if image.key in self._holder), None))
         try:
-            plans, kinds, similarities = await self.cache.run(self._plan_images, intake,
-                                                              strategy or self.settings.match.strategy, mode == "all",
-                                                              costs)
+            plans, kinds, similarities, derived = await self.cache.run(
+                self._plan_images, intake, strategy or self.settings.match.strategy, mode == "all", costs)
         except (StoreError, BooksError) as exc:
             # The shared tier or the shared books did not answer: the request runs as in plain SGLang (nothing
             # reused, nothing stored) rather than not at all.
@@ -147,7 +154,7 @@ class Planner:
             return Planned(None, self._video_holder(intake), ())
         prefer = next((self._holder[image.key] for image, kind in zip(intake.images, kinds, strict=True)
                        if kind != "miss" and image.key in self._holder), None) or self._video_holder(intake)
-        return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds), tuple(similarities))
+        return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds), tuple(similarities), tuple(derived))
 
     def _video_holder(self, intake: IntakeResult) -> str | None:
         return next((self._holder[video.key] for video in intake.videos if video.key in self._holder), None)
@@ -173,24 +180,26 @@ class Planner:
 
     def _plan_images(self, intake: IntakeResult, strategy: str, approximate: bool = True,
                      costs: CostModel | None = None) -> \
-            tuple[list[ImagePlan], list[str], list[float | None]]:
+            tuple[list[ImagePlan], list[str], list[float | None], list[bool]]:
         """The cache thread's part of plan()."""
         plans: list[ImagePlan] = []
         kinds: list[str] = []
         similarities: list[float | None] = []
+        derived: list[bool] = []
         context = text_tokens(intake.text_chars) + sum(image.grid.tokens for image in intake.images)
         for image, prefix_digest in zip(intake.images, intake.prefix_digests, strict=True):
             grid = (image.grid.rows, image.grid.cols)
-            stored_digest = self._stored_prefix_digest(image.key)
+            stored = self._stored(image.key)
             similarities.append(None)
-            if stored_digest is None:
+            derived.append(False)
+            if stored is None:
                 plan = self._plan_new(image, prefix_digest, intake.namespace, strategy, approximate, costs, context)
                 plans.append(plan)
                 kinds.append(plan.strategy)
                 if plan.strategy != MISS:
                     similarities[-1] = plan.similarity
                 continue
-            same = stored_digest == prefix_digest
+            same = stored.prefix_digest == prefix_digest
             ratios = () if same else self.settings.ratios
             if ratios is None:
                 # Moving the image needs per-layer ratios, which need the model's layer count: recompute it all.
@@ -206,9 +215,11 @@ class Planner:
                 continue
             plans.append(exact)
             kinds.append("exact_same_prefix" if same else "exact_moved")
+            derived[-1] = stored.derived
+            self.counts["derived_hit"] += stored.derived
             self.cache.record_exact_hit(image.key)
         self.counts.update(kinds)
-        return plans, kinds, similarities
+        return plans, kinds, similarities, derived
 
     def _plan_new(self, image: CanonicalImage, prefix_digest: str, namespace: str, strategy: str,
                   approximate: bool = True, costs: CostModel | None = None, context: int = 0) -> ImagePlan:
@@ -225,18 +236,19 @@ class Planner:
             return miss
         lookup = self.matcher.lookup(namespace, image.key, image.features)
         alias = self._usable_alias(lookup.matches)
-        self.matcher.add(image.key, namespace, image.features)
-        if alias is None:
-            if lookup.near_miss:
-                self.counts["near_miss"] += 1
-            return miss
-        plan = approximate_plan(alias, image.features.entropy, key=image.key, grid=grid, prefix_digest=prefix_digest,
-                                settings=self.settings.match, strategy=strategy, layers=self.settings.layers)
-        if plan is None:
+        plan = None if alias is None else approximate_plan(
+            alias, image.features.entropy, key=image.key, grid=grid, prefix_digest=prefix_digest,
+            settings=self.settings.match, strategy=strategy, layers=self.settings.layers)
+        if alias is None and lookup.near_miss:
+            self.counts["near_miss"] += 1
+        elif alias is not None and plan is None:
             self.counts["guard_fallback"] += 1
+        if plan is None or not self._pays(plan, costs, context):
+            self.matcher.add(image.key, namespace, image.features)
             return miss
-        if not self._pays(plan, costs, context):
-            return miss
+        if not plan.derive:  # stored only if its worker runs it as a full prefill: indexed, pending until then
+            self.matcher.add(image.key, namespace, image.features)
+        assert alias is not None
         self.cache.record_approximate_hit(alias.alias)
         return plan
 
@@ -253,9 +265,10 @@ class Planner:
         is gone, and not merely still being written by a worker, leave the index."""
         assert self.matcher is not None
         for match in matches:
-            if self._stored_prefix_digest(match.alias) is not None:
+            stored = self._stored(match.alias)
+            if stored is not None and not stored.derived:
                 return match
-            if not self.matcher.is_pending(match.alias):
+            if stored is not None or not self.matcher.is_pending(match.alias):
                 self.matcher.remove(match.alias)
         return None
 
@@ -264,9 +277,9 @@ class Planner:
         for key in [image.key for image in intake.images] + [video.key for video in intake.videos]:
             _remember(self._holder, key, worker_url)
 
-    def _stored_prefix_digest(self, key: str) -> str | None:
-        """The prefix digest recorded in the entry stored under key ("" when unknown), or None when no usable entry
-        is stored; admits entries workers wrote since the last look. Cache thread only."""
+    def _stored(self, key: str) -> Stored | None:
+        """What the entry stored under key records (its prefix digest, "" when unknown; whether it is derived), or
+        None when no usable entry is stored; admits entries workers wrote since the last look. Cache thread only."""
         store = self.cache.store
         assert store is not None  # planning is enabled only with a store
         in_books = key in self.cache.policy
@@ -276,13 +289,21 @@ class Planner:
                 self.cache.drop(key)
             return None
         with header:
-            stored_digest = header.header.prefix_digest
+            stored = Stored(header.header.prefix_digest, header.header.derived)
         if in_books:
-            return stored_digest
+            return stored
         if not self.cache.take_in([key]).restored:  # no room for it anywhere (then removed), or gone since
             return None
         self.counts["admitted"] += 1
-        return stored_digest
+        return stored
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What the planner reads of a stored entry's header."""
+
+    prefix_digest: str  # the prompt's digest before the image when the entry was made; "" when unknown
+    derived: bool  # its K/V were computed by an approximate plan (never an alias)
 
 
 def _remember(mapping: OrderedDict, key: str, value) -> None:

@@ -114,11 +114,21 @@ class Report:
     tallies: dict[str, dict[str, Tally]] = dataclasses.field(
         default_factory=lambda: defaultdict(lambda: defaultdict(Tally)))
     seconds: float = 0.0
+    # gateway: (approximate hit right, its repeat right) -> pairs, for B's first question asked twice
+    repeats: Counter[tuple[bool, bool]] = dataclasses.field(default_factory=Counter)
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "seconds": round(self.seconds, 1),
                 "results": {name: {kind: tally.as_dict() for kind, tally in kinds.items()}
-                            for name, kinds in self.tallies.items()}}
+                            for name, kinds in self.tallies.items()},
+                **({"repeats": self.repeat_summary()} if self.repeats else {})}
+
+    def repeat_summary(self) -> dict[str, int]:
+        """Of the approximate hits asked again: how many each was right, and how many the repeat got worse."""
+        return {"asked": sum(self.repeats.values()),
+                "approximate_right": sum(n for (hit, _), n in self.repeats.items() if hit),
+                "repeat_right": sum(n for (_, again), n in self.repeats.items() if again),
+                "repeat_worse": self.repeats[(True, False)]}
 
     def table(self) -> str:
         lines = [f"{'':22} {'changed: right':>15} {'changed: stale':>15} {'unchanged: right':>17} {'asked':>7}"]
@@ -268,7 +278,10 @@ async def ask(client, model: str, question: Question) -> tuple[str, str]:
 async def evaluate_gateway(client, model: str, pairs: Sequence[Pair], *, pause_s: float = 0.0,
                            settle: Callable[[], Awaitable[None]] | None = None,
                            progress: Callable[[int, int], None] | None = None) -> Report:
-    """Per pair: A about its changed field (caches A), B about the changed field, B about an unchanged one.
+    """Per pair: A about its changed field (caches A); B about the changed field and about an unchanged one, in
+    turn first (the first sight of B is the near-duplicate: approximate, where the gateway plans so; the second
+    finds what that left, a derived entry); then B's first question again, tallied as "B again", and compared
+    with B's first answer in ``repeats`` when that was approximate (a repeat must answer no worse).
 
     Between answers, ``settle`` is awaited when given (it should return once the worker's background store write of
     the last new image has landed), else ``pause_s`` is slept: otherwise the next question about that image may be
@@ -280,11 +293,19 @@ async def evaluate_gateway(client, model: str, pairs: Sequence[Pair], *, pause_s
         key = pair.changed[0]
         answer, reuse = await ask(client, model, field(pair.cached, key))
         report.tallies[f"A: {reuse}"][CHANGED].add(answer, pair.cached.value(key))
-        for kind, key in pair.questions():
+        questions = pair.questions() if done % 2 else pair.questions()[::-1]
+        first: tuple[str, str] | None = None  # B's first answer and its reuse
+        for kind, key in (*questions, questions[0]):
             await (settle() if settle is not None else asyncio.sleep(pause_s))
             answer, reuse = await ask(client, model, field(pair.asked, key))
             stale = pair.cached.value(key) if kind == CHANGED else None
-            report.tallies[f"B: {reuse}"][kind].add(answer, pair.asked.value(key), stale)
+            right = pair.asked.value(key)
+            report.tallies[f"{'B again' if first and key == questions[0][1] else 'B'}: {reuse}"][kind].add(
+                answer, right, stale)
+            if first is None:
+                first = answer, reuse
+            elif key == questions[0][1] and first[1] == "approximate":
+                report.repeats[(first[0] == right, answer == right)] += 1
         if progress:
             progress(done, len(pairs))
     report.seconds = time.perf_counter() - started
@@ -367,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"full-prefill accuracy, {args.questions} fresh {kind} questions: {100 * rate:.1f}%")
     print(f"{len(pairs)} pairs, {args.changes} field(s) changed, {report.seconds:.0f} s")
     print(report.table())
+    if report.repeats:
+        repeats = report.repeat_summary()
+        print(f"approximate hits asked again: {repeats['asked']}; right the first time {repeats['approximate_right']}, "
+              f"again {repeats['repeat_right']}, right then wrong again {repeats['repeat_worse']}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"accuracy": accuracy, "questions_per_kind": args.questions, **report.as_dict()}, handle,

@@ -108,7 +108,10 @@ class ImagePlan:
     selector: str = ENTROPY_AWARE  # approximate: the strategy (baselines are chosen per request for evaluation)
     vision: str = FULL_PASS  # approximate: the vision pass, full or partial (see the module docstring)
     store: bool = True  # whether the worker writes the entry when it computes the image exactly (a miss, or an
-    # approximate plan it had to run as a full prefill); approximately computed KV is never stored
+    # approximate plan it had to run as a full prefill)
+    derive: bool = False  # approximate: whether the worker stores the K/V it computed approximately as a derived
+    # entry (store.entry.EntryHeader.derived_from), so that the image's next sight is an exact hit; it does only
+    # where nothing was dropped (D empty: the entry then holds exactly the K/V the request attended to)
     prefix_digest: str = ""  # the gateway's digest of the prompt before the image; the worker records it in the entry
 
     def __post_init__(self) -> None:
@@ -137,9 +140,9 @@ class ImagePlan:
             self._check_alignment()
         elif (self.alias is not None or self.alias_grid is not None or self.reuse or self.recompute_share
               or self.warmup_layers or self.change_map or self.shift != (0, 0) or self.similarity
-              or self.vision != FULL_PASS):
+              or self.vision != FULL_PASS or self.derive):
             raise PlanError("alias, alias_grid, shift, change_map, similarity, reuse, recompute_share, "
-                            "warmup_layers and a partial vision pass belong to approximate plans")
+                            "warmup_layers, a partial vision pass and derive belong to approximate plans")
         if self.vision not in VISION_PASSES:
             raise PlanError(f"vision must be one of {VISION_PASSES}, got {self.vision!r}")
 

@@ -91,6 +91,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "speed": run.settings.speed, "concurrency": run.settings.concurrency,
         "requests": len(results), "ok": len(ok), "failed": dict(statuses), "wall_s": run.wall_s,
         "images": {"ran": {k: ran[k] for k in KINDS}, "planned": {k: planned[k] for k in KINDS},
+                   "derived": sum(r.derived for r in ok),
                    "total": sum(ran.values())},
         "hit_rate": _rates(ran),
         "hit_rate_by_family": {family: _rates(kinds) for family, kinds in sorted(families.items())},
@@ -156,6 +157,7 @@ def markdown(report: dict[str, Any]) -> str:
     row("images", [str(r["images"]["total"]) for r in runs])
     for kind in KINDS:
         row(f"images: {kind}", [str(r["images"]["ran"][kind]) for r in runs])
+    row("images: exact on a derived entry", [str(r["images"].get("derived", 0)) for r in runs])
     for rate in ("exact", "approximate", "any"):
         row(f"hit rate: {rate}", [f"{r['hit_rate'][rate]:.1%}" for r in runs])
     row("TTFT p50 / p95 (ms)", [f"{_ms(r['ttft_all_s']['p50'])} / {_ms(r['ttft_all_s']['p95'])}" for r in runs])

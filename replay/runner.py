@@ -62,6 +62,7 @@ class Result:
     latency_s: float | None = None
     reuse: list[str] = field(default_factory=list)  # per image, what ran (x-revisit-reuse's kinds; PLAIN without)
     planned: list[str] = field(default_factory=list)  # per image, what was planned (a fallback's planned=)
+    derived: int = 0  # images that ran as exact hits on a derived entry (an earlier approximate hit's K/V)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     error: str = ""
@@ -253,9 +254,11 @@ def _read_usage(result: Result, usage: Any) -> None:
 
 
 def _read_reuse(result: Result, header: str) -> None:
-    """x-revisit-reuse: per image ``kind[;similarity=..][;degraded=..]`` or ``miss;planned=kind;fallback=cause``."""
+    """x-revisit-reuse: per image ``kind[;similarity=..][;derived][;degraded=..]`` or
+    ``miss;planned=kind;fallback=cause``."""
     for part in filter(None, header.split(",")):
         fields = part.split(";")
+        result.derived += "derived" in fields
         planned = next((f.split("=", 1)[1] for f in fields[1:] if f.startswith("planned=")), fields[0])
         result.reuse.append(fields[0])
         result.planned.append(planned)

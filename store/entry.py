@@ -31,6 +31,7 @@ one key when it is put, and every read checks the seal for the key it reads.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -48,6 +49,7 @@ PREFIX = struct.Struct("<4sHHIIQQQQ32s")
 HEADER_XXH3_OFFSET = 40
 MAC_OFFSET = 48
 DATA_ALIGN = 64
+_DERIVED_FROM = re.compile(r"(?:[0-9a-f]{64})?")
 
 # dtype name (torch spelling) -> numpy dtype that stores it; bfloat16 travels as its raw 16 bits
 DTYPES: dict[str, np.dtype] = {
@@ -83,7 +85,7 @@ class ByteRange(NamedTuple):
 
 @dataclass(frozen=True, kw_only=True)
 class EntryHeader:
-    """What an entry describes, and (derived) where every byte of it lies."""
+    """What an entry describes, and (computed from that) where every byte of it lies."""
 
     model_id: str
     grid: tuple[int, int]  # (rows, cols) of image tokens after merging
@@ -98,10 +100,21 @@ class EntryHeader:
     # The gateway's digest of the prompt before the image when the entry was made (gateway/intake.py
     # prefix_digests); empty when unknown. At most 256 characters.
     prefix_digest: str = ""
+    # A derived entry's KV were computed approximately (an approximate hit's, stored so that the image's next sight
+    # is exact): ``derived_from`` names the entry they were computed from (its alias), ``derivation`` the plan that
+    # computed them (selector, W, R/B counts, vision pass), at most 256 characters. Both empty for an entry whose KV
+    # are what a full prefill computes (a miss's). No derived entry is ever an alias itself (errors would compound).
+    derived_from: str = ""
+    derivation: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix_digest, str) or len(self.prefix_digest) > 256:
             raise EntryFormatError("prefix_digest must be a string of at most 256 characters")
+        if not isinstance(self.derived_from, str) or not _DERIVED_FROM.fullmatch(self.derived_from):
+            raise EntryFormatError("derived_from must be empty or a 64-character lowercase hex key")
+        if not isinstance(self.derivation, str) or len(self.derivation) > 256 or (
+                bool(self.derivation) and not self.derived_from):
+            raise EntryFormatError("derivation must be a string of at most 256 characters, given with derived_from")
         _itemsize(self.kv_dtype)
         _itemsize(self.encoder_dtype)
         if min(self.num_layers, self.kv_heads, self.head_dim) < 1 or min(self.grid) < 1:
@@ -116,6 +129,10 @@ class EntryHeader:
     @property
     def num_tokens(self) -> int:
         return len(self.positions) // self.position_dims
+
+    @property
+    def derived(self) -> bool:
+        return bool(self.derived_from)
 
     def positions_array(self) -> np.ndarray:
         """(T, position_dims) int32."""
@@ -150,6 +167,9 @@ class EntryHeader:
         }
         if self.prefix_digest:
             meta["prefix_digest"] = self.prefix_digest
+        if self.derived_from:
+            meta["derived_from"] = self.derived_from
+            meta["derivation"] = self.derivation
         return json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
 
     @cached_property
@@ -224,6 +244,8 @@ class Entry:
         kv_dtype: str | None = None,
         encoder_dtype: str | None = None,
         prefix_digest: str = "",
+        derived_from: str = "",
+        derivation: str = "",
         seal: EntrySeal = PUBLIC,
     ) -> Entry:
         """Build an entry from numpy arrays or CPU/GPU torch tensors (copied to host), its checksums under ``seal``
@@ -247,7 +269,7 @@ class Entry:
                              num_layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                              positions=tuple(positions_np.reshape(-1).tolist()), position_dims=positions_np.shape[1],
                              encoder_shape=tuple(int(d) for d in enc_np.shape), encoder_dtype=enc_dtype,
-                             prefix_digest=prefix_digest)
+                             prefix_digest=prefix_digest, derived_from=derived_from, derivation=derivation)
         buf = bytearray(header.total_nbytes)
         kv = np.frombuffer(buf, dtype=DTYPES[k_dtype], offset=header.kv_offset).reshape(
             tokens, layers, 2, kv_heads, head_dim)  # (T, L, 2, H, D)
@@ -344,7 +366,8 @@ def parse_header(buf: memoryview, *, key: str | None = None, seal: EntrySeal = P
                              num_layers=meta["num_layers"], kv_heads=meta["kv_heads"], head_dim=meta["head_dim"],
                              positions=tuple(positions.tolist()), encoder_shape=tuple(meta["encoder_shape"]),
                              encoder_dtype=meta["encoder_dtype"],
-                             position_dims=meta["position_dims"], prefix_digest=meta.get("prefix_digest", ""))
+                             position_dims=meta["position_dims"], prefix_digest=meta.get("prefix_digest", ""),
+                             derived_from=meta.get("derived_from", ""), derivation=meta.get("derivation", ""))
     except (ValueError, KeyError, TypeError, EntryFormatError) as exc:
         raise DamagedEntryError(f"unreadable metadata: {exc}") from exc
     if header.header_nbytes != header_n or header.total_nbytes != total_n:

@@ -11,8 +11,9 @@ score each image token (``score``, engine_ext.selection; under chunked prefill, 
 are not all in one extend, every extend of the image ranks without the question, so all decide the same sets); at
 layer W (``select``) the selection decides R (computed on), B (the alias' K/V, handed to the layers through
 exact.ReusedKV) and D (hidden from every query at layers >= W, here, in the request's later extends and in each of
-its decode steps: ``hidden_in``). Nothing computed this way is stored: it is not
-what a full prefill computes. Whatever cannot run as planned runs as a full prefill of the image, and is counted.
+its decode steps: ``hidden_in``). What was computed this way is not what a full prefill computes: it is stored
+only as a derived entry (the executor's ``_derivable``), and only where nothing was dropped (``dropped``).
+Whatever cannot run as planned runs as a full prefill of the image, and is counted.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class ApproximateHits:
     def hiding(self, rids) -> bool:
         """Whether a batch of these requests holds one whose prefill dropped tokens."""
         return bool(self._hidden) and any(rid in self._hidden for rid in rids or ())
+
+    def dropped(self, rows: ImageRows) -> bool:
+        """Whether the request's prefill dropped any of this image's tokens (in any of its extends so far)."""
+        return any(bool(((positions >= rows.start) & (positions < rows.stop)).any())
+                   for _, positions in self._hidden.get(rows.rid, ()))
 
     def hidden_in(self, rids) -> list[tuple[int, int, torch.Tensor]]:
         """(sequence, from layer, prompt positions) of each request's dropped tokens, for a decode step."""

@@ -41,11 +41,12 @@ class StoredImage:
 
 
 def to_entry(model_id: str, grid: tuple[int, int], image: StoredImage, prefix_digest: str = "",
-             seal: EntrySeal = PUBLIC) -> Entry:
-    """The entry of a stored image, its checksums under ``seal`` (the store's, which seals it for its key on put)."""
+             seal: EntrySeal = PUBLIC, derived_from: str = "", derivation: str = "") -> Entry:
+    """The entry of a stored image, its checksums under ``seal`` (the store's, which seals it for its key on put);
+    ``derived_from``/``derivation`` for K/V an approximate plan computed (store.entry.EntryHeader)."""
     return Entry.from_arrays(model_id=model_id, grid=grid, positions=image.positions.T.contiguous(),
                              encoder_output=image.encoder, k=image.k.permute(0, 2, 1, 3), v=image.v.permute(0, 2, 1, 3),
-                             prefix_digest=prefix_digest, seal=seal)
+                             prefix_digest=prefix_digest, derived_from=derived_from, derivation=derivation, seal=seal)
 
 
 def _tensor(array: np.ndarray, dtype_name: str) -> torch.Tensor:

@@ -89,6 +89,8 @@ EVENTS = {
     "vision_partial_tokens": "tokens (summed over images) the partial vision passes encoded",
     "vision_partial_failed": "partial vision passes that could not run (the full pass ran instead)",
     "stored": "entries written to the store after a miss",
+    "derived_stored": "derived entries written: the K/V an approximate plan computed, marked with its alias",
+    "derive_skipped": "approximate images not stored as derived entries because some of their tokens were dropped",
     "store_failed": "entries that could not be written",
     "capture_skipped": "misses whose encoder output SGLang no longer held, so nothing was stored",
     "outcome_failed": "requests whose outcome (what ran) could not be left for the gateway",

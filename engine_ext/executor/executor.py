@@ -11,8 +11,9 @@ For each extend batch, the executor reads the plan each request carries in its i
            row and score the image tokens by the question's attention; at layer W the plan's selector decides R
            (computed on), B (the alias' K/V, keys turned per M-RoPE axis) and D (hidden from every query at layers
            >= W, in prefill and in each decode step, which the executor then runs itself); with a partial vision
-           pass the tower runs over only the tokens whose pixels differ (executor.approximate). Nothing computed
-           this way is stored.
+           pass the tower runs over only the tokens whose pixels differ (executor.approximate). With the plan's
+           ``derive``, and where nothing was dropped, the K/V the request attended to (and the encoder output it
+           was computed from) are stored as a derived entry naming the alias, so the image's next sight is exact.
 
 The decoder of a forward with reused rows runs here, layer by layer (``_layers``, shared by exact, approximate and
 decode steps), each row computed only at the layers its depth gives it (offline.reference is the ground truth for
@@ -131,7 +132,9 @@ class PlanExecutor:
         images = [(rows, plans[rows.rid].images[rows.index]) for rows in
                   locate(forward_batch, get_req_to_token_pool().req_to_token)
                   if rows.rid in plans and self._fits(rows, plans[rows.rid])]
-        captures, reuse, approximate = [], [], []
+        captures: list[tuple[ImageRows, ImagePlan, torch.Tensor, bool]] = []  # (rows, plan, positions, derived)
+        reuse: list[ReuseSpan] = []
+        approximate: list[ApproximateSpan] = []
         for rows, plan in images:
             try:
                 if plan.strategy in (EXACT, APPROXIMATE) and not rows.in_extend:
@@ -150,7 +153,7 @@ class PlanExecutor:
                     approximate.append(self.approximate.prepare(rows, plan, forward_batch))
                     self._begun.add((rows.rid, rows.index))
                     self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
-                    continue  # computed approximately: never stored
+                    continue  # computed approximately: stored after the forward, as derived, when it may be
             except FullPrefill as fallback:
                 self.ran.fell_back(rows, plan, fallback)
             if plan.strategy == MISS:
@@ -159,21 +162,41 @@ class PlanExecutor:
                     self.events.add("miss")
             # once per request and image: a later chunk of the same request finds the image complete again
             if (plan.store or plan.strategy == EXACT) and rows.complete and self._captured.add((rows.rid, rows.index)):
-                positions = rows.positions
-                if positions is None and rows.whole_in_extend:
-                    positions = forward_batch.mrope_positions[:, rows.batch_rows].clone()
-                if positions is not None:
-                    captures.append((rows, plan, positions))
+                self._will_capture(captures, rows, plan, forward_batch)
         try:
             if reuse or approximate or hiding:
                 out = self._forward_with_reuse(input_ids, forward_batch, reuse, approximate)
             else:
                 out = run_model()
+            for span in approximate:  # after the forward (its selection), before its composed encoder output goes
+                if self._derivable(span):
+                    self._will_capture(captures, span.rows, span.plan, forward_batch, derived=True)
+            for rows, plan, positions, derived in captures:
+                self._capture(rows, plan, positions, derived=derived)
         finally:
             self.approximate.forget_composed()
-        for rows, plan, positions in captures:
-            self._capture(rows, plan, positions)
         return out
+
+    def _will_capture(self, captures: list[tuple[ImageRows, ImagePlan, torch.Tensor, bool]], rows: ImageRows,
+                      plan: ImagePlan, forward_batch, *, derived: bool = False) -> None:
+        """Add the image to what is stored after the forward, where its positions are known."""
+        positions = rows.positions
+        if positions is None and rows.whole_in_extend:
+            positions = forward_batch.mrope_positions[:, rows.batch_rows].clone()
+        if positions is not None:
+            captures.append((rows, plan, positions, derived))
+
+    def _derivable(self, span: ApproximateSpan) -> bool:
+        """Whether an approximate image's K/V are stored as a derived entry: the plan asks for it, the image is
+        complete with this extend, and none of its tokens was dropped (a dropped token's K/V are hidden, not
+        computed: an exact hit on them would attend to what the approximate hit did not)."""
+        rows, plan = span.rows, span.plan
+        if not plan.derive or not rows.complete or not self._captured.add((rows.rid, rows.index)):
+            return False
+        if self.approximate.dropped(rows):
+            self.events.add("derive_skipped")
+            return False
+        return True
 
     def _plans(self, rids) -> dict[str, RequestPlan]:
         plans = {}
@@ -307,9 +330,9 @@ class PlanExecutor:
 
     # --- misses ---
 
-    def _capture(self, rows: ImageRows, plan: ImagePlan, positions: torch.Tensor) -> None:
+    def _capture(self, rows: ImageRows, plan: ImagePlan, positions: torch.Tensor, *, derived: bool = False) -> None:
         """Copy the image's K/V out of the pool now (every rank's heads, gathered); build and store the entry on
-        the writer thread (the first rank's)."""
+        the writer thread (the first rank's). ``derived``: the K/V were computed approximately (plan's alias)."""
         from sglang.srt.managers import mm_schedule
         from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
@@ -333,21 +356,25 @@ class PlanExecutor:
         if k.is_cuda:  # the copies run on SGLang's forward stream; the writer copies to the host on another
             copied = torch.cuda.Event()
             copied.record()
-        self._writer.submit(self._write, plan, image, copied)
+        self._writer.submit(self._write, plan, image, copied, derived)
 
-    def _write(self, plan: ImagePlan, image: StoredImage, copied: torch.cuda.Event | None = None) -> None:
+    def _write(self, plan: ImagePlan, image: StoredImage, copied: torch.cuda.Event | None = None,
+               derived: bool = False) -> None:
         if copied is not None:
             copied.synchronize()
         try:
             store = self.context.store
-            entry = to_entry(self.context.shape.model_id, plan.grid, image, plan.prefix_digest, seal=store.seal)
+            entry = to_entry(self.context.shape.model_id, plan.grid, image, plan.prefix_digest, seal=store.seal,
+                             derived_from=(plan.alias or "") if derived else "",
+                             derivation=derivation(plan) if derived else "")
             size = store.put(plan.key, entry)
         except Exception:
             log.exception("revisit: storing %s failed", plan.key)
             self.events.add("store_failed")
             return
-        self.events.add("stored")
-        log.info("revisit: stored %s (%d tokens, %d bytes)", plan.key[:16], image.tokens, size)
+        self.events.add("derived_stored" if derived else "stored")
+        log.info("revisit: stored %s%s (%d tokens, %d bytes)", plan.key[:16],
+                 f" derived from {(plan.alias or '')[:16]}" if derived else "", image.tokens, size)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for pending store writes (tests, shutdown)."""
@@ -357,6 +384,12 @@ class PlanExecutor:
 
 # What keep_off_graph sets: a decode batch with an embedding override never replays a graph.
 _OFF_GRAPH = torch.empty(0)
+
+
+def derivation(plan: ImagePlan) -> str:
+    """What a derived entry records of the approximate plan that computed it."""
+    return (f"selector={plan.selector};warmup={plan.warmup_layers};rho={plan.recompute_share:.4f};"
+            f"reused={len(plan.reuse)}/{plan.tokens};vision={plan.vision};similarity={plan.similarity:.4f}")
 
 
 def _scope_items(forward_batch, plans: dict[str, RequestPlan], scoped: Marks) -> None:

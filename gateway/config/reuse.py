@@ -42,7 +42,8 @@ class MatchSettings:
     ``strategy`` is the default selector (plan.SELECTORS); a request may name another in the ``x-revisit-strategy``
     header only when ``allow_strategy_header``. ``vision_pass`` is where approximate plans take the new image's
     encoder output from (plan.VISION_PASSES): ``partial`` runs the vision tower over the changed tokens and their
-    margin only, the alias' stored output elsewhere; ``full`` over the whole image.
+    margin only, the alias' stored output elsewhere; ``full`` over the whole image. ``derive``: the worker stores
+    what an approximate plan computed as a derived entry (store.entry.EntryHeader.derived_from).
     """
 
     enabled: bool = True
@@ -69,6 +70,9 @@ class MatchSettings:
     strategy: str = ATTENTION_ONLY
     allow_strategy_header: bool = False
     vision_pass: str = PARTIAL_PASS
+    # Approximate hits leave a derived entry (the K/V the hit computed, marked with its alias), so the image's next
+    # sight is exact; never where the selector dropped tokens, and never an alias itself.
+    derive: bool = True
     # Entries of one grid searched by a plain scan; an HNSW graph past it. Measured (bench/matching.py, coarse stage
     # alone): the scan is faster up to about 10k entries (0.8 ms against 1.3), the graph at 100k (1.3 ms against 7.7).
     scan_limit: int = 16384

@@ -57,7 +57,7 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
                      alias=match.alias, alias_grid=match.alias_features.grid, shift=alignment.shift,
                      change_map=alignment.change_map, similarity=math.floor(alignment.similarity * 1e4) / 1e4,
                      reuse=tuple(int(i) for i in reuse), warmup_layers=warmup, recompute_share=round(share, 4),
-                     selector=strategy, vision=settings.vision_pass)
+                     selector=strategy, vision=settings.vision_pass, derive=settings.derive)
 
 
 def plan_against(features: TokenFeatures, alias_features: TokenFeatures, *, alias: str, key: str,

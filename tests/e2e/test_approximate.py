@@ -1,7 +1,7 @@
 """Approximate matching through the gateway, with the real openai client and real SGLang CPU workers: a
 near-duplicate of a stored image is planned as approximate and executed so by the workers (alias K/V reused,
-nothing stored), another tenant's near-duplicate is not, and a restarted gateway (a real ``revisit gateway``
-process over the same store) still finds the alias."""
+what it computed stored as a derived entry, which its next sight hits exactly), another tenant's near-duplicate
+is not, and a restarted gateway (a real ``revisit gateway`` process over the same store) still finds the alias."""
 
 from __future__ import annotations
 
@@ -65,17 +65,22 @@ def test_a_near_duplicate_is_approximate_for_its_tenant_only(gateway) -> None:
     kind, _, similarity = headers["x-revisit-reuse"].partition(";similarity=")
     assert kind == "approximate" and 0.9 <= float(similarity) < 1.0
     assert reply.choices[0].message.content is not None and reply.id.startswith("chatcmpl-")
-    done = executed(gateway, before, approximate_executed=1)
+    done = executed(gateway, before, approximate_executed=1, derived_stored=1)
     # The worker encoded only the changed tokens and their margin (the default partial vision pass; the alias'
-    # encoder output elsewhere), ran the warmup, reused the alias' K/V for B, and stored nothing: what it computed
-    # is not what a full prefill computes.
+    # encoder output elsewhere), ran the warmup, reused the alias' K/V for B, and stored what it computed as a
+    # derived entry (not what a full prefill computes, and marked so), never as a miss's entry.
     assert (done["approximate_executed"], done["approximate_fallback"], done["vision_images"]) == (1, 0, 0)
     assert done["vision_partial_images"] == 1 and 0 < done["vision_partial_tokens"] < 96
     assert done["approximate_rows_reused"] > 0 and done["approximate_rows_recomputed"] > 0
-    time.sleep(1.0)
-    assert worker_events(gateway.config.workers)["stored"] == before["stored"]
+    assert (done["stored"], done["derived_stored"]) == (0, 1)
     assert plans_metric(gateway.url, "approximate") == approximate_before + 1
     assert gateway.app.state.services.policy.get(first_key).approximate_hits == 1
+    # Its next sight is an exact hit on the derived entry, answering as the approximate hit did.
+    derived_before = plans_metric(gateway.url, "derived_hit")
+    headers, again = ask(gateway.url, me, page(2))
+    assert headers["x-revisit-reuse"] == "exact_same_prefix;derived"
+    assert again.choices[0].message.content == reply.choices[0].message.content
+    assert plans_metric(gateway.url, "derived_hit") == derived_before + 1
 
     headers, _ = ask(gateway.url, them, page(3))
     assert headers["x-revisit-reuse"] == "miss"  # their near-duplicate of my page: never my cache

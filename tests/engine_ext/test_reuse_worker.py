@@ -25,6 +25,7 @@ from engine_ext.executor import read
 from launcher import WorkerProcess, WorkerSpec, start_worker
 from offline.reference import EncoderOutput, Fresh, ImageKV, ReferenceModel, Reuse, prefill, uniform
 from plan import (
+    ATTENTION_ONLY,
     CACHEBLEND,
     ENTROPY_AWARE,
     EXACT,
@@ -386,6 +387,55 @@ def test_an_approximate_hit_executes_as_the_reference_does(pair: Pair, seen: dic
     assert text_of(served) == model.processor.tokenizer.decode(tokens, skip_special_tokens=True)
     if selector == ENTROPY_AWARE:
         assert len(chosen.drop) and "Traceback" not in log
+
+
+def test_an_approximate_hit_is_stored_as_a_derived_entry_and_its_repeat_answers_as_it_did(
+    pair: Pair, seen: dict, picture: Image.Image
+) -> None:
+    """What an approximate hit computed (nothing dropped) is stored as a derived entry naming its alias: the K/V
+    and encoder output the reference computes for the plan; the image's next sight, an exact hit on it, answers
+    as the approximate hit did. A selector that drops tokens leaves no entry."""
+    from offline.reference.approximate import execute, partial_encoder
+    from tests.conftest import worker_events
+
+    model, image = pair.model, edited(picture, 90)  # a box no other test drew: SGLang's encoder cache lacks it
+    prompt = model.prompt([APPROXIMATE_PREAMBLE, image, QUESTION])
+    plan = dataclasses.replace(gateway_plan(pair, seen["key"], picture, image, seen["grid"], ATTENTION_ONLY),
+                               vision=PARTIAL_PASS, key=key_for(f"{pair.arch}-derived"))
+    assert plan.derive  # the gateway's default
+    alias = stored_as_reference(pair, seen["key"], seen["prompt"])
+    encoder, _ = partial_encoder(model, prompt, plan, alias)
+    approximate, chosen = execute(model, prompt, plan, encoder, alias)
+    assert not len(chosen.drop) and len(chosen.reuse)
+    reference = prefill(model, prompt, [approximate])
+    flush(pair.b)
+    served = chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), plan_rid=rid(plan), tokens=8)
+    wait_stored(pair, plan.key)
+    store = pair.store()
+    try:
+        with store.get_sparse(plan.key, [], (0, 1)) as head:  # type: ignore[union-attr]
+            assert head.header.derived_from == seen["key"]
+            assert f"selector={ATTENTION_ONLY}" in head.header.derivation
+    finally:
+        store.close()
+    entry = stored_as_reference(pair, plan.key, prompt)
+    span = prompt.images[0]
+    for layer in range(model.num_layers):
+        assert (entry.k[layer] - reference.state.k[layer][span.start : span.stop]).abs().max() < 2e-4
+        assert (entry.v[layer] - reference.state.v[layer][span.start : span.stop]).abs().max() < 2e-4
+    assert (entry.encoder.flat() - encoder.flat()).abs().max() < 1e-4
+    flush(pair.a)
+    repeat = chat(pair.a, content(APPROXIMATE_PREAMBLE, image, QUESTION), tokens=8, plan_rid=rid(
+        ImagePlan(key=plan.key, strategy=EXACT, tokens=plan.tokens, grid=plan.grid)))
+    assert text_of(repeat) == text_of(served) and top5(repeat) == pytest.approx(top5(served), abs=1e-5)
+    # entropy_aware drops tokens: what the hit attended to is not a whole image's K/V, so nothing is stored
+    dropping = dataclasses.replace(gateway_plan(pair, seen["key"], picture, image, seen["grid"], ENTROPY_AWARE),
+                                   vision=FULL_PASS, key=key_for(f"{pair.arch}-derived-dropping"))
+    before = worker_events([pair.b.url])
+    flush(pair.b)
+    chat(pair.b, content(APPROXIMATE_PREAMBLE, image, QUESTION), plan_rid=rid(dropping), tokens=1)
+    events = worker_events([pair.b.url]) - before
+    assert events["derive_skipped"] == 1 and events["derived_stored"] == 0 and not pair.store().contains(dropping.key)
 
 
 def test_an_approximate_plan_whose_alias_is_gone_runs_as_a_full_prefill_and_stores(

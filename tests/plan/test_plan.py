@@ -34,7 +34,7 @@ def test_request_plan_round_trips_through_json() -> None:
         ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, warmup_layers=3, reuse=(4, 1),
                   recompute_share=0.3, change_map="=~x=~=", similarity=0.93),
         ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, alias_grid=(3, 3), shift=(-1, 0),
-                  change_map="==x===", reuse=(0, 2, 5), selector=VLCACHE, vision=PARTIAL_PASS),
+                  change_map="==x===", reuse=(0, 2, 5), selector=VLCACHE, vision=PARTIAL_PASS, derive=True),
     ))
     wire = plan.to_json()
     assert " " not in wire and json.loads(wire)["version"] == PLAN_VERSION
@@ -45,6 +45,7 @@ def test_request_plan_round_trips_through_json() -> None:
     assert not RequestPlan(images=(ImagePlan(key=A, strategy=MISS, tokens=64, grid=(8, 8), store=False),)).reported
     assert back.images[3].shift == (-1, 0) and back.images[3].alias_grid == (3, 3)
     assert back.images[3].vision == PARTIAL_PASS and back.images[2].vision == "full"  # change-blind: 2 reused
+    assert back.images[3].derive and not back.images[2].derive
 
 
 def test_a_shift_lines_tokens_up_with_the_alias_grid() -> None:
@@ -76,6 +77,7 @@ def test_a_shift_lines_tokens_up_with_the_alias_grid() -> None:
     ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "selector": "magic"}, "selector"),
     ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "alias_grid": [0, 3]}, "alias_grid"),
     ({"vision": "partial"}, "approximate"),
+    ({"derive": True}, "approximate"),
     ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "vision": "half"}, "vision"),
     ({"strategy": APPROXIMATE, "alias": B, "change_map": "=x====", "reuse": [1], "selector": "attention_only"},
      "changed"),

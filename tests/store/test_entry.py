@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 from store import Entry, EntryFormatError
-from store.entry import DATA_ALIGN, MAGIC, PREFIX, kv_array, parse_header, verify_blocks, verify_full
+from store.entry import (
+    DATA_ALIGN,
+    MAGIC,
+    PREFIX,
+    _header_xxh3,
+    kv_array,
+    parse_header,
+    verify_blocks,
+    verify_full,
+)
 from store.errors import DamagedEntryError
 from tests.store.entries import make_entry
 
@@ -140,3 +149,35 @@ def test_prefix_digest_round_trips_and_is_optional() -> None:
     assert parse_header(memoryview(plain.data)).header.prefix_digest == ""
     assert b"prefix_digest" not in plain.data  # entries without one carry no such field
     assert parse_header(memoryview(marked.data)).header.prefix_digest == "f" * 32
+
+
+def test_a_derived_mark_round_trips_is_checked_and_cannot_be_rewritten_under_the_seal() -> None:
+    from settings.secret import DataPlaneSecret
+    from store.entry import seal_entry
+    from store.seal import EntrySeal
+
+    arrays = {"k": np.zeros((2, 1, 4, 8), np.float16), "v": np.zeros((2, 1, 4, 8), np.float16),
+              "encoder_output": np.zeros((4, 3), np.float16), "positions": np.arange(4), "grid": (2, 2)}
+    seal = EntrySeal(DataPlaneSecret(b"d" * 32))
+    derived = Entry.from_arrays(model_id="m", derived_from="a" * 64, derivation="selector=attention_only", seal=seal,
+                                **arrays)
+    header = parse_header(memoryview(derived.data)).header
+    assert header.derived and header.derived_from == "a" * 64 and header.derivation == "selector=attention_only"
+    plain = parse_header(memoryview(Entry.from_arrays(model_id="m", **arrays).data)).header
+    assert not plain.derived and plain.derivation == ""
+    for bad in ({"derived_from": "A" * 64}, {"derived_from": "a" * 63}, {"derivation": "x"},
+                {"derived_from": "a" * 64, "derivation": "x" * 257}):
+        with pytest.raises(EntryFormatError):
+            Entry.from_arrays(model_id="m", **arrays, **bad)  # type: ignore[arg-type]
+    # Whoever can write the store but holds no secret cannot unmark a derived entry (so that it would serve as an
+    # alias) or point it at another alias: the metadata is under the seal's MAC.
+    buf = bytearray(derived.data)
+    seal_entry(buf, "k" * 64, seal)
+    parse_header(memoryview(buf), key="k" * 64, seal=seal)
+    forged = bytearray(bytes(buf).replace(b'"derived_from":"' + b"a" * 64, b'"derived_from":"' + b"b" * 64))
+    assert forged != buf
+    # its plain checksum made to match, as anyone can
+    struct.pack_into("<Q", forged, 40, _header_xxh3(memoryview(forged), derived.header.block_table_offset))
+    parse_header(memoryview(forged))  # intact but for the seal
+    with pytest.raises(DamagedEntryError, match="seal|MAC|forged"):
+        parse_header(memoryview(forged), key="k" * 64, seal=seal)

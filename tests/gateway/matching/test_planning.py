@@ -141,13 +141,14 @@ def intake(image, namespace: str) -> IntakeResult:
                         prefix_digests=("p",))
 
 
-def store_like_a_worker(manager: CacheManager, key: str, grid: tuple[int, int]) -> None:
+def store_like_a_worker(manager: CacheManager, key: str, grid: tuple[int, int], derived_from: str = "") -> None:
     n = grid[0] * grid[1]
     k = np.zeros((2, 1, n, 4), np.float16)  # (layers, kv_heads, tokens, head_dim)
     positions = np.stack([np.zeros(n), np.arange(n) // grid[1], np.arange(n) % grid[1]], axis=1).astype(np.int32)
     manager.store.put(key, Entry.from_arrays(model_id="m", grid=grid, positions=positions,  # type: ignore[union-attr]
                                              encoder_output=np.zeros((n, 4), np.float16), k=k, v=k,
-                                             prefix_digest="p"))
+                                             prefix_digest="p", derived_from=derived_from,
+                                             derivation="selector=attention_only" if derived_from else ""))
 
 
 def plan(planner: Planner, image, namespace: str):
@@ -171,6 +172,42 @@ def test_the_planner_plans_a_near_duplicate_as_approximate_in_its_namespace_only
     assert manager.policy.get(image_plan.alias).approximate_hits == 1
     assert plan(planner, near, "tenant-b").kinds == ("miss",)  # another tenant: never its alias
     assert planner.counts["approximate"] == 1
+
+
+def test_an_approximate_hit_leaves_a_derived_entry_its_next_sight_hits_exactly_and_never_an_alias(cache) -> None:
+    manager, matcher = cache
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8), matcher)
+    a = aligned("page.png", 10, 16)
+    alias = plan(planner, a, "ns").plan.images[0].key  # type: ignore[union-attr]
+    store_like_a_worker(manager, alias, (10, 16))
+    near = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24))
+    first = plan(planner, near, "ns")
+    assert first.kinds == ("approximate",) and first.plan is not None
+    image_plan = first.plan.images[0]
+    assert image_plan.derive and image_plan.alias == alias
+    assert image_plan.key not in matcher.index  # never an alias: not indexed
+    store_like_a_worker(manager, image_plan.key, (10, 16), derived_from=alias)  # what its worker stores
+    again = plan(planner, near, "ns")
+    assert again.kinds == ("exact_same_prefix",) and again.derived == (True,)
+    assert again.reuse_header() == "exact_same_prefix;derived" and planner.counts["derived_hit"] == 1
+    assert plan(planner, a, "ns").reuse_header() == "exact_same_prefix"  # a miss's entry is not derived
+    # A derived entry an index still holds (an older gateway's) is skipped as an alias, and leaves the index.
+    matcher.add(image_plan.key, "ns", features(near))
+    closer = edited(near, (1 * CELL + 3, 1 * CELL + 3, 2 * CELL + 10, 1 * CELL + 24))
+    third = plan(planner, closer, "ns")
+    assert third.kinds == ("approximate",) and third.plan.images[0].alias == alias  # type: ignore[union-attr]
+    assert image_plan.key not in matcher.index
+
+
+def test_without_derived_entries_an_approximate_image_is_indexed_and_stored_only_as_a_full_prefill(cache) -> None:
+    manager, matcher = cache
+    settings = ReuseSettings(store=StoreConfig(), layers=8, match=MatchSettings(derive=False))
+    planner = Planner(manager, settings, Matcher(settings.match, scope="test", features=None))
+    a = aligned("page.png", 10, 16)
+    store_like_a_worker(manager, plan(planner, a, "ns").plan.images[0].key, (10, 16))  # type: ignore[union-attr]
+    near = plan(planner, jpeg(a), "ns")
+    assert near.kinds == ("approximate",) and near.plan is not None
+    assert not near.plan.images[0].derive and near.plan.images[0].key in planner.matcher.index  # type: ignore
 
 
 def test_an_evicted_alias_leaves_the_index(cache) -> None:
