@@ -3,7 +3,7 @@ late-layer image KV (the oracle), through the reference (offline.reference.appro
 the workers run, tests/engine_ext/test_reuse_worker.py checks that they agree).
 
     .venv/bin/python bench/approximate_quality.py [--pairs 40] [--sweep] [--vision full partial] [--chunked]
-        [--json FILE]
+        [--tight] [--json FILE]
 
 Pairs (A cached, B = A with one field given another value) come from offline.reader_eval. For each pair the
 gateway's own matching (default pixel features, settings) plans B against A exactly as the planner would, with
@@ -20,6 +20,11 @@ changed, the vision tower over the tokens whose pixels differ and their margin o
 selectors that rank by the question's attention (entropy-aware, attention-only) ranking without it ("no-question"),
 as every worker extend of an image does under chunked prefill when the image and its question are not in one
 extend (engine_ext.selection).
+
+``--tight``: quality where the recompute budget cannot hold every changed token, which is where plans chosen by
+time put it. Panels of 10 to 20 fields with 10%, 30% and 50% of them changed; each selector at rho 0.05, 0.1, 0.2
+and 0.3 left as it is (not widened to the changed share: engine_ext.selection's tight budgets), tallied only
+where ceil(rho * n) is below the changed tokens. Prints right answers per selector, fields changed and rho.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
+import random
 import sys
 import time
 from collections import defaultdict
@@ -37,12 +44,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bundled import QWEN2_5_VL, build_model  # noqa: E402
-from bundled.reader.panels import CELL  # noqa: E402
+from bundled.reader.panels import CELL, random_panel  # noqa: E402
+from bundled.reader.panels import changed as revalue  # noqa: E402
 from bundled.reader.questions import field  # noqa: E402
 from gateway.config import MatchSettings  # noqa: E402
 from gateway.matching.pixel import PixelExtractor  # noqa: E402
 from gateway.matching.plans import plan_against  # noqa: E402
-from offline.reader_eval import CHANGED, UNCHANGED, Tally, answer_ids, cached_entry, make_pairs  # noqa: E402
+from offline.reader_eval import CHANGED, UNCHANGED, Pair, Tally, answer_ids, cached_entry, make_pairs  # noqa: E402
 from offline.reference import Fresh, ReferenceModel, prefill  # noqa: E402
 from offline.reference.approximate import execute, partial_encoder  # noqa: E402
 from plan import ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, SELECTORS, VLCACHE  # noqa: E402
@@ -121,6 +129,85 @@ def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
     return {"tallies": tallies, "guard": guard, "encoded_share": shares, "seconds": time.perf_counter() - started}
 
 
+TIGHT_SHARES, TIGHT_RHOS = (0.1, 0.3, 0.5), (0.05, 0.1, 0.2, 0.3)
+
+
+def tight_pairs(count: int, seed: int, share: float) -> list[Pair]:
+    """Pairs whose B has ``share`` of A's 10 to 20 fields given other values."""
+    rng = random.Random(f"tight:{seed}:{share}")
+    pairs: list[Pair] = []
+    while len(pairs) < count:
+        a = random_panel(rng, min_fields=10, max_fields=20)
+        b, keys = revalue(a, rng, max(1, round(share * len(a.fields))))
+        unchanged = rng.choice([key for key in a.keys if key not in keys])
+        pairs.append(Pair(cached=a, asked=b, changed=tuple(keys), unchanged=unchanged))
+    return pairs
+
+
+def evaluate_tight(model, count: int, seed: int, progress: bool = True) -> dict:
+    """Per selector, share of fields changed and rho: B's answers under budgets below its changed tokens."""
+    names = answer_ids(model.processor.tokenizer)
+    extractor = PixelExtractor()
+    settings = MatchSettings(max_changed_share=1.0)  # no guard: every pair is planned
+    tallies: dict[tuple[str, float, float], dict[str, Tally]] = defaultdict(lambda: defaultdict(Tally))
+    changed_shares: dict[float, list[float]] = defaultdict(list)
+    started = time.perf_counter()
+    for share in TIGHT_SHARES:
+        for pair in tight_pairs(count, seed, share):
+            entry = cached_entry(model, pair)
+            a_image, b_image = pair.cached.render(), pair.asked.render()
+            for kind, key in pair.questions():
+                prompt = model.prompt([b_image, field(pair.asked, key).text])
+                _, h, w = prompt.images[0].grid
+                new, old = extractor.extract(b_image, (h, w), CELL), extractor.extract(a_image, (h, w), CELL)
+                encoder = model.encode(prompt)[0]
+                stale = pair.cached.value(key) if kind == CHANGED else None
+                right = pair.asked.value(key)
+                full = prefill(model, prompt, [Fresh(encoder)])
+                tallies[("full (miss)", share, 0.0)][kind].add(names.get(int(full.logits.argmax()), "?"), right, stale)
+                for selector, rho in itertools.product(SELECTORS, TIGHT_RHOS):
+                    plan = plan_against(new, old, alias=ALIAS, key="1" * 64, settings=settings, strategy=selector,
+                                        layers=model.num_layers)
+                    assert plan is not None
+                    plan = dataclasses.replace(plan, recompute_share=rho if selector != FULL_REUSE else 0.0)
+                    changed_tokens = plan.change_map.count("x")
+                    if kind == CHANGED and selector == ATTENTION_ONLY and rho == TIGHT_RHOS[0]:
+                        changed_shares[share].append(changed_tokens / plan.tokens)
+                    if math.ceil(rho * plan.tokens - 1e-6) >= changed_tokens:
+                        continue  # room for every changed token: not a tight budget
+                    approximate, _ = execute(model, prompt, plan, encoder, entry)
+                    result = prefill(model, prompt, [approximate])
+                    tallies[(selector, share, rho)][kind].add(names.get(int(result.logits.argmax()), "?"), right,
+                                                              stale)
+        if progress:
+            print(f"  tight: {share:.0%} of fields changed done, {time.perf_counter() - started:.0f} s",
+                  file=sys.stderr, flush=True)
+    return {"tallies": tallies, "changed_share": {s: sum(v) / len(v) for s, v in changed_shares.items() if v},
+            "seconds": time.perf_counter() - started}
+
+
+def tight_table(result: dict) -> str:
+    """Right answers (changed field / unchanged field) per selector, rows by fields changed and rho."""
+    tallies = result["tallies"]
+    lines = [f"{'fields changed (tokens)':>24} {'rho':>5} " + " ".join(f"{s:>17}" for s in ("full (miss)", *SELECTORS))]
+    for share in TIGHT_SHARES:
+        full = tallies.get(("full (miss)", share, 0.0), {})
+        for rho in TIGHT_RHOS:
+            cells = [_cell(full)] + [_cell(tallies.get((s, share, rho), {})) for s in SELECTORS]
+            label = f"{share:.0%} ({100 * result['changed_share'].get(share, 0):.0f}%)"
+            lines.append(f"{label:>24} {rho:>5} " + " ".join(f"{c:>17}" for c in cells))
+    lines.append("cells: right answers on the changed field / on an unchanged field (asked), over the pairs whose "
+                 "budget was below their changed tokens")
+    return "\n".join(lines)
+
+
+def _cell(kinds: dict) -> str:
+    c, u = kinds.get(CHANGED, Tally()), kinds.get(UNCHANGED, Tally())
+    if not c.asked:
+        return "-"
+    return f"{100 * c.right / c.asked:.0f}/{100 * u.right / max(1, u.asked):.0f}% ({c.asked})"
+
+
 def table(result: dict) -> str:
     lines = [f"{'configuration':52} {'changed right':>13} {'stale':>6} {'unchanged right':>15} {'asked':>6}"]
     for name, kinds in result["tallies"].items():
@@ -146,9 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vision", nargs="+", default=["full"], choices=["full", "partial"])
     parser.add_argument("--chunked", action="store_true",
                         help="also rank the question-ranked selectors without the question (chunked prefill)")
+    parser.add_argument("--tight", action="store_true",
+                        help="only the tight-budget table: rho below the changed share, per selector")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     model = ReferenceModel.load(build_model(QWEN2_5_VL, "oracle"))
+    if args.tight:
+        tight = evaluate_tight(model, args.pairs, args.seed)
+        print(tight_table(tight))
+        print(f"({tight['seconds']:.0f} s)")
+        if args.json:
+            args.json.write_text(json.dumps({
+                "tight": {f"{s} {share} {rho}": {k: t.as_dict() for k, t in kinds.items()}
+                          for (s, share, rho), kinds in tight["tallies"].items()},
+                "changed_share": tight["changed_share"], "seconds": tight["seconds"]}, indent=1))
+        return 0
     result = evaluate(model, make_pairs(args.pairs, seed=args.seed), configs(args.sweep, args.vision, args.chunked))
     print(table(result))
     full = result["tallies"]["full (miss)"]

@@ -10,7 +10,13 @@ image size, rounds alternate (order rotating) requests sent straight to the work
                 keyed by its own id and shares nothing)
     approx/full     a near-duplicate (the alias with a box redrawn, a new shade each request, so that no cache of
                     the worker holds it) under the gateway's approximate plan with the full vision pass
-    approx/partial  the same with the partial vision pass (the tower over the redrawn tokens and their margin)
+    approx/partial  the same with the partial vision pass (the tower over the redrawn tokens and their margin);
+                    as the gateway plans it, it leaves a derived entry (its K/V, stored after the forward)
+    approx/partial, no entry
+                    the same, leaving nothing (the plan's ``derive`` off): what storing the derived entry costs
+    exact on derived
+                    right after each approx/partial, once its derived entry is stored: the same image and prompt
+                    again, an exact hit on that entry (what the image's next sight costs)
 
 The plans are the gateway's own (its default pixel features, settings and selector; --selector picks another).
 Prints p50 TTFT per case and its ratio to the miss and to llm, and the bytes each approximate hit reads from the
@@ -49,13 +55,14 @@ from gateway.images import token_grid  # noqa: E402
 from gateway.matching.pixel import PixelExtractor  # noqa: E402
 from gateway.matching.plans import plan_against  # noqa: E402
 from launcher import WorkerSpec, start_worker  # noqa: E402
-from plan import FULL_PASS, MISS, PARTIAL_PASS, PUBLIC_PLAN_KEY, ImagePlan, RequestPlan  # noqa: E402
+from plan import EXACT, FULL_PASS, MISS, PARTIAL_PASS, PUBLIC_PLAN_KEY, ImagePlan, RequestPlan  # noqa: E402
 from plan.checkpoint import text_layers  # noqa: E402
 from store import StoreConfig, open_store  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.images_lib import data_url, encode, small  # noqa: E402
 
-CASES = ("miss", "llm", "approx/full", "approx/partial")
+ROTATED = ("miss", "llm", "approx/full", "approx/partial", "approx/partial, no entry")
+CASES = (*ROTATED, "exact on derived")
 CELL = 28
 
 
@@ -80,6 +87,14 @@ def plan_for(alias_key: str, base: Image.Image, image: Image.Image, grid: tuple[
     if plan is None:
         raise RuntimeError("the guard planned a miss: the redrawn box is too large for this image")
     return plan
+
+
+def wait_stored(store, key: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.contains(key):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the worker never stored {key[:16]}")
+        time.sleep(0.05)
 
 
 def read_share(plan: ImagePlan, layers: int) -> float:
@@ -120,16 +135,12 @@ def main() -> None:
             alias = uuid.uuid4().hex * 2
             ttft(client, url, body("Look:", seen, rid(ImagePlan(key=alias, strategy=MISS, tokens=grid[0] * grid[1],
                                                                  grid=grid))))
-            deadline = time.monotonic() + 300
-            while not store.contains(alias):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the worker never stored the alias")
-                time.sleep(0.2)
+            wait_stored(store, alias)
             times: dict[str, list[float]] = {case: [] for case in CASES}
             shares: list[float] = []
             changed: list[float] = []
             for round_index in range(args.rounds):
-                order = CASES[round_index % len(CASES):] + CASES[: round_index % len(CASES)]
+                order = ROTATED[round_index % len(ROTATED):] + ROTATED[: round_index % len(ROTATED)]
                 for case in order:
                     httpx.post(worker.url + "/flush_cache", timeout=60)
                     if case == "miss":
@@ -140,12 +151,19 @@ def main() -> None:
                     else:
                         image = redrawn(base, next(shades) % 200 + 20)
                         plan = dataclasses.replace(plan_for(alias, base, image, grid, args.selector, layers),
-                                                   vision=FULL_PASS if case == "approx/full" else PARTIAL_PASS)
+                                                   vision=FULL_PASS if case == "approx/full" else PARTIAL_PASS,
+                                                   derive=case != "approx/partial, no entry")
                         shares.append(read_share(plan, layers))
                         changed.append(1 - plan.change_map.count("=") / plan.tokens)
                         payload = body("Look:", data_url(encode(image)), rid(plan))
                     seconds, _ = ttft(client, url, payload)
                     times[case].append(seconds)
+                    if case == "approx/partial":
+                        wait_stored(store, plan.key)
+                        httpx.post(worker.url + "/flush_cache", timeout=60)
+                        exact = ImagePlan(key=plan.key, strategy=EXACT, tokens=plan.tokens, grid=plan.grid)
+                        seconds, _ = ttft(client, url, body("Look:", data_url(encode(image)), rid(exact)))
+                        times["exact on derived"].append(seconds)
                 print(f"  {side}px round {round_index + 1}/{args.rounds} done", flush=True)
             report.append((side, grid[0] * grid[1], times, shares, changed))
             print_table(side, grid[0] * grid[1], times, shares, changed)
@@ -162,9 +180,9 @@ def main() -> None:
 
 def print_table(side: int, tokens: int, times: dict, shares: list[float], changed: list[float]) -> None:
     p50 = {case: statistics.median(values) for case, values in times.items()}
-    print(f"{'image':>14} {'case':15} {'TTFT':>9} {'x miss':>7} {'x llm':>6}", flush=True)
+    print(f"{'image':>14} {'case':25} {'TTFT':>9} {'x miss':>7} {'x llm':>6}", flush=True)
     for case in CASES:
-        print(f"{side}px/{tokens:>5}t {case:15} {p50[case]:8.2f}s {p50[case] / p50['miss']:6.3f}x "
+        print(f"{side}px/{tokens:>5}t {case:25} {p50[case]:8.2f}s {p50[case] / p50['miss']:6.3f}x "
               f"{p50[case] / p50['llm']:5.2f}x", flush=True)
     print(f"  changed or similar tokens {100 * statistics.mean(changed):.1f}%; an approximate hit reads "
           f"{100 * statistics.mean(shares):.1f}% of its alias entry's K/V bytes (sparse, late layers only)",

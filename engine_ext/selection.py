@@ -27,8 +27,12 @@ and dropping the rest answered 32.5% of the questions on unchanged fields (75% w
 attention_only 100%, a full prefill 100%; changed fields 100% in each.
 
 The budget is ceil(rho * n) tokens, widened to hold every token R must take (the gateway widens rho to the changed
-share the same way, and its guard plans a miss when that would be too many). Scores within 1e-5 of the largest of
-each other are ties, and ties rank the earlier token first.
+share the same way, and its guard plans a miss when that would be too many). A budget below the changed tokens
+(``tight``: a plan whose rho is below its changed share, for the question-ranked selectors with the question) is
+not widened: R takes the changed tokens that score highest by warmup attention, up to the budget, and the other
+changed tokens are dropped (their alias K/V are stale, so they are never reused); everything else is as above
+with no budget left. Change-blind selectors need no such rule: their budget never had to hold the changed tokens.
+Scores within 1e-5 of the largest of each other are ties, and ties rank the earlier token first.
 Similar tokens ("~": their pixels differ, their descriptors nearly agree) come before the scored ones: measured on
 the reading model, 8 of 55 tokens of changed fields were similar, not changed (a glyph redrawn differs little in a
 coarse descriptor), and reusing them answered with the old value.
@@ -109,9 +113,16 @@ def candidates(plan: ImagePlan, *, question: bool = True) -> list[int]:
 
 
 def budget(plan: ImagePlan, *, question: bool = True) -> int:
-    """How many tokens R holds: ceil(rho * n), never fewer than the forced ones."""
-    return max(len(forced(plan, question=question)),
-               min(plan.tokens, math.ceil(plan.recompute_share * plan.tokens - 1e-6)))
+    """How many tokens R holds: ceil(rho * n), never fewer than the forced ones unless ``tight``."""
+    share = min(plan.tokens, math.ceil(plan.recompute_share * plan.tokens - 1e-6))
+    return share if tight(plan, question=question) else max(len(forced(plan, question=question)), share)
+
+
+def tight(plan: ImagePlan, *, question: bool = True) -> bool:
+    """Whether the plan's budget is below its changed tokens and its selector ranks them by the question (see the
+    module docstring): R then takes the changed tokens the question needs most, and drops the others."""
+    return (plan.selector in (ENTROPY_AWARE, ATTENTION_ONLY) and score_kind(plan, question=question) is not None
+            and math.ceil(plan.recompute_share * plan.tokens - 1e-6) < len(changed_tokens(plan)))
 
 
 def select(plan: ImagePlan, score: torch.Tensor | None = None, *, question: bool = True) -> Selection:
@@ -121,6 +132,14 @@ def select(plan: ImagePlan, score: torch.Tensor | None = None, *, question: bool
     n = plan.tokens
     reuse = set(candidates(plan, question=question))
     must = forced(plan, question=question)
+    if tight(plan, question=question):
+        if score is None or score.shape != (n,):
+            raise ValueError(f"selector {plan.selector} needs a score per token ({n})")
+        values = _quantised(score.detach().double().cpu())
+        recompute = set(sorted(must, key=lambda i: (-int(values[i]), i))[: budget(plan, question=question)])
+        reuse -= recompute
+        return Selection(warmup=plan.warmup_layers, recompute=_indices(recompute), reuse=_indices(reuse),
+                         drop=_indices(set(range(n)) - reuse - recompute))
     if _drops(plan, question):
         pool = [i for i in range(n) if i not in reuse and plan.change_map[i] != CHANGED]
     else:

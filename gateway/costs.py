@@ -37,7 +37,18 @@ from typing import Any
 
 import numpy as np
 
-from plan import APPROXIMATE, CACHEBLEND, CHANGE_BLIND, CHANGED, EXACT, PARTIAL_PASS, SAME, ImagePlan
+from plan import (
+    APPROXIMATE,
+    ATTENTION_ONLY,
+    CACHEBLEND,
+    CHANGE_BLIND,
+    CHANGED,
+    ENTROPY_AWARE,
+    EXACT,
+    PARTIAL_PASS,
+    SAME,
+    ImagePlan,
+)
 from plan.checkpoint import model_config
 
 FEATURES = ("request", "token_layers", "planned_token_layers", "attention_pairs", "vision_patches", "vision_pairs",
@@ -289,7 +300,10 @@ def image_work(plan: ImagePlan | None, model: ModelFacts, tokens: int, context: 
     warmup = min(plan.warmup_layers, layers)
     unaligned = sum(plan.alias_token(i) is None for i in range(tokens))
     forced = unaligned if plan.selector in CHANGE_BLIND else plan.change_map.count(CHANGED)
-    recompute = max(forced, min(tokens, math.ceil(plan.recompute_share * tokens - 1e-6)))
+    share = min(tokens, math.ceil(plan.recompute_share * tokens - 1e-6))
+    # engine_ext.selection.budget: widened to the forced tokens, unless tight (the question ranks the changed ones)
+    tight = plan.selector in (ENTROPY_AWARE, ATTENTION_ONLY) and plan.warmup_layers > 0 and share < forced
+    recompute = share if tight else max(forced, share)
     first_read = 0 if plan.selector == CACHEBLEND else warmup  # CacheBlend scores K/V deviation from layer 0
     computed = tokens * warmup + recompute * (layers - warmup)
     work = Work(request=0.0, planned_token_layers=computed, attention_pairs=_pairs(computed, context),

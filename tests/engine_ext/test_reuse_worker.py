@@ -347,11 +347,14 @@ def gateway_plan(pair: Pair, alias_key: str, alias_image: Image.Image, image: Im
     return plan
 
 
-@pytest.mark.parametrize(("selector", "vision"), [(s, FULL_PASS) for s in SELECTORS] + [
-    (ENTROPY_AWARE, PARTIAL_PASS), (CACHEBLEND, PARTIAL_PASS)])
+@pytest.mark.parametrize(("selector", "vision", "rho"), [(s, FULL_PASS, None) for s in SELECTORS] + [
+    (ENTROPY_AWARE, PARTIAL_PASS, None), (CACHEBLEND, PARTIAL_PASS, None), (ATTENTION_ONLY, FULL_PASS, 0.01)])
 def test_an_approximate_hit_executes_as_the_reference_does(pair: Pair, seen: dict, picture: Image.Image,
-                                                           selector: str, vision: str) -> None:
+                                                           selector: str, vision: str, rho: float | None) -> None:
+    """Every selector, with the full and the partial vision pass, and a tight budget (rho below the changed
+    share: the changed tokens the question needs recomputed, the others dropped)."""
     from engine_ext.executor.approximate import tokens_digest
+    from engine_ext.selection import tight
     from offline.reference import greedy
     from offline.reference.approximate import execute, partial_encoder
 
@@ -360,7 +363,10 @@ def test_an_approximate_hit_executes_as_the_reference_does(pair: Pair, seen: dic
     model, image = pair.model, edited(picture, shade)
     prompt = model.prompt([APPROXIMATE_PREAMBLE, image, QUESTION])
     plan = dataclasses.replace(gateway_plan(pair, seen["key"], picture, image, seen["grid"], selector),
-                               vision=vision, key=key_for(f"{pair.arch}-edited-{shade}"))
+                               vision=vision, key=key_for(f"{pair.arch}-edited-{shade}-{rho}"))
+    if rho is not None:
+        plan = dataclasses.replace(plan, recompute_share=rho)
+        assert tight(plan) and plan.change_map.count("x") > 1
     alias = stored_as_reference(pair, seen["key"], seen["prompt"])
     if vision == PARTIAL_PASS:
         encoder, encoded = partial_encoder(model, prompt, plan, alias)
@@ -385,7 +391,7 @@ def test_an_approximate_hit_executes_as_the_reference_does(pair: Pair, seen: dic
     # decoding goes on with the dropped tokens hidden, as in the reference
     tokens = greedy(model, reference, 8)
     assert text_of(served) == model.processor.tokenizer.decode(tokens, skip_special_tokens=True)
-    if selector == ENTROPY_AWARE:
+    if selector == ENTROPY_AWARE or rho is not None:
         assert len(chosen.drop) and "Traceback" not in log
 
 

@@ -14,6 +14,7 @@ from engine_ext.selection import (
     deviation_score,
     score_kind,
     select,
+    tight,
 )
 from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, VLCACHE, ImagePlan
 
@@ -86,10 +87,26 @@ def test_similar_tokens_are_recomputed_before_the_best_scored() -> None:
     assert sets(select(blind, score))[0] == [2, 4]
 
 
-def test_the_budget_widens_to_hold_every_changed_token() -> None:
+def test_the_budget_widens_to_hold_every_changed_token_unless_the_question_ranks_them() -> None:
+    blind = plan(CACHEBLEND, "xxx=x===", list(range(8)), share=0.1, warmup=1)  # change-blind: nothing forced
+    assert budget(blind) == 1
     p = plan(ENTROPY_AWARE, "xxx=x===", [5], share=0.1)
-    assert budget(p) == 4
-    assert sets(select(p, torch.zeros(8))) == ([0, 1, 2, 4], [5], [3, 6, 7])
+    assert budget(p, question=False) == 4  # nothing to rank the changed tokens by: every one recomputed
+    assert sets(select(p, question=False)) == ([0, 1, 2, 4], [3, 5, 6, 7], [])
+
+
+def test_a_tight_budget_recomputes_the_changed_tokens_the_question_needs_and_drops_the_others() -> None:
+    p = plan(ENTROPY_AWARE, "xxx=x===", [5], share=0.1)  # one token for four changed ones
+    assert tight(p) and budget(p) == 1
+    assert sets(select(p, torch.tensor([0, 0, 5.0, 0, 9, 0, 0, 0]))) == ([4], [5], [0, 1, 2, 3, 6, 7])
+    assert sets(select(p, torch.zeros(8))) == ([0], [5], [1, 2, 3, 4, 6, 7])  # ties: the earliest
+    # attention_only: every unchanged token is still reused (similar ones too, with no budget left for them); the
+    # changed ones left out are dropped, never reused (their alias K/V are stale)
+    a = plan(ATTENTION_ONLY, "xxx=x~==", [3, 5, 6, 7], share=0.25)
+    assert sets(select(a, torch.tensor([0, 3, 5.0, 0, 9, 0, 0, 0]))) == ([2, 4], [3, 5, 6, 7], [0, 1])
+    assert not tight(plan(ATTENTION_ONLY, "xxx=x~==", [3, 5, 6, 7], share=0.5))  # four tokens: room for all
+    with pytest.raises(ValueError, match="score"):
+        select(p)
 
 
 def test_ties_rank_the_earlier_token_first_and_no_warmup_ranks_by_position() -> None:

@@ -155,6 +155,10 @@ def test_an_approximate_hit_counts_warmup_budget_reads_and_the_partial_pass() ->
     full = image_work(dataclasses.replace(plan, vision=FULL_PASS), SHAPE, 64)
     assert full.vision_patches == 256
     many_changed = dataclasses.replace(plan, change_map="x" * 20 + change_map[20:], reuse=tuple(range(20, 64)))
-    assert image_work(many_changed, SHAPE, 64).planned_token_layers == 64 * 3 + 20 * 25  # forced over the budget
+    # the gateway widens rho to the changed share: every changed token recomputed
+    widened = dataclasses.replace(many_changed, recompute_share=20 / 64)
+    assert image_work(widened, SHAPE, 64).planned_token_layers == 64 * 3 + 20 * 25
+    # left below it (a tight budget: engine_ext.selection), the budget holds: 16 of the 20 changed tokens
+    assert image_work(many_changed, SHAPE, 64).planned_token_layers == 64 * 3 + 16 * 25
     blend = dataclasses.replace(plan, selector=CACHEBLEND, reuse=tuple(range(64)))
     assert image_work(blend, SHAPE, 64).read_token_layers == 64 * 28  # CacheBlend reads from layer 0
