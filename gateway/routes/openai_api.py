@@ -106,7 +106,8 @@ async def chat_completions(request: Request) -> Any:
     public_id = f"chatcmpl-{request_id}"
     plan = scoped_plan(planned.plan, intake, caller.scope)
     body = upstream_body(intake.upstream_body, scope=caller.scope,
-                         rid=plan.to_rid(request_id, key=services.plan_key) if plan else public_id, kinds=planned.kinds)
+                         rid=plan.to_rid(request_id, key=services.plan_key) if plan else public_id, kinds=planned.kinds,
+                         derived=planned.derived)
     upstream = await UpstreamRequest.encode(body, size_hint=intake.body_bytes)
 
     def on_served(worker: Worker) -> None:
@@ -297,18 +298,21 @@ def scoped_plan(plan: RequestPlan | None, intake: IntakeResult, scope: str) -> R
 
 
 def upstream_body(body: dict[str, Any], *, scope: str, rid: str | list[str],
-                  kinds: Sequence[str] = ()) -> dict[str, Any]:
+                  kinds: Sequence[str] = (), derived: Sequence[bool] = ()) -> dict[str, Any]:
     """The body SGLang gets: the gateway's request id (which may carry the reuse plan) instead of any the client
     sent, and SGLang's prefix cache scoped to the tenant's namespace, so that no tenant's request is served KV that
-    another tenant's request computed. KV computed under a position-independent plan (``exact_moved``) is not
-    exactly what a full prefill computes: it is kept apart from exactly computed KV under a salt of its own. KV
-    computed under an approximate plan is kept apart from everything, under a salt of the request's own: its
-    dropped tokens hold no usable K/V at the late layers, so no later request may take its prefix."""
+    another tenant's request computed. KV computed under a position-independent plan (``exact_moved``), or read
+    from a derived entry (an earlier approximate hit's, ``derived``), is not exactly what a full prefill computes:
+    it is kept apart from exactly computed KV under a salt of its kind (so that no later miss takes it for a full
+    prefill's, and stores it as one). KV computed under an approximate plan is kept apart from everything, under a
+    salt of the request's own: its dropped tokens hold no usable K/V at the late layers, so no later request may
+    take its prefix."""
     upstream = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
     upstream["rid"] = rid
     upstream["extra_key"] = scope
+    inexact = [part for part, there in (("moved", "exact_moved" in kinds), ("derived", any(derived))) if there]
     salt = ("revisit-approximate-" + hashlib.blake2b(str(rid).encode(), digest_size=12).hexdigest()
-            if "approximate" in kinds else "revisit-moved" if "exact_moved" in kinds else None)
+            if "approximate" in kinds else "-".join(["revisit", *inexact]) if inexact else None)
     if salt is not None:
         upstream["cache_salt"] = salt + (f"-{body['cache_salt']}" if body.get("cache_salt") else "")
     return upstream

@@ -60,6 +60,24 @@ def test_every_request_with_images_carries_its_namespace_scope_to_the_worker():
     assert scoped_plan(None, dataclasses.replace(intake, images=()), scope) is None  # text only: no plan
 
 
+def test_kv_not_computed_as_a_full_prefill_is_kept_apart_in_sglangs_prefix_cache():
+    """Moved and derived K/V under salts of their kind, never where a miss would take them for a full prefill's;
+    an approximate request's under its own."""
+    from gateway.routes.openai_api import upstream_body
+
+    def salt(kinds, derived=(), rid="rv5.r1.x.y."):
+        return upstream_body({"messages": []}, scope="s", rid=rid, kinds=kinds, derived=derived).get("cache_salt")
+
+    assert salt(("miss", "exact_same_prefix")) is None
+    assert salt(("exact_moved",)) == "revisit-moved"
+    assert salt(("exact_same_prefix",), (True,)) == "revisit-derived"
+    assert salt(("exact_moved", "exact_same_prefix"), (False, True)) == "revisit-moved-derived"
+    mine, theirs = salt(("approximate",), rid="a"), salt(("approximate",), rid="b")
+    assert mine.startswith("revisit-approximate-") and mine != theirs
+    assert upstream_body({"messages": [], "cache_salt": "c"}, scope="s", rid="r", kinds=("exact_moved",),
+                         derived=(False,))["cache_salt"] == "revisit-moved-c"
+
+
 def test_a_namespace_scope_cannot_be_named_without_the_secret():
     secret = DataPlaneSecret(b"s" * 32)
     caller = Tenants(TenantSettings.open({ALICE: "team"}), secret).identify(f"Bearer {ALICE}")
