@@ -48,10 +48,11 @@ from bundled.reader.panels import CELL, random_panel  # noqa: E402
 from bundled.reader.panels import changed as revalue  # noqa: E402
 from bundled.reader.questions import field  # noqa: E402
 from gateway.config import MatchSettings  # noqa: E402
+from gateway.matching.features import TokenFeatures  # noqa: E402
 from gateway.matching.pixel import PixelExtractor  # noqa: E402
 from gateway.matching.plans import plan_against  # noqa: E402
 from offline.reader_eval import CHANGED, UNCHANGED, Pair, Tally, answer_ids, cached_entry, make_pairs  # noqa: E402
-from offline.reference import Fresh, ReferenceModel, prefill  # noqa: E402
+from offline.reference import EncoderOutput, Fresh, ImageKV, Prompt, ReferenceModel, prefill  # noqa: E402
 from offline.reference.approximate import execute, partial_encoder  # noqa: E402
 from plan import ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, SELECTORS, VLCACHE  # noqa: E402
 
@@ -92,6 +93,38 @@ def configs(sweep: bool, visions: list[str], chunked: bool = False) -> list[Conf
     return [dataclasses.replace(c, vision=v) for v in visions for c in out]
 
 
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """One question asked of a pair's B: its prompt, B's and A's pixel features, B's encoder output, A's entry."""
+
+    kind: str  # CHANGED or UNCHANGED
+    prompt: Prompt
+    new: TokenFeatures
+    old: TokenFeatures
+    encoder: EncoderOutput
+    entry: ImageKV
+    right: str  # B's value
+    stale: str | None  # A's value, for a changed field
+
+
+def asked_of(model, pair: Pair, extractor: PixelExtractor):
+    """B's two questions (offline.reader_eval.Pair.questions), each with what planning and executing it needs."""
+    entry = cached_entry(model, pair)
+    a_image, b_image = pair.cached.render(), pair.asked.render()
+    for kind, key in pair.questions():
+        prompt = model.prompt([b_image, field(pair.asked, key).text])
+        _, h, w = prompt.images[0].grid
+        yield Asked(kind=kind, prompt=prompt, new=extractor.extract(b_image, (h, w), CELL),
+                    old=extractor.extract(a_image, (h, w), CELL), encoder=model.encode(prompt)[0], entry=entry,
+                    right=pair.asked.value(key), stale=pair.cached.value(key) if kind == CHANGED else None)
+
+
+def tally(tallies: dict, name, model, names: dict, asked: Asked, images: list) -> None:
+    """Prefill the question's prompt with ``images`` and tally the reader's answer under ``name``."""
+    result = prefill(model, asked.prompt, images)
+    tallies[name][asked.kind].add(names.get(int(result.logits.argmax()), "?"), asked.right, asked.stale)
+
+
 def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
     names = answer_ids(model.processor.tokenizer)
     extractor = PixelExtractor()
@@ -100,17 +133,9 @@ def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
     guard: dict[str, int] = defaultdict(int)
     started = time.perf_counter()
     for done, pair in enumerate(pairs, 1):
-        entry = cached_entry(model, pair)
-        a_image, b_image = pair.cached.render(), pair.asked.render()
-        for kind, key in pair.questions():
-            prompt = model.prompt([b_image, field(pair.asked, key).text])
-            _, h, w = prompt.images[0].grid
-            new, old = extractor.extract(b_image, (h, w), CELL), extractor.extract(a_image, (h, w), CELL)
-            encoder = model.encode(prompt)[0]
-            stale = pair.cached.value(key) if kind == CHANGED else None
-            right = pair.asked.value(key)
-            full = prefill(model, prompt, [Fresh(encoder)])
-            tallies["full (miss)"][kind].add(names.get(int(full.logits.argmax()), "?"), right, stale)
+        for asked in asked_of(model, pair, extractor):
+            prompt, new, old, encoder, entry = asked.prompt, asked.new, asked.old, asked.encoder, asked.entry
+            tally(tallies, "full (miss)", model, names, asked, [Fresh(encoder)])
             for config in chosen:
                 plan = plan_against(new, old, alias=ALIAS, key="1" * 64, settings=config.settings,
                                     strategy=config.selector, layers=model.num_layers)
@@ -122,8 +147,7 @@ def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
                     image_encoder, encoded = partial_encoder(model, prompt, plan, entry)
                     shares[config.name].append(encoded / plan.tokens)
                 approximate, _ = execute(model, prompt, plan, image_encoder, entry, question=config.question)
-                result = prefill(model, prompt, [approximate])
-                tallies[config.name][kind].add(names.get(int(result.logits.argmax()), "?"), right, stale)
+                tally(tallies, config.name, model, names, asked, [approximate])
         if progress and (done % max(1, len(pairs) // 10) == 0 or done == len(pairs)):
             print(f"  {done}/{len(pairs)} pairs, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return {"tallies": tallies, "guard": guard, "encoded_share": shares, "seconds": time.perf_counter() - started}
@@ -154,31 +178,20 @@ def evaluate_tight(model, count: int, seed: int, progress: bool = True) -> dict:
     started = time.perf_counter()
     for share in TIGHT_SHARES:
         for pair in tight_pairs(count, seed, share):
-            entry = cached_entry(model, pair)
-            a_image, b_image = pair.cached.render(), pair.asked.render()
-            for kind, key in pair.questions():
-                prompt = model.prompt([b_image, field(pair.asked, key).text])
-                _, h, w = prompt.images[0].grid
-                new, old = extractor.extract(b_image, (h, w), CELL), extractor.extract(a_image, (h, w), CELL)
-                encoder = model.encode(prompt)[0]
-                stale = pair.cached.value(key) if kind == CHANGED else None
-                right = pair.asked.value(key)
-                full = prefill(model, prompt, [Fresh(encoder)])
-                tallies[("full (miss)", share, 0.0)][kind].add(names.get(int(full.logits.argmax()), "?"), right, stale)
+            for asked in asked_of(model, pair, extractor):
+                tally(tallies, ("full (miss)", share, 0.0), model, names, asked, [Fresh(asked.encoder)])
                 for selector, rho in itertools.product(SELECTORS, TIGHT_RHOS):
-                    plan = plan_against(new, old, alias=ALIAS, key="1" * 64, settings=settings, strategy=selector,
-                                        layers=model.num_layers)
+                    plan = plan_against(asked.new, asked.old, alias=ALIAS, key="1" * 64, settings=settings,
+                                        strategy=selector, layers=model.num_layers)
                     assert plan is not None
                     plan = dataclasses.replace(plan, recompute_share=rho if selector != FULL_REUSE else 0.0)
                     changed_tokens = plan.change_map.count("x")
-                    if kind == CHANGED and selector == ATTENTION_ONLY and rho == TIGHT_RHOS[0]:
+                    if asked.kind == CHANGED and selector == ATTENTION_ONLY and rho == TIGHT_RHOS[0]:
                         changed_shares[share].append(changed_tokens / plan.tokens)
                     if math.ceil(rho * plan.tokens - 1e-6) >= changed_tokens:
                         continue  # room for every changed token: not a tight budget
-                    approximate, _ = execute(model, prompt, plan, encoder, entry)
-                    result = prefill(model, prompt, [approximate])
-                    tallies[(selector, share, rho)][kind].add(names.get(int(result.logits.argmax()), "?"), right,
-                                                              stale)
+                    approximate, _ = execute(model, asked.prompt, plan, asked.encoder, asked.entry)
+                    tally(tallies, (selector, share, rho), model, names, asked, [approximate])
         if progress:
             print(f"  tight: {share:.0%} of fields changed done, {time.perf_counter() - started:.0f} s",
                   file=sys.stderr, flush=True)

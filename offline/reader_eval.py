@@ -131,14 +131,15 @@ class Report:
                 "repeat_worse": self.repeats[(True, False)]}
 
     def table(self) -> str:
-        lines = [f"{'':22} {'changed: right':>15} {'changed: stale':>15} {'unchanged: right':>17} {'asked':>7}"]
+        width = max([22, *map(len, self.tallies)])
+        lines = [f"{'':{width}} {'changed: right':>15} {'changed: stale':>15} {'unchanged: right':>17} {'asked':>7}"]
         for name, kinds in self.tallies.items():
             c, u = kinds.get(CHANGED, Tally()), kinds.get(UNCHANGED, Tally())
 
             def pct(n: int, of: int) -> str:
                 return f"{100 * n / of:.1f}%" if of else "-"
 
-            lines.append(f"{name:22} {pct(c.right, c.asked):>15} {pct(c.stale, c.asked):>15} "
+            lines.append(f"{name:{width}} {pct(c.right, c.asked):>15} {pct(c.stale, c.asked):>15} "
                          f"{pct(u.right, u.asked):>17} {c.asked + u.asked:>7}")
         return "\n".join(lines)
 
