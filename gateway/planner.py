@@ -74,10 +74,10 @@ KINDS = ("miss", "exact_same_prefix", "exact_moved", "approximate")  # what each
 # nothing (plain SGLang; nothing is stored). A client can only ask for less than the gateway's settings allow.
 REUSE_MODES = ("all", "exact", "off")
 # Also counted: "admitted" (entries found in the store and taken into the books), "derived_hit" (exact plans whose
-# entry is a derived one: an approximate hit's K/V), "near_miss" (candidates compared
-# but none similar enough), "guard_fallback" (a match planned as a miss: too much changed), "cost_fallback" (an exact
-# or approximate plan not sent: predicted no faster than plain SGLang), "store_unavailable" (requests planned nothing
-# because the store or the shared books did not answer).
+# entry is a derived one: an approximate hit's K/V), "near_miss" (candidates compared but none similar enough),
+# "guard_fallback" (a match planned as a miss: too much changed), "cost_fallback" (an exact or approximate plan not
+# sent: predicted no faster than plain SGLang), "store_unavailable" (requests planned nothing because the store or
+# the shared books did not answer).
 
 
 @dataclass(frozen=True)
