@@ -49,15 +49,21 @@ Scores (both implementations compute them the same way, each over its own tensor
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from plan import ATTENTION_ONLY, CACHEBLEND, CHANGE_BLIND, CHANGED, ENTROPY_AWARE, SIMILAR, ImagePlan
-
-ATTENTION, DEVIATION = "attention", "deviation"
-_SCORES = {ENTROPY_AWARE: ATTENTION, ATTENTION_ONLY: ATTENTION, CACHEBLEND: DEVIATION}
+from plan import CHANGE_BLIND, CHANGED, ENTROPY_AWARE, SIMILAR, ImagePlan
+from plan.budget import (  # noqa: F401 (ATTENTION, DEVIATION, changed_tokens: the workers' and benches' names)
+    ATTENTION,
+    DEVIATION,
+    budget,
+    changed_tokens,
+    drops,
+    forced,
+    score_kind,
+    tight,
+)
 
 
 @dataclass(frozen=True)
@@ -73,36 +79,6 @@ class Selection:
         return f"W={self.warmup} R={len(self.recompute)} B={len(self.reuse)} D={len(self.drop)}"
 
 
-def score_kind(plan: ImagePlan, *, question: bool = True) -> str | None:
-    """What the plan's selector ranks by, when it needs something measured: ATTENTION (in the warmup layers),
-    DEVIATION (layer 0's K/V against the alias'), or None (position, or nothing to rank). ``question``: whether
-    the question's rows are computed with the image's (see the module docstring)."""
-    kind = _SCORES.get(plan.selector)
-    if kind == ATTENTION and (plan.warmup_layers == 0 or not question):
-        return None  # no warmup to measure in, or no question to measure with: ranked by position
-    return kind
-
-
-def changed_tokens(plan: ImagePlan) -> list[int]:
-    return [i for i, mark in enumerate(plan.change_map) if mark == CHANGED]
-
-
-def _drops(plan: ImagePlan, question: bool) -> bool:
-    """Whether the selection drops tokens: entropy_aware's, with the question to say which it does not need."""
-    return plan.selector == ENTROPY_AWARE and question
-
-
-def forced(plan: ImagePlan, *, question: bool = True) -> list[int]:
-    """The tokens R takes whatever the scores: the changed ones, or for the change-blind selectors the ones with no
-    alias token (nothing to reuse); both for entropy_aware without the question (it drops nothing then)."""
-    unaligned = [i for i in range(plan.tokens) if plan.alias_token(i) is None]
-    if plan.selector in CHANGE_BLIND:
-        return unaligned
-    if plan.selector == ENTROPY_AWARE and not question:
-        return sorted(set(changed_tokens(plan)) | set(unaligned))
-    return changed_tokens(plan)
-
-
 def candidates(plan: ImagePlan, *, question: bool = True) -> list[int]:
     """The tokens whose alias K/V B may take (the worker reads these): the plan's reuse set B0, or, for
     entropy_aware without the question, every token that is not forced."""
@@ -110,19 +86,6 @@ def candidates(plan: ImagePlan, *, question: bool = True) -> list[int]:
         must = set(forced(plan, question=False))
         return [i for i in range(plan.tokens) if i not in must]
     return list(plan.reuse)
-
-
-def budget(plan: ImagePlan, *, question: bool = True) -> int:
-    """How many tokens R holds: ceil(rho * n), never fewer than the forced ones unless ``tight``."""
-    share = min(plan.tokens, math.ceil(plan.recompute_share * plan.tokens - 1e-6))
-    return share if tight(plan, question=question) else max(len(forced(plan, question=question)), share)
-
-
-def tight(plan: ImagePlan, *, question: bool = True) -> bool:
-    """Whether the plan's budget is below its changed tokens and its selector ranks them by the question (see the
-    module docstring): R then takes the changed tokens the question needs most, and drops the others."""
-    return (plan.selector in (ENTROPY_AWARE, ATTENTION_ONLY) and score_kind(plan, question=question) is not None
-            and math.ceil(plan.recompute_share * plan.tokens - 1e-6) < len(changed_tokens(plan)))
 
 
 def select(plan: ImagePlan, score: torch.Tensor | None = None, *, question: bool = True) -> Selection:
@@ -140,7 +103,7 @@ def select(plan: ImagePlan, score: torch.Tensor | None = None, *, question: bool
         reuse -= recompute
         return Selection(warmup=plan.warmup_layers, recompute=_indices(recompute), reuse=_indices(reuse),
                          drop=_indices(set(range(n)) - reuse - recompute))
-    if _drops(plan, question):
+    if drops(plan, question):
         pool = [i for i in range(n) if i not in reuse and plan.change_map[i] != CHANGED]
     else:
         pool = sorted(reuse - set(must))

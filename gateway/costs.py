@@ -37,18 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from plan import (
-    APPROXIMATE,
-    ATTENTION_ONLY,
-    CACHEBLEND,
-    CHANGE_BLIND,
-    CHANGED,
-    ENTROPY_AWARE,
-    EXACT,
-    PARTIAL_PASS,
-    SAME,
-    ImagePlan,
-)
+from plan import APPROXIMATE, CACHEBLEND, EXACT, PARTIAL_PASS, SAME, ImagePlan
+from plan.budget import budget
 from plan.checkpoint import model_config
 
 FEATURES = ("request", "token_layers", "planned_token_layers", "attention_pairs", "vision_patches", "vision_pairs",
@@ -298,12 +288,7 @@ def image_work(plan: ImagePlan | None, model: ModelFacts, tokens: int, context: 
         return Work(request=0.0, planned_token_layers=recomputed, attention_pairs=_pairs(recomputed, context),
                     read_token_layers=tokens * layers, planned_images=1)
     warmup = min(plan.warmup_layers, layers)
-    unaligned = sum(plan.alias_token(i) is None for i in range(tokens))
-    forced = unaligned if plan.selector in CHANGE_BLIND else plan.change_map.count(CHANGED)
-    share = min(tokens, math.ceil(plan.recompute_share * tokens - 1e-6))
-    # engine_ext.selection.budget: widened to the forced tokens, unless tight (the question ranks the changed ones)
-    tight = plan.selector in (ENTROPY_AWARE, ATTENTION_ONLY) and plan.warmup_layers > 0 and share < forced
-    recompute = share if tight else max(forced, share)
+    recompute = budget(plan)  # as the worker's selection counts it, the question with the image
     first_read = 0 if plan.selector == CACHEBLEND else warmup  # CacheBlend scores K/V deviation from layer 0
     computed = tokens * warmup + recompute * (layers - warmup)
     work = Work(request=0.0, planned_token_layers=computed, attention_pairs=_pairs(computed, context),

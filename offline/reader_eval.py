@@ -295,18 +295,17 @@ async def evaluate_gateway(client, model: str, pairs: Sequence[Pair], *, pause_s
         answer, reuse = await ask(client, model, field(pair.cached, key))
         report.tallies[f"A: {reuse}"][CHANGED].add(answer, pair.cached.value(key))
         questions = pair.questions() if done % 2 else pair.questions()[::-1]
-        first: tuple[str, str] | None = None  # B's first answer and its reuse
-        for kind, key in (*questions, questions[0]):
+        answers = []  # (answer, reuse) of B's questions in turn: first, second, first again
+        for turn, (kind, key) in enumerate((*questions, questions[0])):
             await (settle() if settle is not None else asyncio.sleep(pause_s))
             answer, reuse = await ask(client, model, field(pair.asked, key))
-            stale = pair.cached.value(key) if kind == CHANGED else None
             right = pair.asked.value(key)
-            report.tallies[f"{'B again' if first and key == questions[0][1] else 'B'}: {reuse}"][kind].add(
-                answer, right, stale)
-            if first is None:
-                first = answer, reuse
-            elif key == questions[0][1] and first[1] == "approximate":
-                report.repeats[(first[0] == right, answer == right)] += 1
+            report.tallies[f"{'B again' if turn == 2 else 'B'}: {reuse}"][kind].add(
+                answer, right, pair.cached.value(key) if kind == CHANGED else None)
+            answers.append((answer, reuse))
+        (first, first_reuse), _, (again, _) = answers
+        if first_reuse == "approximate":
+            report.repeats[(first == right, again == right)] += 1
         if progress:
             progress(done, len(pairs))
     report.seconds = time.perf_counter() - started
