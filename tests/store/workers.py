@@ -41,7 +41,7 @@ def writer(kind: str, config: StoreConfig, seed: int, barrier, duration_s: float
     rng = random.Random(seed)
     store = open_kind(kind, config)
     entries = {s * 100 + v: make_entry(s * 100 + v, **SHAPE)[0] for s in range(SLOTS) for v in range(VARIANTS)}
-    barrier.wait(timeout=60)
+    barrier.wait(timeout=300)  # every process started (test_processes.PROCESS_TIMEOUT_S)
     deadline, ops, slowest = time.monotonic() + duration_s, 0, 0.0
     while time.monotonic() < deadline or ops < MIN_WRITES:
         started = time.monotonic()
@@ -77,7 +77,7 @@ def reader(kind: str, config: StoreConfig, seed: int, barrier, duration_s: float
             originals[entry_seed] = make_entry(entry_seed, **SHAPE)
         return originals[entry_seed]
 
-    barrier.wait(timeout=60)
+    barrier.wait(timeout=300)  # every process started (test_processes.PROCESS_TIMEOUT_S)
     deadline, give_up = time.monotonic() + duration_s, time.monotonic() + 45  # give_up: a writer that died
     ops = verified = absent = mismatches = 0
     slowest = 0.0
