@@ -18,6 +18,12 @@ A worker taken out by its checks takes back what it was sent: requests still wai
 (``WorkerPool.until_taken_out``) are cancelled there, and the dispatcher retries them on another worker, instead
 of holding them (and their key's turns) until the upstream timeout. Streams it has begun to answer are not: their
 half answer cannot be retried, and they end at the upstream read timeout.
+
+Last resort: when no worker is healthy, a request goes to a worker whose checks went unanswered (``Worker.silent``:
+slow or stopped, but something was listening) rather than failing at once: the one that missed the fewest checks,
+then the least loaded. On a small machine the worker left alone with all the load while another restarts or hangs
+can miss its checks for seconds and still answer; a 503 then would fail requests it serves late. A worker where
+nothing listens, or that answers its checks with an error, is never tried this way.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class Worker:
     failures: int = 0
     missed_checks: int = 0
     busy_since: float | None = None  # Unix time the forward in progress started, while /health goes unanswered
+    silent: bool = False  # its last check timed out (nothing refused, no error answered): slow or stopped
     last_error: str | None = None
     last_checked: float = 0.0
     # What the worker's /v1/models says of its model: {"root": ..., "max_model_len": ...}; read each time it comes up.
@@ -69,6 +76,7 @@ class Worker:
             "served": self.served,
             "failures": self.failures,
             "busy_s": None if self.busy_since is None else round(max(0.0, time.time() - self.busy_since), 1),
+            "silent": self.silent,
             "last_error": self.last_error,
             "device": self.device,
         }
@@ -86,6 +94,8 @@ class WorkerPool:
         self._misses_allowed = misses_allowed
         self._task: asyncio.Task | None = None
         self._ticket = itertools.count(1)
+        self.last_resort_sent = 0  # requests sent to a silent worker for want of a healthy one
+        self._last_resort_logged = float("-inf")
         self.on_devices: Callable[[list[str]], None] | None = None  # told the devices the workers run on, as learnt
         self.on_up: Callable[[Worker], None] | None = None  # told of a worker that came up (first, or back)
 
@@ -116,13 +126,15 @@ class WorkerPool:
         await asyncio.gather(*(self._check(w) for w in self.workers))
 
     async def _check(self, worker: Worker) -> None:
-        refused = False
+        refused = timed_out = False
         try:
             response = await self._client.get(worker.url + "/health", timeout=self._timeout_s)
             ok, error = response.status_code == 200, f"health returned HTTP {response.status_code}"
         except httpx.HTTPError as exc:
             ok, error = False, f"health check failed: {type(exc).__name__}: {exc}"
             refused = isinstance(exc, httpx.ConnectError)
+            timed_out = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)
+        worker.silent = timed_out
         answering, worker.busy_since = (True, None) if ok or refused else await self._forward_clock(worker)
         worker.last_checked = time.monotonic()
         busy = worker.busy_since is not None
@@ -208,13 +220,26 @@ class WorkerPool:
         excluded = {id(w) for w in exclude}
         candidates = [w for w in self.workers if w.healthy and id(w) not in excluded]
         if not candidates:
-            raise NoHealthyWorker("no healthy worker is available; try again shortly")
+            return self._last_resort(excluded)
         best = min(candidates, key=lambda w: (w.busy_since is not None, w.inflight, w._last_used))
         if prefer is not None:
             for worker in candidates:
                 if worker.url == prefer and worker.inflight <= best.inflight + AFFINITY_SLACK:
                     return worker
         return best
+
+    def _last_resort(self, excluded: set[int]) -> Worker:
+        """With no healthy worker: a silent one (slow or stopped, see the module's doc), fewest checks missed first."""
+        silent = [w for w in self.workers if w.silent and id(w) not in excluded]
+        if not silent:
+            raise NoHealthyWorker("no healthy worker is available; try again shortly")
+        worker = min(silent, key=lambda w: (w.missed_checks, w.inflight, w._last_used))
+        self.last_resort_sent += 1
+        if time.monotonic() - self._last_resort_logged > 5.0:  # once in a while, not once per request
+            self._last_resort_logged = time.monotonic()
+            log.warning("no healthy worker: sent to silent worker %s as a last resort (%d so far)", worker.url,
+                        self.last_resort_sent)
+        return worker
 
     @contextlib.asynccontextmanager
     async def lease(self, worker: Worker) -> AsyncIterator[Worker]:
@@ -230,9 +255,11 @@ class WorkerPool:
     def until_taken_out(self, worker: Worker) -> Iterator[anyio.CancelScope]:
         """A cancel scope around waiting for ``worker``'s answer, cancelled if a health check takes the worker out
         meanwhile (``scope.cancelled_caught`` then tells: the request may be sent elsewhere). Not for what runs
-        after the worker has begun to answer."""
+        after the worker has begun to answer. A request sent to a worker already out (the last resort, see the
+        module's doc) was sent knowing, and waits."""
         with anyio.CancelScope() as scope:
-            worker._awaited.add(scope)
+            if worker.healthy:
+                worker._awaited.add(scope)
             try:
                 yield scope
             finally:

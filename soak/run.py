@@ -9,6 +9,7 @@ no lost request, no wrong answer among the checked ones, every fault injected an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -60,6 +61,9 @@ class SoakReport:
     memory: dict = field(default_factory=dict)
     loop_lag: dict = field(default_factory=dict)
     store: dict = field(default_factory=dict)
+    # The gateway's log lines on worker health (up, down, requests sent elsewhere), stamped: what explains an error
+    # that no fault does.
+    worker_changes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -95,6 +99,8 @@ class SoakReport:
             lines += [f"| {life['process']} ({life['pid']}) | {life['from_min']}-{life['to_min']} | "
                       f"{life['first_mib']} | {life['last_mib']} |" for life in lives]
         lines += ["", "Unexplained:", *[f"- {u}" for u in self.unexplained[:50]]] if self.unexplained else []
+        if self.unexplained:
+            lines += ["", "Worker health as the gateway saw it:", *[f"- {c}" for c in self.worker_changes[-80:]]]
         lines += ["", "Wrong answers:", *[f"- {w}" for w in self.wrong[:50]]] if self.wrong else []
         return "\n".join(lines) + "\n"
 
@@ -256,7 +262,8 @@ class Soak:
         result.checks["the store opens"] = store.get("opened", False)
         self.results.append(result)
         verdict = "survived" if result.survived else ("not injected" if not result.injected else "FAILED")
-        self.say(f"  {verdict} in {result.ended - result.started:.0f} s: {result.detail}")
+        self.say(f"  {verdict} in {result.ended - result.started:.0f} s (from {self.clock(result.started)}): "
+                 f"{result.detail}")
         for check, ok in result.checks.items():
             if not ok:
                 self.say(f"  check failed: {check}")
@@ -303,13 +310,17 @@ class Soak:
             if blame is not None:
                 explained[blame] += 1
             else:
-                report.unexplained.append(_describe(record))
+                report.unexplained.append(f"at {self.clock(record.started)}: {_describe(record)}")
         report.explained = dict(explained)
         report.checked, report.checks_skipped = len(load.checks), load.checks_skipped
         report.wrong = [c.__dict__ for c in load.checks if c.wrong]
         with_truth = [c for c in load.checks if c.truth]  # field questions about one panel
         report.right_vs_truth = sum(c.answer == c.truth for c in with_truth) / max(1, len(with_truth))
         report.faults = [r.as_dict() for r in self.results]
+
+    def clock(self, monotonic: float) -> str:
+        """A moment of the soak as the wall clock the stack's logs are stamped with (HH:MM:SS)."""
+        return time.strftime("%H:%M:%S", time.localtime(time.time() - time.monotonic() + monotonic))
 
     def _blame(self, record: Record) -> str | None:
         """The fault whose window this errored request overlapped, where that fault can cause errors."""
@@ -355,12 +366,23 @@ def run_soak(plan: SoakPlan, settings: StackSettings | None = None, say: Callabl
         report.memory["rss_by_process"] = soak.rss_lifetimes()
         report.memory["shm_at_end"] = _shm_summary(shm_files())
     finally:
+        report.worker_changes = _worker_changes(stack.root / "logs")
         if logs is not None:
             shutil.copytree(stack.root / "logs", logs, dirs_exist_ok=True)
         stack.close()
     left = sorted(set(shm_files()) - set(baseline))
     report.memory["shm_left_after_stop"] = left
     return report
+
+
+def _worker_changes(logs: Path) -> list[str]:
+    """The gateway's lines on worker health from its logs (one per start), in order."""
+    lines: list[str] = []
+    for log in sorted(logs.glob("gateway-*.log"), key=lambda path: int(path.stem.rpartition("-")[2])):
+        with contextlib.suppress(OSError):
+            lines += [line[:300] for line in log.read_text(errors="replace").splitlines()
+                      if " gateway.workers: " in line]
+    return lines
 
 
 def _shm_summary(files: dict[str, int]) -> dict:

@@ -4,7 +4,9 @@ import threading
 from http.server import BaseHTTPRequestHandler
 
 import httpx
+import pytest
 
+from gateway.errors import NoHealthyWorker
 from gateway.workers import WorkerPool
 from tests.conftest import free_port
 from tests.http_server import serve_handler
@@ -130,3 +132,42 @@ async def test_the_model_card_is_read_again_when_a_worker_comes_back():
             handler.down = False
             await pool.check_all()
             assert pool.ready and pool.workers[0].model_card["max_model_len"] == 8192
+
+
+async def test_with_no_healthy_worker_a_silent_one_is_the_last_resort():
+    """The worker left alone with the load while the other restarts misses its checks and is taken out: requests
+    still go to it (it may answer late) rather than failing at once; a worker where nothing listens never takes them,
+    and a request sent to a worker already out is not taken back by the checks that follow."""
+    handler, answer = slow_health(metrics_answer=False)
+    with serve_handler(handler) as url:
+        async with httpx.AsyncClient() as client:
+            dead = f"http://127.0.0.1:{free_port()}"
+            pool = WorkerPool([dead, url], client, interval_s=3600, timeout_s=0.2, misses_allowed=2)
+            await pool.check_all()
+            silent = pool.workers[1]
+            assert pool.ready and not silent.silent
+            answer.clear()
+            for _ in range(2):
+                await pool.check_all()
+            assert not pool.ready and silent.silent and not pool.workers[0].silent
+            assert pool.choose() is silent and pool.last_resort_sent == 1
+            with pytest.raises(NoHealthyWorker):
+                pool.choose(exclude=[silent])  # the dead one is never a last resort
+            with pool.until_taken_out(silent) as waiting:
+                await pool.check_all()  # out already: what was sent knowing stays
+            assert not waiting.cancel_called
+            answer.set()
+            await pool.check_all()
+            assert pool.ready and not silent.silent
+            assert pool.choose() is silent and pool.last_resort_sent == 1  # healthy again: no last resort counted
+
+
+async def test_a_worker_answering_its_checks_with_an_error_is_no_last_resort():
+    handler = type("Handler", (Restartable,), {"down": True})
+    with serve_handler(handler) as url:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool([url], client, interval_s=3600, timeout_s=1.0, misses_allowed=1)
+            await pool.check_all()
+            assert not pool.ready and not pool.workers[0].silent
+            with pytest.raises(NoHealthyWorker):
+                pool.choose()
