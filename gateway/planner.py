@@ -57,7 +57,7 @@ from gateway.intake import IntakeResult
 from gateway.matching.matcher import Match, Matcher
 from gateway.matching.plans import approximate_plan
 from gateway.videos import FrameBook, FramesSeen
-from plan import EXACT, MISS, ImagePlan, RequestPlan
+from plan import APPROXIMATE, EXACT, MISS, ImagePlan, RequestPlan
 from plan.outcome import EVERY_IMAGE, PLANNED, Outcome
 from store import StoreError
 
@@ -107,6 +107,22 @@ class Planned:
             part += ";derived" if derived[index] else ""
             parts.append(part if outcome is None or outcome.cause is None else f"{part};degraded={outcome.cause}")
         return ",".join(parts)
+
+    def store_tokens(self, ran: Mapping[int, Outcome] | None = None) -> int:
+        """How many of the prompt's tokens had their K/V read from the store rather than computed, over the images
+        that ran as planned: an exact hit's every token, an approximate hit's reused ones (B: their late layers; the
+        first W layers are computed for every token). With ``ran`` None, as planned. A degraded plan (some rows
+        computed after a failed read) still counts its plan's rows."""
+        if self.plan is None:
+            return 0
+        total = 0
+        for index, image in enumerate(self.plan.images):
+            outcome = outcome_of(ran, index)
+            if outcome is not None and outcome.ran != PLANNED:
+                continue
+            total += image.tokens if image.strategy == EXACT else len(image.reuse) if image.strategy == APPROXIMATE \
+                else 0
+        return total
 
     def fallbacks(self, ran: Mapping[int, Outcome]) -> list[tuple[str, Outcome]]:
         """(planned kind, outcome) of each image that did not run exactly as planned."""

@@ -104,6 +104,7 @@ def summarize(run: Run) -> dict[str, Any]:
                            for label, low, high in SIZE_BUCKETS},
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
         "cached_tokens": sum(r.cached_tokens or 0 for r in ok),
+        "store_tokens": sum(r.store_tokens for r in ok),
     }
     if len(run.samples) >= 2:
         first, last = run.samples[0].stats, run.samples[-1].stats
@@ -162,6 +163,9 @@ def markdown(report: dict[str, Any]) -> str:
         row(f"hit rate: {rate}", [f"{r['hit_rate'][rate]:.1%}" for r in runs])
     row("TTFT p50 / p95 (ms)", [f"{_ms(r['ttft_all_s']['p50'])} / {_ms(r['ttft_all_s']['p95'])}" for r in runs])
     row("prompt tokens cached by SGLang", [f"{r['cached_tokens']} of {r['prompt_tokens']}" for r in runs])
+    row("prompt tokens read from the store", [f"{r.get('store_tokens', 0)} of {r['prompt_tokens']}" for r in runs])
+    row("prompt tokens reused (both)", [f"{r['cached_tokens'] + r.get('store_tokens', 0)} of {r['prompt_tokens']}"
+                                        for r in runs])
     for label, _, _ in SIZE_BUCKETS:
         spreads = [r.get("ttft_by_size_s", {}).get(label, {}) for r in runs]
         if any(spread.get("n") for spread in spreads):

@@ -65,6 +65,7 @@ class Result:
     derived: int = 0  # images that ran as exact hits on a derived entry (an earlier approximate hit's K/V)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    store_tokens: int = 0  # prompt tokens whose K/V the gateway's plan read from the store (x-revisit-store-tokens)
     error: str = ""
 
     @property
@@ -214,6 +215,7 @@ async def _send(client: httpx.AsyncClient, files: ImageFiles, request: TraceRequ
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
             result.status = response.status_code
             _read_reuse(result, response.headers.get("x-revisit-reuse", ""))
+            result.store_tokens = _count(response.headers.get("x-revisit-store-tokens", ""))
             if response.status_code == 200 and not result.reuse:
                 result.reuse = result.planned = [PLAIN] * sum(1 for _ in image_parts(request.body))
             if response.status_code != 200:
@@ -251,6 +253,10 @@ def _read_usage(result: Result, usage: Any) -> None:
         result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
         details = usage.get("prompt_tokens_details") or {}
         result.cached_tokens = details.get("cached_tokens", result.cached_tokens)
+
+
+def _count(header: str) -> int:
+    return int(header) if header.isdigit() else 0
 
 
 def _read_reuse(result: Result, header: str) -> None:

@@ -37,6 +37,7 @@ T = TypeVar("T")
 
 IMAGE_KEYS_HEADER = "x-revisit-image-keys"
 REUSE_HEADER = "x-revisit-reuse"  # per image, what the worker ran (Planned.reuse_header)
+STORE_TOKENS_HEADER = "x-revisit-store-tokens"  # prompt tokens whose K/V came from the store (Planned.store_tokens)
 VIDEO_FRAMES_HEADER = "x-revisit-video-frames"  # per video, its sampled frames and how many were seen before
 STRATEGY_HEADER = "x-revisit-strategy"  # a request's choice of approximate strategy, where settings allow it
 REUSE_MODE_HEADER = "x-revisit-reuse-mode"  # what a request lets the planner reuse (planner.REUSE_MODES)
@@ -126,6 +127,7 @@ async def chat_completions(request: Request) -> Any:
         ran = None
         if planned.kinds:
             headers[REUSE_HEADER], ran = await _what_ran(services, planned, request_id)
+            headers[STORE_TOKENS_HEADER] = str(planned.store_tokens(ran))
         if first and services.costs is not None:
             worker, seconds = first[0]
             work, kind = _work_that_ran(services.costs.facts, intake, plan, planned.kinds, ran)

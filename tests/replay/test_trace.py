@@ -135,6 +135,8 @@ def _stats(exact: int, approximate: int, miss: int) -> dict:
 def test_the_report_counts_what_the_headers_said(tmp_path):
     results = [_result(i, [kind], ttft) for i, (kind, ttft) in enumerate(
         [("miss", 1.0)] * 6 + [("exact_same_prefix", 0.1)] * 3 + [("approximate", 0.4)] * 1)]
+    for result in results[6:9]:
+        result.store_tokens = 64  # the exact hits' image tokens, as x-revisit-store-tokens said
     results.append(Result(index=10, tenant="a", family="doc", sent_s=1.0, status=413, error="too large"))
     run = Run(settings=ReplaySettings(url="http://x"), results=results, wall_s=2.0,
               samples=[Sample(0.0, _stats(5, 5, 5), 1000), Sample(1.0, _stats(7, 5, 9), 3000),
@@ -157,6 +159,9 @@ def test_the_report_counts_what_the_headers_said(tmp_path):
     assert "predicted" not in (tmp_path / "report.md").read_text()  # a gateway that predicts nothing shows nothing
     assert "TTFT p50 / p95 (ms), prompts of < 128 tokens | 1000 / 1000 (n 10) |" in (tmp_path / "report.md").read_text()
     assert "prompts of 128-511 tokens" not in (tmp_path / "report.md").read_text()  # empty buckets left out
+    assert "prompt tokens cached by SGLang | 100 of 1000 |" in (tmp_path / "report.md").read_text()
+    assert "prompt tokens read from the store | 192 of 1000 |" in (tmp_path / "report.md").read_text()
+    assert "prompt tokens reused (both) | 292 of 1000 |" in (tmp_path / "report.md").read_text()
     assert json.loads((tmp_path / "report.json").read_text())["runs"][0]["images"]["total"] == 10
 
 

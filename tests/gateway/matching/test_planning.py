@@ -36,6 +36,7 @@ from plan import (
     SELECTORS,
     VLCACHE,
 )
+from plan.outcome import FULL_PREFILL, PLANNED, Outcome
 from store import Entry, FeatureStore, StoreConfig
 from store.tiered import TieredStore, open_tier
 from tests.conftest import free_port, remove_store_memory
@@ -190,6 +191,10 @@ def test_an_approximate_hit_leaves_a_derived_entry_its_next_sight_hits_exactly_a
     again = plan(planner, near, "ns")
     assert again.kinds == ("exact_same_prefix",) and again.derived == (True,)
     assert again.reuse_header() == "exact_same_prefix;derived" and planner.counts["derived_hit"] == 1
+    # The store's tokens: an approximate hit's reused ones (B), an exact hit's every one, none once it fell back.
+    assert first.store_tokens() == len(image_plan.reuse) and 0 < len(image_plan.reuse) < 160
+    assert again.store_tokens() == 160 and again.store_tokens({0: Outcome(FULL_PREFILL, "entry_damaged")}) == 0
+    assert again.store_tokens({0: Outcome(PLANNED, "kv_read_failed")}) == 160
     assert plan(planner, a, "ns").reuse_header() == "exact_same_prefix"  # a miss's entry is not derived
     # A derived entry an index still holds (an older gateway's) is skipped as an alias, and leaves the index.
     matcher.add(image_plan.key, "ns", features(near))
