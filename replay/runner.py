@@ -40,6 +40,7 @@ class ReplaySettings:
     key_prefix: str = "sk-replay-"
     admin_token: str | None = None
     sample_s: float = 2.0  # how often /admin/stats is sampled
+    calibration_wait_s: float = 600.0  # how long to wait for the gateway's calibration of its workers
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -114,6 +115,8 @@ async def replay(trace: Trace, settings: ReplaySettings, results_path: Path, *,
     first_t = todo[0].t if todo else 0.0
     async with httpx.AsyncClient(base_url=settings.url, timeout=settings.timeout_s, limits=limits) as client:
         model = settings.model or await _first_model(client)
+        if todo:
+            await _calibrated(client, settings)
         gate = asyncio.Semaphore(settings.concurrency)
         workers = await _worker_urls(client)
         sampler = asyncio.create_task(_sample(client, settings, samples, started, workers))
@@ -161,6 +164,27 @@ async def _stats(client: httpx.AsyncClient, settings: ReplaySettings) -> dict[st
     except httpx.HTTPError:
         return None
     return response.json() if response.status_code == 200 else None
+
+
+async def _calibrated(client: httpx.AsyncClient, settings: ReplaySettings) -> None:
+    """Wait (up to ``calibration_wait_s``) until the gateway has measured every healthy worker's costs, so that its
+    calibration probes do not run beside, and slow, the first requests of whichever mode runs first. Needs the
+    admin token; a gateway that does not calibrate (``worker_costs`` null) is not waited for."""
+    if not settings.admin_token:
+        return
+    deadline = time.monotonic() + settings.calibration_wait_s
+    while time.monotonic() < deadline:
+        stats = await _stats(client, settings)
+        if stats is None or stats.get("worker_costs") is None:  # no admin access, or no calibration to wait for
+            return
+        measured = stats["worker_costs"].get("workers", {})
+        try:
+            healthy = [w["url"] for w in (await client.get("/health")).json().get("workers", []) if w.get("healthy")]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            healthy = []
+        if healthy and all((measured.get(url) or {}).get("calibration") for url in healthy):
+            return
+        await asyncio.sleep(0.5)
 
 
 async def _sample(client: httpx.AsyncClient, settings: ReplaySettings, samples: list[Sample],

@@ -178,3 +178,33 @@ def test_the_report_shows_the_gateways_predictions_and_cost_fallbacks(tmp_path):
     write_report([run], tmp_path)
     text = (tmp_path / "report.md").read_text()
     assert "cost fallbacks): 2" in text and "| miss | 3 | 0.91 | 9.0% |" in text
+
+
+def test_a_replay_waits_for_the_gateways_calibration_of_its_workers():
+    """The calibration's probes must not run beside the first mode's requests: the replay waits until /admin/stats
+    shows every healthy worker calibrated (an in-process gateway stand-in: the wait is the replay's own rule)."""
+    import asyncio
+
+    import httpx
+
+    from replay.runner import _calibrated
+
+    polls = {"stats": 0}
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"workers": [{"url": "http://w0", "healthy": True},
+                                                         {"url": "http://w1", "healthy": False}]})
+        polls["stats"] += 1
+        calibration = {"seconds": 3.0} if polls["stats"] >= 3 else None
+        return httpx.Response(200, json={"worker_costs": {"workers": {"http://w0": {"calibration": calibration}}}})
+
+    async def wait(settings: ReplaySettings) -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(gateway), base_url="http://g") as client:
+            await _calibrated(client, settings)
+
+    asyncio.run(wait(ReplaySettings(url="http://g", admin_token="admin-token")))
+    assert polls["stats"] == 3  # waited for w0, the healthy one; w1 is down and not waited for
+    polls["stats"] = 0
+    asyncio.run(wait(ReplaySettings(url="http://g")))  # no admin token: nothing to read, no wait
+    assert polls["stats"] == 0
