@@ -119,9 +119,11 @@ class Planned:
         for index, image in enumerate(self.plan.images):
             outcome = outcome_of(ran, index)
             if outcome is not None and outcome.ran != PLANNED:
-                continue
-            total += image.tokens if image.strategy == EXACT else len(image.reuse) if image.strategy == APPROXIMATE \
-                else 0
+                continue  # computed as after a miss
+            if image.strategy == EXACT:
+                total += image.tokens
+            elif image.strategy == APPROXIMATE:
+                total += len(image.reuse)
         return total
 
     def fallbacks(self, ran: Mapping[int, Outcome]) -> list[tuple[str, Outcome]]:

@@ -178,10 +178,7 @@ async def _calibrated(client: httpx.AsyncClient, settings: ReplaySettings) -> No
         if stats is None or stats.get("worker_costs") is None:  # no admin access, or no calibration to wait for
             return
         measured = stats["worker_costs"].get("workers", {})
-        try:
-            healthy = [w["url"] for w in (await client.get("/health")).json().get("workers", []) if w.get("healthy")]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            healthy = []
+        healthy = [w["url"] for w in await _listed_workers(client) if w.get("healthy")]
         if healthy and all((measured.get(url) or {}).get("calibration") for url in healthy):
             return
         await asyncio.sleep(0.5)
@@ -197,12 +194,18 @@ async def _sample(client: httpx.AsyncClient, settings: ReplaySettings, samples: 
         await asyncio.sleep(settings.sample_s)
 
 
+async def _listed_workers(client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    """The workers the gateway lists on /health, as it lists them (url, healthy, ...); [] when it cannot be read."""
+    try:
+        listed = (await client.get("/health")).json().get("workers", [])
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return []
+    return [w for w in listed if isinstance(w, dict) and "url" in w]
+
+
 async def _worker_urls(client: httpx.AsyncClient) -> list[str]:
     """The workers the gateway lists on /health (their URLs as the gateway reaches them)."""
-    try:
-        return [w["url"] for w in (await client.get("/health")).json().get("workers", [])]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        return []
+    return [w["url"] for w in await _listed_workers(client)]
 
 
 async def _bytes_read(workers: list[str]) -> int | None:
