@@ -117,7 +117,7 @@ class WorkerCosts:
             self.calibrations[url] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             return
         prior = self.prior(samples)
-        self.models[url] = CostModel(prior)
+        self.models[url] = CostModel(prior, floor=prefill_floor(samples))
         self.calibrations[url] = {"seconds": round(time.monotonic() - started, 1), "probes": [
             {"work": work.as_dict(), "seconds": round(seconds, 4)} for work, seconds in samples]}
         log.info("worker %s calibrated in %.1f s: %s", url, time.monotonic() - started, prior.as_dict())
@@ -187,23 +187,40 @@ def _png_data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-def calibrated(samples: list[tuple[Work, float]], facts: ModelFacts) -> Costs:
-    """Costs from the probes. Prefill's linear and quadratic parts trade off over three prompt lengths (on the tiny
-    model an unpulled fit put everything in attention), so the fit is pulled, with a twentieth of a probe's weight,
-    toward the straight line through the shortest and the longest text probe (no quadratic part). Vision is not
-    pulled: on a CPU worker it is quadratic in the patches, and pulled toward a line through two small images the fit
-    predicted a 1K-token miss on the deep bench model at 22 s (it takes 38 s). What the probes cannot exercise is
-    derived from prefill."""
+def _text_line(samples: list[tuple[Work, float]]) -> tuple[float, float]:
+    """The request's own seconds and the seconds per token and layer of the straight line through the shortest and
+    the longest text probe."""
     text = [(w, s) for w, s in samples if not w.vision_patches]
     (short, short_s), (long, long_s) = min(text, key=lambda x: x[0].token_layers), \
         max(text, key=lambda x: x[0].token_layers)
     per_token_layer = max((long_s - short_s) / max(long.token_layers - short.token_layers, 1.0), 1e-9)
-    request = max(short_s - short.token_layers * per_token_layer, 1e-4)
+    return max(short_s - short.token_layers * per_token_layer, 1e-4), per_token_layer
+
+
+def prefill_floor(samples: list[tuple[Work, float]]) -> Costs:
+    """The least a worker's prefill may cost, in its calibration and in every refit: a quarter of the text probes'
+    line. Prefill's linear and quadratic parts trade off over a few prompt lengths, and on a noisy machine a fit
+    that put all of it in attention made prefill free (a short prompt then predicted at the request's cost
+    alone); the executor's layer loop is never cheaper than SGLang's at that."""
+    _, per_token_layer = _text_line(samples)
+    return Costs.of(token_layers=per_token_layer / 4,
+                    planned_token_layers=EXECUTOR_PREFILL_FACTOR * per_token_layer / 4)
+
+
+def calibrated(samples: list[tuple[Work, float]], facts: ModelFacts) -> Costs:
+    """Costs from the probes. Prefill's linear and quadratic parts trade off over three prompt lengths (on the tiny
+    model an unpulled fit put everything in attention), so the fit is pulled, with a twentieth of a probe's weight,
+    toward the straight line through the shortest and the longest text probe (no quadratic part), and held at or
+    above ``prefill_floor``. Vision is not pulled: on a CPU worker it is quadratic in the patches, and pulled toward
+    a line through two small images the fit predicted a 1K-token miss on the deep bench model at 22 s (it takes
+    38 s). What the probes cannot exercise is derived from prefill."""
+    request, per_token_layer = _text_line(samples)
     line = Costs.of(request=request, token_layers=per_token_layer)
-    fitted = fit([w.vector() for w, _ in samples], [s for _, s in samples], prior=line, prior_weight=0.05)
+    fitted = fit([w.vector() for w, _ in samples], [s for _, s in samples], prior=line, prior_weight=0.05,
+                 floor=prefill_floor(samples))
     costs = dict(zip(FEATURES, fitted.per_unit, strict=True))
-    effective = max(costs["token_layers"], per_token_layer / 4)  # never free, whatever the fit traded for attention
     return Costs.of(request=costs["request"], token_layers=costs["token_layers"],
                     attention_pairs=costs["attention_pairs"], vision_patches=costs["vision_patches"],
-                    vision_pairs=costs["vision_pairs"], planned_token_layers=EXECUTOR_PREFILL_FACTOR * effective,
+                    vision_pairs=costs["vision_pairs"],
+                    planned_token_layers=EXECUTOR_PREFILL_FACTOR * costs["token_layers"],
                     read_token_layers=facts.read_s_per_token_layer, planned_images=PLANNED_IMAGE_S)

@@ -103,13 +103,18 @@ class Costs:
 
 
 class CostModel:
-    """One worker profile's costs: a prior, refitted to the last ``window`` samples as they come.
+    """One worker profile's costs: a prior, refitted to the last ``window`` samples as they come, none below
+    ``floor``.
 
     Thread-safe: samples arrive from the event loop, predictions are asked on the cache thread."""
 
-    def __init__(self, prior: Costs, *, window: int = 256, prior_weight: float = 1.0, refit_every: int = 8) -> None:
+    def __init__(self, prior: Costs, *, window: int = 256, prior_weight: float = 1.0, refit_every: int = 8,
+                 floor: Costs | None = None) -> None:
+        if floor is not None and any(f > p for f, p in zip(floor.per_unit, prior.per_unit, strict=True)):
+            raise ValueError(f"a prior below its floor: {prior.as_dict()} under {floor.as_dict()}")
         self.prior = prior
         self.costs = prior
+        self.floor = floor
         self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._prior_weight = prior_weight
         self._refit_every = refit_every
@@ -139,7 +144,7 @@ class CostModel:
         self._since_fit = 0
         if self._samples:
             works, seconds = zip(*self._samples, strict=True)
-            self.costs = fit(works, seconds, prior=self.prior, prior_weight=self._prior_weight)
+            self.costs = fit(works, seconds, prior=self.prior, prior_weight=self._prior_weight, floor=self.floor)
 
     def errors(self) -> dict[str, float] | None:
         """How far the current costs' predictions are from the samples held: median and 90th percentile of
@@ -158,10 +163,10 @@ class CostModel:
 
 
 def fit(works: Iterable[Iterable[float]], seconds: Iterable[float], *, prior: Costs,
-        prior_weight: float = 1.0) -> Costs:
-    """Costs that minimise the squared relative error of the predictions over the samples, with no negative cost,
-    plus ``prior_weight`` samples' worth of pull toward ``prior`` on each cost (relative to its own size; the
-    prior also sets each cost's scale for the solve)."""
+        prior_weight: float = 1.0, floor: Costs | None = None) -> Costs:
+    """Costs that minimise the squared relative error of the predictions over the samples, with no cost below
+    ``floor`` (none negative), plus ``prior_weight`` samples' worth of pull toward ``prior`` on each cost (relative
+    to its own size; the prior also sets each cost's scale for the solve)."""
     a = np.asarray(list(works), dtype=np.float64)
     y = np.asarray(list(seconds), dtype=np.float64)
     if a.ndim != 2 or a.shape[1] != len(FEATURES) or len(y) != len(a):
@@ -175,7 +180,9 @@ def fit(works: Iterable[Iterable[float]], seconds: Iterable[float], *, prior: Co
     weight = math.sqrt(prior_weight)
     pulled = np.vstack([a_scaled, weight * np.eye(len(FEATURES))])
     target = np.concatenate([y, weight * np.where(p > 0, 1.0, 0.0)])
-    solution = nnls(pulled, target)
+    # Each cost as its floor plus a part that is not negative: the solve is for that part.
+    lowest = np.asarray(floor.per_unit if floor is not None else np.zeros(len(FEATURES)), dtype=np.float64) / scale
+    solution = lowest + nnls(pulled, target - pulled @ lowest)
     return Costs(tuple(float(v) for v in solution * scale))
 
 

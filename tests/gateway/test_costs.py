@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from gateway.calibration import calibrated, prefill_floor
 from gateway.costs import (
     FEATURES,
     CostModel,
@@ -101,6 +102,49 @@ def test_the_model_refits_as_samples_come_and_reports_its_error() -> None:
     model.observe(work, float("nan"))
     model.observe(work, -1.0)
     assert model.observed == 160
+
+
+def test_a_floor_holds_a_cost_up_and_the_rest_refit_around_it() -> None:
+    # Samples that a free prefill explains best: quadratic in the prompt, less than nothing linear.
+    works = [text_work(tokens, SHAPE) for tokens in (10, 100, 300, 700, 1200, 2000)]
+    seconds = [0.03 + 0.05 * w.attention_pairs - 5e-6 * w.token_layers for w in works]
+    prior = Costs.of(request=0.03, token_layers=1e-6)
+    free = fit([w.vector() for w in works], seconds, prior=prior, prior_weight=0.05)
+    floor = Costs.of(token_layers=2e-7)
+    assert free.as_dict()["token_layers"] < 2e-7 / 5
+    held = fit([w.vector() for w in works], seconds, prior=prior, prior_weight=0.05, floor=floor).as_dict()
+    assert held["token_layers"] == pytest.approx(2e-7, rel=1e-6)
+    # Attention gives up what the floor took: the predictions stay about as close as the free fit's.
+    assert held["attention_pairs"] < free.as_dict()["attention_pairs"]
+
+    def worst(costs: Costs) -> float:
+        return max(abs(costs.seconds(w) - s) / s for w, s in zip(works, seconds, strict=True))
+
+    assert worst(Costs.of(**held)) < worst(free) + 0.05
+    # A refit keeps the floor; a prior under its floor is refused.
+    model = CostModel(Costs.of(request=0.03, token_layers=1e-6, attention_pairs=0.05), refit_every=1, floor=floor)
+    for w, s in zip(works, seconds, strict=True):
+        model.observe(w, s)
+    assert model.costs.as_dict()["token_layers"] >= 2e-7 * (1 - 1e-6)
+    with pytest.raises(ValueError, match="below its floor"):
+        CostModel(Costs.of(token_layers=1e-7), floor=floor)
+
+
+def test_calibration_on_noisy_probes_never_makes_prefill_free() -> None:
+    """Probe times a busy machine gave (the middle text probe fast, the longest slow): unfloored, the fit put all of
+    prefill in attention."""
+    facts = ModelFacts(layers=4, kv_bytes_per_token_layer=64)
+    probes = [(text_work(tokens, facts), t) for tokens, t in ((10, 0.038), (290, 0.04), (1200, 0.2))]
+    probes += [(text_work(20, facts, grid + 20) + image_work(None, facts, grid, grid + 20), t)
+               for grid, t in ((64, 0.06), (256, 0.1), (576, 0.25))]
+    line = (0.2 - 0.038) / ((1200 - 10) * 4)
+    unfloored = fit([w.vector() for w, _ in probes], [t for _, t in probes], prior=Costs.of(token_layers=line),
+                    prior_weight=0.05)
+    assert unfloored.as_dict()["token_layers"] == 0.0
+    costs = calibrated(probes, facts).as_dict()
+    assert costs["token_layers"] >= line / 4 * (1 - 1e-3)
+    assert costs["planned_token_layers"] >= costs["token_layers"] and costs["request"] > 0
+    assert prefill_floor(probes).as_dict()["token_layers"] == pytest.approx(line / 4, rel=1e-3)
 
 
 def test_costs_refuse_what_cannot_be_a_cost() -> None:
