@@ -72,6 +72,8 @@ class EntryHead:
     encoder: torch.Tensor | None  # as the vision tower gave it, on the host (None when not asked for)
     kv_dtype: str
     nbytes: int = 0  # read from the store: the header, and the encoder output when asked for
+    prefix_digest: str = ""  # the gateway's digest of the prompt before the image when the entry was made
+    derived: bool = False  # computed approximately (store.entry)
 
 
 def read_head(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads: int, head_dim: int,
@@ -90,7 +92,8 @@ def read_head(store: KVStore, key: str, *, model_id: str, layers: int, kv_heads:
             raise FullPrefill("entry_foreign", f"{key[:16]} is {h.model_id}'s, {h.num_tokens} tokens")
         encoder = _tensor(read.encoder_array(), h.encoder_dtype) if with_encoder else None
         return EntryHead(positions=_positions(h), encoder=encoder, kv_dtype=h.kv_dtype,
-                         nbytes=h.header_nbytes + (h.encoder_nbytes if with_encoder else 0))
+                         nbytes=h.header_nbytes + (h.encoder_nbytes if with_encoder else 0),
+                         prefix_digest=h.prefix_digest, derived=h.derived)
 
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,

@@ -72,6 +72,10 @@ EVENTS = {
     "exact_fallback": "an exact plan found no usable entry (absent, damaged, foreign): full prefill instead",
     "kv_read_failed": "image rows whose stored K/V could not be read mid-forward, computed from that layer on",
     "exact_served_by_prefix_cache": "an exact plan's image rows were all in SGLang's radix cache already",
+    "approximate_served_by_prefix_cache": "an approximate plan's image rows were all in SGLang's radix cache "
+                                          "already (computed there as a full prefill computes them)",
+    "kept_out_of_prefix_cache": "images whose K/V differ from a full prefill's (moved, recomputed, derived or "
+                                "approximate): their request's insert into SGLang's radix cache is withheld",
     "approximate_executed": "an approximate plan ran: warmup, then R computed, B from the alias, D hidden",
     "approximate_rows_reused": "image rows (summed over images) whose late-layer K/V came from an alias (B)",
     "approximate_rows_recomputed": "image rows of approximate plans computed at every layer (R)",

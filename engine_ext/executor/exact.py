@@ -47,7 +47,9 @@ def prepare(context: Context, rows: ImageRows, plan: ImagePlan, forward_batch) -
     context.events.add("exact_rows_reused", int((depth < shape.layers).sum()))
     log.info("revisit: exact hit %s (%s): %d image rows, moved by %d, recomputed per layer %s",
              plan.key[:16], rows.rid[:40], len(local), delta, counts)
-    return ReuseSpan(rows=rows, depth=depth, groups=groups)
+    identical = delta == 0 and not any(counts) and not head.derived and \
+        bool(plan.prefix_digest) and head.prefix_digest == plan.prefix_digest
+    return ReuseSpan(rows=rows, depth=depth, groups=groups, identical=identical)
 
 
 def agreed_head(context: Context, key: str, *, tokens: int, with_encoder: bool = True) -> EntryHead:

@@ -32,8 +32,10 @@ engine_ext.selection), and the tokens dropped in one extend stay hidden in the l
 of the request.
 
 A request without a plan, or with one that does not fit its images, runs exactly as in SGLang. Rows an earlier
-request left in the radix cache are never touched (the gateway salts approximate requests' prefix cache per
-request, so none is ever left). What was done is counted (executor.events).
+request left in the radix cache are never touched, and a request whose image K/V differ from a full prefill's (an
+exact hit moved, recomputed or read from a derived entry; every approximate hit) leaves none there: the executor
+marks it private, and SGLang's insert of its K/V is withheld (executor.prefix_cache). What was done is counted
+(executor.events).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine_ext.executor import exact
+from engine_ext.executor import exact, prefix_cache
 from engine_ext.executor.approximate import ApproximateHits, ApproximateSpan
 from engine_ext.executor.attention import PoolAttention
 from engine_ext.executor.context import Context, LazyStore, ModelShape, TensorParallel
@@ -90,6 +92,8 @@ class PlanExecutor:
         self._begun = Marks(4096)  # (request id, image) of the plans executed in an extend (chunked prefill)
         self._scoped = Marks(65536)  # item hashes keyed by their tenant's scope (_scope_items)
         self.approximate = ApproximateHits(self.context, model)
+        self.private = prefix_cache.PRIVATE  # requests whose K/V SGLang's prefix cache must not keep
+        prefix_cache.install(self.private)
 
     # --- per forward ---
 
@@ -138,19 +142,23 @@ class PlanExecutor:
         for rows, plan in images:
             try:
                 if plan.strategy in (EXACT, APPROXIMATE) and not rows.in_extend:
-                    # rows computed before this extend: by an earlier chunk of this request, or (exact plans only:
-                    # the gateway salts approximate requests' prefix cache) by an earlier request
-                    if plan.strategy == EXACT and (rows.rid, rows.index) not in self._begun:
-                        self.events.add("exact_served_by_prefix_cache")
+                    # rows computed before this extend: by an earlier chunk of this request, or by an earlier
+                    # request that computed them as a full prefill does (no other leaves them in the prefix cache)
+                    if (rows.rid, rows.index) not in self._begun:
+                        self.events.add(f"{plan.strategy}_served_by_prefix_cache")
                         self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue
                 if plan.strategy == EXACT:
-                    reuse.append(exact.prepare(self.context, rows, plan, forward_batch))
+                    exact_span = exact.prepare(self.context, rows, plan, forward_batch)
+                    if not exact_span.identical:
+                        self._keep_private(rows)
+                    reuse.append(exact_span)
                     self._begun.add((rows.rid, rows.index))
                     self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue
                 if plan.strategy == APPROXIMATE:
                     approximate.append(self.approximate.prepare(rows, plan, forward_batch))
+                    self._keep_private(rows)
                     self._begun.add((rows.rid, rows.index))
                     self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue  # computed approximately: stored after the forward, as derived, when it may be
@@ -176,6 +184,11 @@ class PlanExecutor:
         finally:
             self.approximate.forget_composed()
         return out
+
+    def _keep_private(self, rows: ImageRows) -> None:
+        """The request's K/V differ from a full prefill's: SGLang's prefix cache must not keep them."""
+        self.private.mark(rows.rid)
+        self.events.add("kept_out_of_prefix_cache")
 
     def _will_capture(self, captures: list[tuple[ImageRows, ImagePlan, torch.Tensor, bool]], rows: ImageRows,
                       plan: ImagePlan, forward_batch, *, derived: bool = False) -> None:
@@ -446,3 +459,4 @@ def _open_outcomes() -> Outcomes:
     # address carries the server's password, if any.
     return outcome_box(config.outcomes_path, config.outcomes_address, name=config.name,
                        secret=DataPlaneSecret.read(config.secret_file) if config.outcomes_url else None)
+

@@ -32,6 +32,9 @@ class ReuseSpan:
     rows: ImageRows
     depth: torch.Tensor  # (rows,) per batch row of the span: how many leading layers compute it
     groups: list[tuple[int, torch.Tensor, Future[KVGroup | None]]]  # (depth, rows of the span, its K/V)
+    # What a full prefill of this prompt computes: the entry was made after the same text, at the same positions,
+    # exactly (not derived), and no layer recomputes a row from reused ones
+    identical: bool = False
 
 
 class ReusedKV:

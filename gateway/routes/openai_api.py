@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -107,8 +106,7 @@ async def chat_completions(request: Request) -> Any:
     public_id = f"chatcmpl-{request_id}"
     plan = scoped_plan(planned.plan, intake, caller.scope)
     body = upstream_body(intake.upstream_body, scope=caller.scope,
-                         rid=plan.to_rid(request_id, key=services.plan_key) if plan else public_id, kinds=planned.kinds,
-                         derived=planned.derived)
+                         rid=plan.to_rid(request_id, key=services.plan_key) if plan else public_id)
     upstream = await UpstreamRequest.encode(body, size_hint=intake.body_bytes)
 
     def on_served(worker: Worker) -> None:
@@ -299,24 +297,15 @@ def scoped_plan(plan: RequestPlan | None, intake: IntakeResult, scope: str) -> R
     return dataclasses.replace(plan, scope=scope) if plan is not None else None
 
 
-def upstream_body(body: dict[str, Any], *, scope: str, rid: str | list[str],
-                  kinds: Sequence[str] = (), derived: Sequence[bool] = ()) -> dict[str, Any]:
+def upstream_body(body: dict[str, Any], *, scope: str, rid: str | list[str]) -> dict[str, Any]:
     """The body SGLang gets: the gateway's request id (which may carry the reuse plan) instead of any the client
     sent, and SGLang's prefix cache scoped to the tenant's namespace, so that no tenant's request is served KV that
-    another tenant's request computed. KV computed under a position-independent plan (``exact_moved``), or read
-    from a derived entry (an earlier approximate hit's, ``derived``), is not exactly what a full prefill computes:
-    it is kept apart from exactly computed KV under a salt of its kind (so that no later miss takes it for a full
-    prefill's, and stores it as one). KV computed under an approximate plan is kept apart from everything, under a
-    salt of the request's own: its dropped tokens hold no usable K/V at the late layers, so no later request may
-    take its prefix."""
+    another tenant's request computed. K/V a plan computes differently from a full prefill (moved, derived or
+    approximate) need no salt of their own: the worker keeps them out of the prefix cache (engine_ext's
+    executor.prefix_cache), while the text before the image still matches what earlier requests left there."""
     upstream = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
     upstream["rid"] = rid
     upstream["extra_key"] = scope
-    inexact = [part for part, there in (("moved", "exact_moved" in kinds), ("derived", any(derived))) if there]
-    salt = ("revisit-approximate-" + hashlib.blake2b(str(rid).encode(), digest_size=12).hexdigest()
-            if "approximate" in kinds else "-".join(["revisit", *inexact]) if inexact else None)
-    if salt is not None:
-        upstream["cache_salt"] = salt + (f"-{body['cache_salt']}" if body.get("cache_salt") else "")
     return upstream
 
 

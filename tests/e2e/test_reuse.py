@@ -89,21 +89,48 @@ def miss_then_exact_hit(gateway, picture: str, grid_tokens: int) -> tuple[str, h
     done = executed(gateway, before, exact_executed=1)
     assert (done["exact_executed"], done["exact_fallback"], done["vision_images"], done["miss"]) == (1, 0, 0, 0)
     assert done["exact_rows_reused"] == grid_tokens  # every image row
+    assert done["kept_out_of_prefix_cache"] == 0  # what a full prefill computes: SGLang may keep it
     return key, first, again
 
 
-def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway, picture) -> None:
-    key, first, again = miss_then_exact_hit(gateway, picture, token_grid(196, 196, gateway.config.processor).tokens)
+def cached_tokens(response: httpx.Response) -> int:
+    """The prompt tokens SGLang's prefix cache served."""
+    return (response.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
-    before = worker_events(gateway.config.workers)
-    moved = ask(gateway, "Before that, a much longer preamble came along. Look:", picture)
+
+def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway, picture) -> None:
+    grid_tokens = token_grid(196, 196, gateway.config.processor).tokens
+    key, first, again = miss_then_exact_hit(gateway, picture, grid_tokens)
+
+    preamble = f"Before that, a much longer preamble came along ({uuid.uuid4().hex}). Look:"
+    before, per_worker = worker_events(gateway.config.workers), {url: worker_events([url])
+                                                                  for url in gateway.config.workers}
+    moved = ask(gateway, preamble, picture)
     assert moved.headers["x-revisit-reuse"] == "exact_moved"
     assert moved.json()["choices"][0]["message"]["content"]
+    # The text before the image matches what the tenant's earlier requests left in SGLang's prefix cache (the
+    # chat template's opening at least): a plan costs no prefix.
+    assert cached_tokens(moved) > 0
     done = executed(gateway, before, exact_executed=1)
     assert (done["exact_executed"], done["exact_fallback"], done["vision_images"]) == (1, 0, 0)
+    assert done["kept_out_of_prefix_cache"] == 1
+    served = [url for url, seen in per_worker.items()
+              if worker_events([url])["exact_executed"] > seen["exact_executed"]]
+    assert len(served) == 1
+
+    # The moved K/V are not what a full prefill computes: the worker kept them out of its prefix cache, so the same
+    # prompt again, on the same worker, is executed again rather than served them.
+    before, on_it = worker_events(gateway.config.workers), worker_events(served)
+    twice = ask(gateway, preamble, picture)
+    assert twice.headers["x-revisit-reuse"] == "exact_moved"
+    done = executed(gateway, before, exact_executed=1)
+    assert worker_events(served)["exact_executed"] == on_it["exact_executed"] + 1, "the gateway chose the other worker"
+    assert done["exact_served_by_prefix_cache"] == 0
+    usage = twice.json()["usage"]
+    assert 0 < cached_tokens(twice) <= usage["prompt_tokens"] - grid_tokens, usage
 
     entry = gateway.app.state.services.policy.get(key)
-    assert entry.exact_hits == 2 and entry.size_bytes == gateway.app.state.services.cache.store.size_of(key)
+    assert entry.exact_hits == 3 and entry.size_bytes == gateway.app.state.services.cache.store.size_of(key)
     for response in (first, again, moved):
         assert response.json()["id"].startswith("chatcmpl-") and RID_PREFIX not in response.text
 

@@ -60,22 +60,15 @@ def test_every_request_with_images_carries_its_namespace_scope_to_the_worker():
     assert scoped_plan(None, dataclasses.replace(intake, images=()), scope) is None  # text only: no plan
 
 
-def test_kv_not_computed_as_a_full_prefill_is_kept_apart_in_sglangs_prefix_cache():
-    """Moved and derived K/V under salts of their kind, never where a miss would take them for a full prefill's;
-    an approximate request's under its own."""
+def test_no_salt_costs_a_planned_request_its_prefix():
+    """The prefix cache is scoped by tenant only: a planned request's text before its images matches what earlier
+    requests of its tenant left there (the worker keeps K/V not computed as a full prefill out of it), and a client's
+    own cache_salt reaches SGLang unchanged."""
     from gateway.routes.openai_api import upstream_body
 
-    def salt(kinds, derived=(), rid="rv5.r1.x.y."):
-        return upstream_body({"messages": []}, scope="s", rid=rid, kinds=kinds, derived=derived).get("cache_salt")
-
-    assert salt(("miss", "exact_same_prefix")) is None
-    assert salt(("exact_moved",)) == "revisit-moved"
-    assert salt(("exact_same_prefix",), (True,)) == "revisit-derived"
-    assert salt(("exact_moved", "exact_same_prefix"), (False, True)) == "revisit-moved-derived"
-    mine, theirs = salt(("approximate",), rid="a"), salt(("approximate",), rid="b")
-    assert mine.startswith("revisit-approximate-") and mine != theirs
-    assert upstream_body({"messages": [], "cache_salt": "c"}, scope="s", rid="r", kinds=("exact_moved",),
-                         derived=(False,))["cache_salt"] == "revisit-moved-c"
+    body = upstream_body({"messages": [], "rid": "mine", "cache_salt": "c"}, scope="s", rid="rv5.r1.x.y.")
+    assert body["cache_salt"] == "c" and body["extra_key"] == "s" and body["rid"] == "rv5.r1.x.y."
+    assert "cache_salt" not in upstream_body({"messages": []}, scope="s", rid="rv5.r1.x.y.")
 
 
 def test_a_namespace_scope_cannot_be_named_without_the_secret():

@@ -1,0 +1,131 @@
+"""Keeping K/V that no full prefill computes out of SGLang's prefix cache.
+
+SGLang's prefix cache (the radix tree) keys K/V by token ids (an image's tokens by the image's hash), under the
+request's ``extra_key`` (the gateway's tenant scope) and ``cache_salt``. A later request whose prompt starts with the
+same tokens is served the K/V the tree holds instead of computing them. That is right only for K/V a full prefill
+would have computed: an exact hit of an entry made after other text (moved), one read from a derived entry, or one
+with layers recomputed, and every approximate hit, compute image K/V that differ from a full prefill's, and no later
+request may take them for it.
+
+Such a request is marked *private* by the executor while it runs (``PRIVATE.mark``); when SGLang then inserts what
+it computed into the tree (at each checkpoint of a chunked prefill, and when it finishes), the insert is withheld,
+and the request carries SGLang's own flag for K/V the token ids do not determine (``Req.skip_radix_cache_insert``,
+which SGLang sets for embedding overrides), so no later checkpoint of it tries again. Its prompt is still *matched*
+against the tree: the text before its image, computed exactly by an earlier request, is not computed again.
+
+``install`` wraps ``checkpoint`` and ``on_release`` of SGLang's prefix caches (every ``BasePrefixCache`` subclass
+that defines them, including subclasses defined later); it is called when the executor is made, in every worker
+process, before SGLang makes its tree.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_WRAPPED = "__revisit_private__"
+
+
+class PrivateRequests:
+    """The ids of running requests whose K/V no later request may be served. Marked from the forward (SGLang's
+    overlap scheduler runs it on a thread of its own), read where SGLang inserts into its tree; bounded, oldest
+    forgotten first (an id is dropped once its insert is withheld, so only requests aborted before any insert
+    stay until pushed out)."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self._capacity = capacity
+        self._rids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self.withheld_count = 0
+
+    def mark(self, rid: str) -> None:
+        with self._lock:
+            self._rids[rid] = None
+            self._rids.move_to_end(rid)
+            while len(self._rids) > self._capacity:
+                self._rids.popitem(last=False)
+
+    def __contains__(self, rid: object) -> bool:
+        with self._lock:
+            return rid in self._rids
+
+    def withheld(self, req: Any) -> bool:
+        """Whether SGLang must not insert ``req``'s K/V into its tree; a private request is flagged as SGLang
+        flags K/V that its token ids do not determine, and forgotten here."""
+        if getattr(req, "skip_radix_cache_insert", False):
+            return True
+        with self._lock:
+            if self._rids.pop(str(getattr(req, "rid", "")), "absent") == "absent":
+                return False
+            self.withheld_count += 1
+        req.skip_radix_cache_insert = True
+        return True
+
+
+PRIVATE = PrivateRequests()
+
+
+def install(private: PrivateRequests = PRIVATE) -> int:
+    """Wrap SGLang's prefix caches (the module docstring); how many classes were wrapped now (0 when every one
+    already was). Raises RuntimeError if SGLang's trees do not have the methods wrapped (another SGLang version)."""
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    wrapped = 0
+    pending = [BasePrefixCache]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        wrapped += _wrap(cls, private)
+    if not getattr(BasePrefixCache, _WRAPPED, False):
+        original = BasePrefixCache.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls, **kwargs) -> None:  # a prefix cache defined after install is wrapped too
+            if original is not None:
+                original.__func__(cls, **kwargs)
+            else:
+                super(BasePrefixCache, cls).__init_subclass__(**kwargs)
+            _wrap(cls, private)
+
+        BasePrefixCache.__init_subclass__ = classmethod(init_subclass)
+        setattr(BasePrefixCache, _WRAPPED, True)
+    for tree in (RadixCache, UnifiedRadixCache):
+        if not all(getattr(getattr(tree, name, None), _WRAPPED, False) for name in ("checkpoint", "on_release")):
+            raise RuntimeError(f"SGLang's {tree.__name__} has no checkpoint and on_release to wrap: K/V of reuse "
+                               "would be kept as a full prefill's")
+    return wrapped
+
+
+def _wrap(cls: type, private: PrivateRequests) -> int:
+    """Wrap the methods ``cls`` itself defines; 1 if it defined any not yet wrapped."""
+    done = 0
+    checkpoint = cls.__dict__.get("checkpoint")
+    if checkpoint is not None and not getattr(checkpoint, _WRAPPED, False) and \
+            not getattr(checkpoint, "__isabstractmethod__", False):
+        @functools.wraps(checkpoint)
+        def withholding_checkpoint(self, req, *args, **kwargs):
+            if private.withheld(req):
+                return None
+            return checkpoint(self, req, *args, **kwargs)
+
+        setattr(withholding_checkpoint, _WRAPPED, True)
+        cls.checkpoint = withholding_checkpoint  # type: ignore[attr-defined]
+        done = 1
+    on_release = cls.__dict__.get("on_release")
+    if on_release is not None and not getattr(on_release, _WRAPPED, False):
+        @functools.wraps(on_release)
+        def truthful_on_release(self, req, *, checkpointed: bool, **kwargs):
+            # SGLang decided to checkpoint before asking the tree; a withheld insert put nothing in it.
+            return on_release(self, req, checkpointed=checkpointed and not getattr(req, "skip_radix_cache_insert",
+                                                                                   False), **kwargs)
+
+        setattr(truthful_on_release, _WRAPPED, True)
+        cls.on_release = truthful_on_release  # type: ignore[attr-defined]
+        done = 1
+    return done
