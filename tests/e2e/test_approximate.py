@@ -73,14 +73,20 @@ def test_a_near_duplicate_is_approximate_for_its_tenant_only(gateway) -> None:
     assert done["vision_partial_images"] == 1 and 0 < done["vision_partial_tokens"] < 96
     assert done["approximate_rows_reused"] > 0 and done["approximate_rows_recomputed"] > 0
     assert (done["stored"], done["derived_stored"]) == (0, 1)
+    assert done["kept_out_of_prefix_cache"] == 1  # and its K/V out of SGLang's prefix cache
     assert plans_metric(gateway.url, "approximate") == approximate_before + 1
     assert gateway.app.state.services.policy.get(first_key).approximate_hits == 1
-    # Its next sight is an exact hit on the derived entry, answering as the approximate hit did.
+    # Its next sight is an exact hit on the derived entry, answering as the approximate hit did: executed from the
+    # store (SGLang's prefix cache holds no K/V of the approximate hit), and kept out of that cache in turn.
     derived_before = plans_metric(gateway.url, "derived_hit")
+    before = worker_events(gateway.config.workers)
     headers, again = ask(gateway.url, me, page(2))
     assert headers["x-revisit-reuse"] == "exact_same_prefix;derived"
     assert again.choices[0].message.content == reply.choices[0].message.content
     assert plans_metric(gateway.url, "derived_hit") == derived_before + 1
+    done = executed(gateway, before, exact_executed=1)
+    assert (done["exact_executed"], done["exact_served_by_prefix_cache"], done["kept_out_of_prefix_cache"]) == \
+        (1, 0, 1)
 
     headers, _ = ask(gateway.url, them, page(3))
     assert headers["x-revisit-reuse"] == "miss"  # their near-duplicate of my page: never my cache
