@@ -7,7 +7,10 @@ image size, rounds alternate the three cases (the order rotates every round), ea
     worker   the same request sent straight to the worker with the same plan in its request id (the worker's
              own time, without the gateway)
 
-    miss       an image never seen (one pixel changed per request): vision tower + full prefill
+    plain      an image never seen (one pixel changed per request) with no plan: what plain SGLang does (through
+               the gateway with reuse off for the request; at the worker without a plan)
+    miss       an image never seen: vision tower + full prefill, and the entry stored after it (through the gateway
+               planned as a miss; at the worker under a miss plan of a fresh key)
     llm        the seen image as a miss whose encoder output SGLang still caches: the decoder's full prefill
                alone (through the gateway with reuse off for the request, x-revisit-reuse-mode: off, so the same
                namespace's encoder cache entry serves it; at the worker under an unstored miss's plan without a
@@ -54,7 +57,7 @@ from tests.images_lib import data_url, encode, small  # noqa: E402
 
 MODEL_ID = "bench-model"
 QUESTION = "Describe the picture in one word."
-CASES = ("miss", "llm", "same", "moved")
+CASES = ("plain", "miss", "llm", "same", "moved")
 
 
 def body(preamble: str, url: str, rid: str | None = None) -> dict:
@@ -77,6 +80,12 @@ def variant(base, n: int) -> str:
 
 def exact_rid(key: str, grid: tuple[int, int], ratios: tuple[float, ...]) -> str:
     plan = ImagePlan(key=key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid, ratios=ratios)
+    return RequestPlan(images=(plan,)).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
+
+
+def stored_miss_rid(grid: tuple[int, int]) -> str:
+    """A miss plan under a key never used: the worker computes the image and stores its entry."""
+    plan = ImagePlan(key=uuid.uuid4().hex * 2, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)
     return RequestPlan(images=(plan,)).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
 
 
@@ -177,16 +186,18 @@ def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, st
                             preamble, variant(base, next(serial)) if case == "miss" else seen)
                     else:
                         ratios = () if case == "same" else (args.ratio,) * layers
-                        rid = None if case == "miss" else unstored if case == "llm" else \
-                            exact_rid(key, (rows, cols), ratios)
+                        rid = None if case == "plain" else stored_miss_rid((rows, cols)) if case == "miss" else \
+                            unstored if case == "llm" else exact_rid(key, (rows, cols), ratios)
                         url, payload = worker.url + "/v1/chat/completions", body(
-                            preamble, variant(base, next(serial)) if case == "miss" else seen, rid)
+                            preamble, variant(base, next(serial)) if case in ("plain", "miss") else seen, rid)
+                    if case == "plain" and path == "gateway":
+                        payload = body(preamble, variant(base, next(serial)))
                     # Through the gateway, a miss's image (one pixel changed) is a near-duplicate of the stored one:
                     # exact reuse only, so that it is planned as the miss it is.
-                    mode = {"llm": "off", "miss": "exact"}.get(case) if path == "gateway" else None
+                    mode = {"llm": "off", "plain": "off", "miss": "exact"}.get(case) if path == "gateway" else None
                     seconds, headers = ttft(client, url, payload, headers={REUSE_MODE_HEADER: mode} if mode else None)
-                    expected = {"llm": None, "miss": "miss", "same": "exact_same_prefix",
-                                "moved": "exact_moved"}[case]  # llm: planned nothing, so no header
+                    expected = {"plain": None, "llm": None, "miss": "miss", "same": "exact_same_prefix",
+                                "moved": "exact_moved"}[case]  # plain, llm: planned nothing, so no header
                     if path == "gateway":
                         assert headers.get("x-revisit-reuse") == expected, (case, headers.get("x-revisit-reuse"))
                     times[(case, path)].append(seconds)
