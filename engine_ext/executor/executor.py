@@ -187,7 +187,7 @@ class PlanExecutor:
 
     def _keep_private(self, rows: ImageRows) -> None:
         """The request's K/V differ from a full prefill's: SGLang's prefix cache must not keep them."""
-        self.private.mark(rows.rid)
+        self.private.mark(rows.rid, exact_until=rows.start)
         self.events.add("kept_out_of_prefix_cache")
 
     def _will_capture(self, captures: list[tuple[ImageRows, ImagePlan, torch.Tensor, bool]], rows: ImageRows,

@@ -7,11 +7,13 @@ would have computed: an exact hit of an entry made after other text (moved), one
 with layers recomputed, and every approximate hit, compute image K/V that differ from a full prefill's, and no later
 request may take them for it.
 
-Such a request is marked *private* by the executor while it runs (``PRIVATE.mark``); when SGLang then inserts what
-it computed into the tree (at each checkpoint of a chunked prefill, and when it finishes), the insert is withheld,
-and the request carries SGLang's own flag for K/V the token ids do not determine (``Req.skip_radix_cache_insert``,
-which SGLang sets for embedding overrides), so no later checkpoint of it tries again. Its prompt is still *matched*
-against the tree: the text before its image, computed exactly by an earlier request, is not computed again.
+Such a request is marked *private* by the executor while it runs (``PRIVATE.mark``, with the first row of its
+first such image); when SGLang then inserts what it computed into the tree (at each checkpoint of a chunked
+prefill, and when it finishes), only the rows before that one go in (the text before the image, computed as a full
+prefill computes it), and the request carries SGLang's own flag for K/V the token ids do not determine
+(``Req.skip_radix_cache_insert``, which SGLang sets for embedding overrides), so no later checkpoint of it inserts
+more. Its prompt is still *matched* against the tree: the text before its image, computed exactly by an earlier
+request, is not computed again.
 
 ``install`` wraps ``checkpoint`` and ``on_release`` of SGLang's prefix caches (every ``BasePrefixCache`` subclass
 that defines them, including subclasses defined later); it is called when the executor is made, in every worker
@@ -32,20 +34,22 @@ _WRAPPED = "__revisit_private__"
 
 
 class PrivateRequests:
-    """The ids of running requests whose K/V no later request may be served. Marked from the forward (SGLang's
+    """Running requests whose K/V, from some row on, no later request may be served: by request id, that row (the
+    first row of its first image computed otherwise than a full prefill would). Marked from the forward (SGLang's
     overlap scheduler runs it on a thread of its own), read where SGLang inserts into its tree; bounded, oldest
-    forgotten first (an id is dropped once its insert is withheld, so only requests aborted before any insert
-    stay until pushed out)."""
+    forgotten first (an id is dropped at its first insert, which flags the request, so only requests aborted
+    before any insert stay until pushed out)."""
 
     def __init__(self, capacity: int = 65536) -> None:
         self._capacity = capacity
-        self._rids: OrderedDict[str, None] = OrderedDict()
+        self._rids: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
         self.withheld_count = 0
 
-    def mark(self, rid: str) -> None:
+    def mark(self, rid: str, exact_until: int) -> None:
+        """K/V of ``rid`` at rows >= ``exact_until`` are not what a full prefill computes."""
         with self._lock:
-            self._rids[rid] = None
+            self._rids[rid] = min(exact_until, self._rids.get(rid, exact_until))
             self._rids.move_to_end(rid)
             while len(self._rids) > self._capacity:
                 self._rids.popitem(last=False)
@@ -54,17 +58,24 @@ class PrivateRequests:
         with self._lock:
             return rid in self._rids
 
-    def withheld(self, req: Any) -> bool:
-        """Whether SGLang must not insert ``req``'s K/V into its tree; a private request is flagged as SGLang
-        flags K/V that its token ids do not determine, and forgotten here."""
+    def insertable(self, req: Any, up_to: int) -> int | None:
+        """How far SGLang may insert ``req``'s K/V into its tree when it asks to insert up to ``up_to``: all of it
+        for a request not marked; for a marked one, only rows before ``exact_until`` that the tree does not hold
+        already, and from then on nothing (the request is flagged as SGLang flags K/V its token ids do not
+        determine, ``skip_radix_cache_insert``, and forgotten here). None: insert nothing."""
         if getattr(req, "skip_radix_cache_insert", False):
-            return True
+            return None
         with self._lock:
-            if self._rids.pop(str(getattr(req, "rid", "")), "absent") == "absent":
-                return False
+            exact_until = self._rids.pop(str(getattr(req, "rid", "")), None)
+            if exact_until is None:
+                return up_to
             self.withheld_count += 1
         req.skip_radix_cache_insert = True
-        return True
+        # Rows the tree already owns for the request (its matched prefix, earlier inserts): an insert that ends
+        # before them would hand rows back to the request that the tree still holds. Unknown: insert nothing.
+        held = getattr(getattr(req, "kv", None), "cache_protected_len", None)
+        limit = min(exact_until, up_to)
+        return limit if isinstance(held, int) and limit > held else None
 
 
 PRIVATE = PrivateRequests()
@@ -109,10 +120,12 @@ def _wrap(cls: type, private: PrivateRequests) -> int:
     if checkpoint is not None and not getattr(checkpoint, _WRAPPED, False) and \
             not getattr(checkpoint, "__isabstractmethod__", False):
         @functools.wraps(checkpoint)
-        def withholding_checkpoint(self, req, *args, **kwargs):
-            if private.withheld(req):
+        def withholding_checkpoint(self, req, *, up_to: int, **kwargs):
+            limit = private.insertable(req, up_to)
+            if limit is None:
+                req.revisit_inserted_nothing = True  # for on_release, which SGLang tells it went into the tree
                 return None
-            return checkpoint(self, req, *args, **kwargs)
+            return checkpoint(self, req, up_to=limit, **kwargs)
 
         setattr(withholding_checkpoint, _WRAPPED, True)
         cls.checkpoint = withholding_checkpoint  # type: ignore[attr-defined]
@@ -122,8 +135,8 @@ def _wrap(cls: type, private: PrivateRequests) -> int:
         @functools.wraps(on_release)
         def truthful_on_release(self, req, *, checkpointed: bool, **kwargs):
             # SGLang decided to checkpoint before asking the tree; a withheld insert put nothing in it.
-            return on_release(self, req, checkpointed=checkpointed and not getattr(req, "skip_radix_cache_insert",
-                                                                                   False), **kwargs)
+            inserted = checkpointed and not getattr(req, "revisit_inserted_nothing", False)
+            return on_release(self, req, checkpointed=inserted, **kwargs)
 
         setattr(truthful_on_release, _WRAPPED, True)
         cls.on_release = truthful_on_release  # type: ignore[attr-defined]

@@ -119,7 +119,8 @@ def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway,
     assert len(served) == 1
 
     # The moved K/V are not what a full prefill computes: the worker kept them out of its prefix cache, so the same
-    # prompt again, on the same worker, is executed again rather than served them.
+    # prompt again, on the same worker, is executed again rather than served them; the text before the image went
+    # in (computed as a full prefill computes it), and serves the second one.
     before, on_it = worker_events(gateway.config.workers), worker_events(served)
     twice = ask(gateway, preamble, picture)
     assert twice.headers["x-revisit-reuse"] == "exact_moved"
@@ -127,7 +128,7 @@ def test_a_repeated_image_is_reused_exactly_then_position_independently(gateway,
     assert worker_events(served)["exact_executed"] == on_it["exact_executed"] + 1, "the gateway chose the other worker"
     assert done["exact_served_by_prefix_cache"] == 0
     usage = twice.json()["usage"]
-    assert 0 < cached_tokens(twice) <= usage["prompt_tokens"] - grid_tokens, usage
+    assert cached_tokens(moved) < cached_tokens(twice) <= usage["prompt_tokens"] - grid_tokens, usage
 
     entry = gateway.app.state.services.policy.get(key)
     assert entry.exact_hits == 3 and entry.size_bytes == gateway.app.state.services.cache.store.size_of(key)
