@@ -58,7 +58,7 @@ from gateway.matching.matcher import Match, Matcher
 from gateway.matching.plans import approximate_plan
 from gateway.videos import FrameBook, FramesSeen
 from plan import APPROXIMATE, EXACT, MISS, ImagePlan, RequestPlan
-from plan.outcome import EVERY_IMAGE, PLANNED, Outcome
+from plan.outcome import EVERY_IMAGE, PLANNED, PREFIX_CACHED, Outcome
 from store import StoreError
 
 if TYPE_CHECKING:
@@ -91,7 +91,8 @@ class Planned:
     def reuse_header(self, ran: Mapping[int, Outcome] | None = None) -> str:
         """Per image, what ran: ``miss``, ``exact_same_prefix``, ``exact_moved`` or ``approximate;similarity=0.9731``
         (rounded down: a near-duplicate never reads as 1) when the worker ran the plan, an exact kind with
-        ``;derived`` when its entry holds an approximate hit's K/V, with ``;degraded=<cause>``
+        ``;derived`` when its entry holds an approximate hit's K/V, with ``;prefix_cached`` when SGLang's prefix
+        cache held the image's rows already (nothing executed or read), with ``;degraded=<cause>``
         when some of it was computed instead; ``miss;planned=<kind>;fallback=<cause>`` when the worker had to
         compute the image as after a miss (plan.outcome.CAUSES). Without ``ran`` (the worker reported nothing),
         what was planned."""
@@ -100,11 +101,12 @@ class Planned:
         for index, (kind, similarity) in enumerate(zip(self.kinds, self.similarities or (None,) * len(self.kinds),
                                                        strict=True)):
             outcome = outcome_of(ran, index)
-            if outcome is not None and outcome.ran != PLANNED:
+            if outcome is not None and outcome.ran not in (PLANNED, PREFIX_CACHED):
                 parts.append(f"miss;planned={kind};fallback={outcome.cause}")
                 continue
             part = kind if similarity is None else f"{kind};similarity={similarity:.4f}"
             part += ";derived" if derived[index] else ""
+            part += ";prefix_cached" if outcome is not None and outcome.ran == PREFIX_CACHED else ""
             parts.append(part if outcome is None or outcome.cause is None else f"{part};degraded={outcome.cause}")
         return ",".join(parts)
 
@@ -119,7 +121,7 @@ class Planned:
         for index, image in enumerate(self.plan.images):
             outcome = outcome_of(ran, index)
             if outcome is not None and outcome.ran != PLANNED:
-                continue  # computed as after a miss
+                continue  # computed as after a miss, or served by SGLang's prefix cache
             if image.strategy == EXACT:
                 total += image.tokens
             elif image.strategy == APPROXIMATE:
@@ -129,7 +131,8 @@ class Planned:
     def fallbacks(self, ran: Mapping[int, Outcome]) -> list[tuple[str, Outcome]]:
         """(planned kind, outcome) of each image that did not run exactly as planned."""
         return [(kind, outcome) for index, kind in enumerate(self.kinds)
-                if (outcome := outcome_of(ran, index)) is not None and (outcome.ran != PLANNED or outcome.cause)]
+                if (outcome := outcome_of(ran, index)) is not None and
+                (outcome.ran not in (PLANNED, PREFIX_CACHED) or outcome.cause)]
 
 
 def outcome_of(ran: Mapping[int, Outcome] | None, index: int) -> Outcome | None:

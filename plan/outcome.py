@@ -13,6 +13,8 @@ Per image, ``ran`` is one of
     planned       the plan ran as written (``cause`` None), or with some rows computed instead of reused
                   (``cause`` "kv_read_failed": their stored K/V could not be read mid-forward; a partial vision
                   pass that could not run gives "vision_partial_failed", the full pass having run instead)
+    prefix_cached SGLang's prefix cache held every row of the image already (computed there as a full prefill
+                  computes them, by an earlier request): nothing was executed or read for it
     full_prefill  the image was computed as after a miss; ``cause`` says why (CAUSES)
     unplanned     the worker ran the request without a plan (a damaged or foreign one, or images that did not fit)
 
@@ -46,8 +48,8 @@ from settings.secret import DataPlaneSecret, mac, same_mac
 
 log = logging.getLogger(__name__)
 
-PLANNED, FULL_PREFILL, UNPLANNED = "planned", "full_prefill", "unplanned"
-RAN = (PLANNED, FULL_PREFILL, UNPLANNED)
+PLANNED, PREFIX_CACHED, FULL_PREFILL, UNPLANNED = "planned", "prefix_cached", "full_prefill", "unplanned"
+RAN = (PLANNED, PREFIX_CACHED, FULL_PREFILL, UNPLANNED)
 EVERY_IMAGE = -1  # the index of an outcome that holds for every image of the request (a refused plan)
 CAUSES = {
     "entry_missing": "the entry (or an approximate plan's alias) is not in the store",

@@ -92,6 +92,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "requests": len(results), "ok": len(ok), "failed": dict(statuses), "wall_s": run.wall_s,
         "images": {"ran": {k: ran[k] for k in KINDS}, "planned": {k: planned[k] for k in KINDS},
                    "derived": sum(r.derived for r in ok),
+                   "prefix_cached": sum(r.prefix_cached for r in ok),
                    "total": sum(ran.values())},
         "hit_rate": _rates(ran),
         "hit_rate_by_family": {family: _rates(kinds) for family, kinds in sorted(families.items())},
@@ -159,6 +160,7 @@ def markdown(report: dict[str, Any]) -> str:
     for kind in KINDS:
         row(f"images: {kind}", [str(r["images"]["ran"][kind]) for r in runs])
     row("images: exact on a derived entry", [str(r["images"].get("derived", 0)) for r in runs])
+    row("images: planned, held by SGLang's prefix cache", [str(r["images"].get("prefix_cached", 0)) for r in runs])
     for rate in ("exact", "approximate", "any"):
         row(f"hit rate: {rate}", [f"{r['hit_rate'][rate]:.1%}" for r in runs])
     row("TTFT p50 / p95 (ms)", [f"{_ms(r['ttft_all_s']['p50'])} / {_ms(r['ttft_all_s']['p95'])}" for r in runs])

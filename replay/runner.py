@@ -64,6 +64,7 @@ class Result:
     reuse: list[str] = field(default_factory=list)  # per image, what ran (x-revisit-reuse's kinds; PLAIN without)
     planned: list[str] = field(default_factory=list)  # per image, what was planned (a fallback's planned=)
     derived: int = 0  # images that ran as exact hits on a derived entry (an earlier approximate hit's K/V)
+    prefix_cached: int = 0  # images planned for reuse whose rows SGLang's prefix cache held already
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     store_tokens: int = 0  # prompt tokens whose K/V the gateway's plan read from the store (x-revisit-store-tokens)
@@ -287,11 +288,12 @@ def _count(header: str) -> int:
 
 
 def _read_reuse(result: Result, header: str) -> None:
-    """x-revisit-reuse: per image ``kind[;similarity=..][;derived][;degraded=..]`` or
+    """x-revisit-reuse: per image ``kind[;similarity=..][;derived][;prefix_cached][;degraded=..]`` or
     ``miss;planned=kind;fallback=cause``."""
     for part in filter(None, header.split(",")):
         fields = part.split(";")
         result.derived += "derived" in fields
+        result.prefix_cached += "prefix_cached" in fields
         planned = next((f.split("=", 1)[1] for f in fields[1:] if f.startswith("planned=")), fields[0])
         result.reuse.append(fields[0])
         result.planned.append(planned)

@@ -18,14 +18,24 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 from plan import RequestPlan
-from plan.outcome import CAUSES, FORWARD_ENDED, FORWARD_STARTED, FULL_PREFILL, PLANNED, UNPLANNED, Outcome, Outcomes
+from plan.outcome import (
+    CAUSES,
+    FORWARD_ENDED,
+    FORWARD_STARTED,
+    FULL_PREFILL,
+    PLANNED,
+    PREFIX_CACHED,
+    UNPLANNED,
+    Outcome,
+    Outcomes,
+)
 
 if TYPE_CHECKING:
     from engine_ext.executor.rows import ImageRows
     from plan import ImagePlan
 
 log = logging.getLogger(__name__)
-_RANK = {PLANNED: 0, FULL_PREFILL: 2, UNPLANNED: 3}
+_RANK = {PLANNED: 0, PREFIX_CACHED: 1, FULL_PREFILL: 2, UNPLANNED: 3}
 
 METRIC = "revisit_worker_events"
 FALLBACK_METRIC = "revisit_worker_fallbacks"

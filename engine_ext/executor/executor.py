@@ -57,7 +57,7 @@ from engine_ext.executor.reused import ReusedKV, ReuseSpan
 from engine_ext.executor.rows import ImageRows, locate
 from engine_ext.rope import inv_freq
 from plan import APPROXIMATE, EXACT, MISS, ImagePlan, PlanError, RequestPlan, plan_key
-from plan.outcome import EVERY_IMAGE, PLANNED, UNPLANNED, Outcome, Outcomes, outcome_box
+from plan.outcome import EVERY_IMAGE, PLANNED, PREFIX_CACHED, UNPLANNED, Outcome, Outcomes, outcome_box
 from store import KVStore
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class PlanExecutor:
                     # request that computed them as a full prefill does (no other leaves them in the prefix cache)
                     if (rows.rid, rows.index) not in self._begun:
                         self.events.add(f"{plan.strategy}_served_by_prefix_cache")
-                        self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
+                        self.ran.record(rows.rid, rows.index, Outcome(PREFIX_CACHED))
                     continue
                 if plan.strategy == EXACT:
                     exact_span = exact.prepare(self.context, rows, plan, forward_batch)

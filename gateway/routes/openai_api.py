@@ -28,7 +28,7 @@ from gateway.services import Services
 from gateway.tenancy import Caller
 from gateway.workers import Worker
 from plan import MISS, SELECTORS, ImagePlan, RequestPlan
-from plan.outcome import PLANNED, Outcome
+from plan.outcome import PLANNED, PREFIX_CACHED, Outcome
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -126,7 +126,9 @@ async def chat_completions(request: Request) -> Any:
         if planned.kinds:
             headers[REUSE_HEADER], ran = await _what_ran(services, planned, request_id)
             headers[STORE_TOKENS_HEADER] = str(planned.store_tokens(ran))
-        if first and services.costs is not None:
+        # A sample of the worker's costs, unless SGLang's prefix cache served an image (what the model prices
+        # neither plan nor plain request at)
+        if first and services.costs is not None and not any(o.ran == PREFIX_CACHED for o in (ran or {}).values()):
             worker, seconds = first[0]
             work, kind = _work_that_ran(services.costs.facts, intake, plan, planned.kinds, ran)
             services.costs.observe(worker.url, work, seconds, kind=kind)

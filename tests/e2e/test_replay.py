@@ -84,9 +84,12 @@ def test_a_made_trace_of_500_requests(embedded, tmp_path):
     assert run["hit_rate"]["exact"] > 0.2 and run["hit_rate"]["approximate"] > 0.02, run["hit_rate"]
     assert set(run["ttft_s"]) >= {"miss", "exact_same_prefix"}
     assert run["gateway"]["bytes_per_hit"] > 0  # the worker's reads, from its /metrics
-    # Every exact hit's image tokens came from the store (4x6-token images here), approximate hits' reused ones too.
+    # Every exact hit's image tokens came from the store (4x6-token images here), approximate hits' reused ones too,
+    # but for the images SGLang's prefix cache held whole.
     exact = run["images"]["ran"]["exact_same_prefix"] + run["images"]["ran"]["exact_moved"]
-    assert run["store_tokens"] >= 24 * exact > 0, (run["store_tokens"], exact)
+    cached = sum(r.prefix_cached for r in read_results(tmp_path / "out" / "results-all.jsonl"))
+    assert run["images"]["prefix_cached"] == cached
+    assert run["store_tokens"] >= 24 * (exact - cached) > 0, (run["store_tokens"], exact, cached)
     for plot in ("hit_rate.png", "ttft_cdf.png", "tier_traffic.png", "bytes_per_hit.png"):
         assert (tmp_path / "out" / plot).read_bytes()[:4] == b"\x89PNG", plot
     markdown = (tmp_path / "out" / "report.md").read_text()

@@ -156,6 +156,11 @@ def test_tenants_never_share_cached_images_or_prefixes(gateway) -> None:
     # SGLang's own prefix cache is scoped per tenant too: the same prompt from another tenant reuses nothing.
     cached = [r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in (repeat, theirs)]
     assert cached[0] > 0 and cached[1] == 0
+    # My repeat was planned exact, and sent to the worker that computed the miss, whose prefix cache held the whole
+    # image: nothing read from the store, and the headers say so (not counted as the store's tokens).
+    assert cached[0] >= repeat.json()["usage"]["prompt_tokens"] - 1
+    assert repeat.headers["x-revisit-reuse"] == "exact_same_prefix;prefix_cached"
+    assert repeat.headers["x-revisit-store-tokens"] == "0"
 
 
 def test_a_client_cannot_smuggle_a_plan_or_a_cache_scope(gateway, picture) -> None:

@@ -113,8 +113,11 @@ def test_importing_image_hashes_keeps_the_repeats_and_the_timing(tmp_path):
 
 def test_reuse_header_and_results_file(tmp_path):
     result = Result(index=0, tenant="a", family="doc", sent_s=0.0)
-    _read_reuse(result, "approximate;similarity=0.9731,miss;planned=exact_moved;fallback=entry_absent,miss")
-    assert result.reuse == ["approximate", "miss", "miss"] and result.planned == ["approximate", "exact_moved", "miss"]
+    _read_reuse(result, "approximate;similarity=0.9731,miss;planned=exact_moved;fallback=entry_absent,miss,"
+                        "exact_same_prefix;derived;prefix_cached")
+    assert result.reuse == ["approximate", "miss", "miss", "exact_same_prefix"]
+    assert result.planned == ["approximate", "exact_moved", "miss", "exact_same_prefix"]
+    assert (result.derived, result.prefix_cached) == (1, 1)
     path = tmp_path / "results.jsonl"
     path.write_text(json.dumps(result.__dict__) + "\n" + '{"index": 1, "ten')  # the last line cut by a kill
     assert [r.index for r in read_results(path)] == [0]

@@ -36,7 +36,7 @@ from plan import (
     SELECTORS,
     VLCACHE,
 )
-from plan.outcome import FULL_PREFILL, PLANNED, Outcome
+from plan.outcome import FULL_PREFILL, PLANNED, PREFIX_CACHED, Outcome
 from store import Entry, FeatureStore, StoreConfig
 from store.tiered import TieredStore, open_tier
 from tests.conftest import free_port, remove_store_memory
@@ -195,6 +195,10 @@ def test_an_approximate_hit_leaves_a_derived_entry_its_next_sight_hits_exactly_a
     assert first.store_tokens() == len(image_plan.reuse) and 0 < len(image_plan.reuse) < 160
     assert again.store_tokens() == 160 and again.store_tokens({0: Outcome(FULL_PREFILL, "entry_damaged")}) == 0
     assert again.store_tokens({0: Outcome(PLANNED, "kv_read_failed")}) == 160
+    # SGLang's prefix cache held the image: nothing read, no fallback, and the header says so.
+    cached = {0: Outcome(PREFIX_CACHED)}
+    assert again.store_tokens(cached) == 0 and again.fallbacks(cached) == []
+    assert again.reuse_header(cached) == "exact_same_prefix;derived;prefix_cached"
     assert plan(planner, a, "ns").reuse_header() == "exact_same_prefix"  # a miss's entry is not derived
     # A derived entry an index still holds (an older gateway's) is skipped as an alias, and leaves the index.
     matcher.add(image_plan.key, "ns", features(near))
