@@ -459,4 +459,3 @@ def _open_outcomes() -> Outcomes:
     # address carries the server's password, if any.
     return outcome_box(config.outcomes_path, config.outcomes_address, name=config.name,
                        secret=DataPlaneSecret.read(config.secret_file) if config.outcomes_url else None)
-
