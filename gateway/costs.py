@@ -181,9 +181,10 @@ def fit(works: Iterable[Iterable[float]], seconds: Iterable[float], *, prior: Co
     pulled = np.vstack([a_scaled, weight * np.eye(len(FEATURES))])
     target = np.concatenate([y, weight * np.where(p > 0, 1.0, 0.0)])
     # Each cost as its floor plus a part that is not negative: the solve is for that part.
-    lowest = np.asarray(floor.per_unit if floor is not None else np.zeros(len(FEATURES)), dtype=np.float64) / scale
+    floors = np.asarray(floor.per_unit if floor is not None else np.zeros(len(FEATURES)), dtype=np.float64)
+    lowest = floors / scale
     solution = lowest + nnls(pulled, target - pulled @ lowest)
-    return Costs(tuple(float(v) for v in solution * scale))
+    return Costs(tuple(float(v) for v in np.maximum(solution * scale, floors)))  # no rounding under a floor
 
 
 def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 200) -> np.ndarray:

@@ -114,6 +114,8 @@ def test_a_floor_holds_a_cost_up_and_the_rest_refit_around_it() -> None:
     assert free.as_dict()["token_layers"] < 2e-7 / 5
     held = fit([w.vector() for w in works], seconds, prior=prior, prior_weight=0.05, floor=floor).as_dict()
     assert held["token_layers"] == pytest.approx(2e-7, rel=1e-6)
+    unrounded = fit([w.vector() for w in works], seconds, prior=prior, prior_weight=0.05, floor=floor)
+    assert unrounded.per_unit[FEATURES.index("token_layers")] >= 2e-7  # exactly, so that a model may rest on it
     # Attention gives up what the floor took: the predictions stay about as close as the free fit's.
     assert held["attention_pairs"] < free.as_dict()["attention_pairs"]
 
