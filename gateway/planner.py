@@ -101,7 +101,7 @@ class Planned:
         for index, (kind, similarity) in enumerate(zip(self.kinds, self.similarities or (None,) * len(self.kinds),
                                                        strict=True)):
             outcome = outcome_of(ran, index)
-            if outcome is not None and outcome.ran not in (PLANNED, PREFIX_CACHED):
+            if outcome is not None and outcome.fell_back:
                 parts.append(f"miss;planned={kind};fallback={outcome.cause}")
                 continue
             part = kind if similarity is None else f"{kind};similarity={similarity:.4f}"
@@ -131,8 +131,7 @@ class Planned:
     def fallbacks(self, ran: Mapping[int, Outcome]) -> list[tuple[str, Outcome]]:
         """(planned kind, outcome) of each image that did not run exactly as planned."""
         return [(kind, outcome) for index, kind in enumerate(self.kinds)
-                if (outcome := outcome_of(ran, index)) is not None and
-                (outcome.ran not in (PLANNED, PREFIX_CACHED) or outcome.cause)]
+                if (outcome := outcome_of(ran, index)) is not None and (outcome.fell_back or outcome.cause)]
 
 
 def outcome_of(ran: Mapping[int, Outcome] | None, index: int) -> Outcome | None:

@@ -83,6 +83,11 @@ class Outcome:
         if self.cause is not None and self.cause not in CAUSES:
             raise ValueError(f"unknown cause {self.cause!r}")
 
+    @property
+    def fell_back(self) -> bool:
+        """The image was computed as after a miss (its plan not run, nor needed: not prefix_cached)."""
+        return self.ran not in (PLANNED, PREFIX_CACHED)
+
 
 class OutcomeBox:
     """The shared folder of outcomes; the worker ``put``s, the gateway ``take``s."""

@@ -28,7 +28,7 @@ from gateway.services import Services
 from gateway.tenancy import Caller
 from gateway.workers import Worker
 from plan import MISS, SELECTORS, ImagePlan, RequestPlan
-from plan.outcome import PLANNED, PREFIX_CACHED, Outcome
+from plan.outcome import PREFIX_CACHED, Outcome
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def _work_that_ran(model: ModelFacts, intake: IntakeResult, plan: RequestPlan | 
     for index, image in enumerate(intake.images):
         image_plan = plan.images[index] if plan is not None and index < len(plan.images) else None
         outcome = outcome_of(ran, index)
-        fell_back = outcome is not None and outcome.ran != PLANNED
+        fell_back = outcome is not None and outcome.fell_back
         images.append((image.grid.tokens, None if fell_back else image_plan))
         ran_as.append(PLAIN if index >= len(kinds) else "miss" if fell_back else kinds[index])
     return request_work(model, intake.text_chars, images), reuse_label(ran_as)
@@ -249,7 +249,7 @@ async def _what_ran(services: Services, planned: Planned, request_id: str) -> tu
     for kind, outcome in planned.fallbacks(ran):
         services.requests.fallbacks.labels(kind, outcome.cause or "", outcome.ran).inc()
         log.warning("request %s: an image planned as %s ran as %s (%s)", request_id, kind,
-                    "a full prefill" if outcome.ran != PLANNED else "planned, degraded", outcome.cause)
+                    "a full prefill" if outcome.fell_back else "planned, degraded", outcome.cause)
     return planned.reuse_header(ran), ran
 
 

@@ -57,12 +57,14 @@ def executed(gateway, before: Counter, **expected: int) -> Counter:
         time.sleep(0.2)
 
 
-def flush_worker_prefix_caches(gateway) -> None:
-    """Empty SGLang's radix caches, so a hit is served by this project's reuse rather than SGLang's own."""
+def flush_worker_prefix_caches(gateway, api_key: str | None = None) -> None:
+    """Empty SGLang's radix caches, so a hit is served by this project's reuse rather than SGLang's own (``api_key``:
+    workers that take only the key the deployment secret derives)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     for url in gateway.config.workers:
         deadline = time.monotonic() + 30
         # SGLang refuses (400) while a request is still being finished; the previous answer may just have left
-        while (status := httpx.post(url + "/flush_cache", timeout=30).status_code) == 400:
+        while (status := httpx.post(url + "/flush_cache", headers=headers, timeout=30).status_code) == 400:
             assert time.monotonic() < deadline, "the worker never became idle"
             time.sleep(0.2)
         assert status == 200

@@ -25,6 +25,7 @@ from store import DramTier, Entry, StoreConfig
 from store.entry import DTYPES, kv_array, parse_header, seal_entry, split_kv
 from store.seal import PUBLIC, EntrySeal
 from tests.conftest import MODEL_ID, free_port, gateway_config, remove_store_memory, run_gateway
+from tests.e2e.test_reuse import flush_worker_prefix_caches
 from tests.images_lib import data_url, encode, small
 
 pytestmark = pytest.mark.sglang
@@ -89,18 +90,12 @@ def stored(gateway, key: str) -> None:
 
 
 def test_entries_are_sealed_and_served_under_the_secret(secure):
-    gateway, worker, store = secure
+    gateway, _, store = secure
     first = ask(gateway.url, picture("chelsea.png"))
     key = first.headers["x-revisit-image-keys"]
     stored(gateway, key)
     # So that the worker reads the sealed entry, not SGLang's own prefix cache (its admin API takes the key too).
-    api_key = worker_api_key(DataPlaneSecret.read(store.secret_file))
-    deadline = time.monotonic() + 30
-    while (flushed := httpx.post(worker.url + "/flush_cache", headers={"Authorization": f"Bearer {api_key}"},
-                                 timeout=30)).status_code == 400:  # busy finishing the answer above
-        assert time.monotonic() < deadline, "the worker never became idle"
-        time.sleep(0.2)
-    assert flushed.status_code == 200, flushed.text
+    flush_worker_prefix_caches(gateway, worker_api_key(DataPlaneSecret.read(store.secret_file)))
     again = ask(gateway.url, picture("chelsea.png"))
     assert again.headers["x-revisit-reuse"] == "exact_same_prefix" and answer(again) == answer(first)
     data = (store.dram_path / f"{key}.kv").read_bytes()
