@@ -1,6 +1,6 @@
 """``revisit replay`` and ``revisit trace``: the command lines of this package (wired into gateway/cli.py).
 
-    revisit trace make OUT [--requests 500] [--tenants 3] [--rate 2] [--tokens 6x9] [--seed 0]
+    revisit trace make OUT [--requests 500] [--tenants 3] [--rate 2] [--tokens 6x9[,ROWSxCOLS...]] [--seed 0]
     revisit trace import CSV OUT                a trace of per-request image hashes and arrival times
     revisit replay TRACE --url URL [--out DIR] [--fast | --speed X] [--concurrency 4] [--mode all|exact|off]
                    [--compare [MODES]] [--admin-token T]
@@ -54,7 +54,8 @@ def add_commands(commands: Any) -> None:
     make.add_argument("--requests", type=int, default=500)
     make.add_argument("--tenants", type=int, default=3)
     make.add_argument("--rate", type=float, default=2.0, help="requests a second (default 2)")
-    make.add_argument("--tokens", default="6x9", help="image token grid, ROWSxCOLS (default 6x9)")
+    make.add_argument("--tokens", default="6x9", help="image token grid, ROWSxCOLS, or several separated by commas "
+                      "(8x8,16x16,32x32,48x48: each session takes one at random) (default 6x9)")
     make.add_argument("--max-tokens", type=int, default=4, help="max_tokens of each request (default 4)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--render-dir", type=Path, default=None, help="where rendered documentation pages are cached "
@@ -79,6 +80,10 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
 
 
+def _grids(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple(_grid(part.strip()) for part in text.split(","))
+
+
 def _grid(text: str) -> tuple[int, int]:
     rows, sep, cols = text.lower().partition("x")
     if not sep or not rows.isdigit() or not cols.isdigit() or int(rows) < 1 or int(cols) < 1:
@@ -92,7 +97,7 @@ def _trace(args: argparse.Namespace) -> int:
     if args.trace_command == "make":
         from replay.maker import TraceShape, make_trace
 
-        shape = TraceShape(requests=args.requests, tenants=args.tenants, rate=args.rate, tokens=_grid(args.tokens),
+        shape = TraceShape(requests=args.requests, tenants=args.tenants, rate=args.rate, grids=_grids(args.tokens),
                            max_tokens=args.max_tokens, seed=args.seed, docs=not args.no_docs,
                            **({"render_dir": args.render_dir} if args.render_dir else {}))
         with tqdm(total=shape.requests, unit="req", desc="making the trace") as bar:

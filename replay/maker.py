@@ -60,7 +60,7 @@ class TraceShape:
     zipf: float = 1.2  # exponent of the revisit law over recency rank
     revisit_share: float = 0.35  # of requests, revisits of an image sent before
     family_weights: tuple[float, ...] = (0.4, 0.25, 0.15, 0.2)  # FAMILIES
-    tokens: tuple[int, int] = (6, 9)  # image grid rows, cols (small: quick on a CPU worker)
+    grids: tuple[tuple[int, int], ...] = ((6, 9),)  # image token grids (rows, cols); each session takes one
     max_tokens: int = 4
     stream_share: float = 0.8
     seed: int = 0
@@ -148,7 +148,7 @@ def make_trace(out_dir: Path, shape: TraceShape = TraceShape(), *,
             progress(index + 1, shape.requests)
     return write_trace(out_dir / "trace.jsonl", requests, name=f"made-{shape.seed}", made_by="revisit trace make",
                        length=len(requests), images=images.count, tenants=shape.tenants, rate=shape.rate,
-                       zipf=shape.zipf, tokens=list(shape.tokens), families=list(FAMILIES))
+                       zipf=shape.zipf, grids=[list(grid) for grid in shape.grids], families=list(FAMILIES))
 
 
 def chat_messages(path: str, question: str, lead: str | None) -> list[dict]:
@@ -166,14 +166,17 @@ def _zipf_pick(sent: list[_Sent], exponent: float, rng: random.Random) -> _Sent:
 
 
 class _Sources:
-    """The real images sessions are made of, sized to the trace's token grid."""
+    """The real images sessions are made of, each session's sized to one of the trace's token grids (chosen at
+    random when it starts, so the sizes mix through the trace and an image's repeats keep its size)."""
 
     def __init__(self, shape: TraceShape, rng: random.Random) -> None:
         from offline.near_duplicates.scans import photos, scan_for
 
-        self.rows, self.cols = shape.tokens
+        if not shape.grids:
+            raise ValueError("a trace needs at least one image grid")
+        self.grids = shape.grids
         self.rng = rng
-        self.scan = scan_for(False)
+        self.scan = scan_for(max(cols for _, cols in shape.grids) * TOKEN > scan_for(False).image.width)
         self.photos = photos()
         self.clips = _clips()
         self.sites: list[list[Path]] = []
@@ -182,23 +185,25 @@ class _Sources:
             self.sites, self.renderer = _doc_sites(shape.render_dir)
 
     def session(self, family: str) -> Iterator[Frame]:
-        return {"doc": self._doc, "video": self._video, "photo": self._photo, "form": self._form}[family]()
+        rows, cols = self.rng.choice(self.grids) if len(self.grids) > 1 else self.grids[0]
+        frames = {"doc": self._doc, "video": self._video, "photo": self._photo, "form": self._form}[family]
+        return frames(rows, cols)
 
-    def _doc(self) -> Iterator[Frame]:
+    def _doc(self, rows: int, cols: int) -> Iterator[Frame]:
         if self.renderer is not None and self.sites:
-            yield from self._rendered_doc()
+            yield from self._rendered_doc(rows, cols)
         else:
-            yield from self._scanned_doc()
+            yield from self._scanned_doc(rows, cols)
 
-    def _rendered_doc(self) -> Iterator[Frame]:
+    def _rendered_doc(self, rows: int, cols: int) -> Iterator[Frame]:
         from offline.near_duplicates.docs import edit_html
 
         assert self.renderer is not None
         pages = self.rng.choice(self.sites)
         html = self.renderer.html(self.rng.choice(pages))
-        width, height = RENDER_WIDTH, RENDER_HEIGHT
+        view_w, view_h = cols * TOKEN, rows * TOKEN
+        width, height = max(RENDER_WIDTH, view_w), max(RENDER_HEIGHT, 2 * view_h)  # a window as wide as the view
         page = self.renderer.render(html, width, height)
-        view_w, view_h = self.cols * TOKEN, self.rows * TOKEN
         x = self.rng.randrange(0, max(1, (width - view_w) // TOKEN)) * TOKEN
         y = 0
         for _ in range(self.rng.randint(6, 14)):
@@ -212,12 +217,12 @@ class _Sources:
                 html = edited[0]
                 page = self.renderer.render(html, width, height)
 
-    def _scanned_doc(self) -> Iterator[Frame]:
+    def _scanned_doc(self, rows: int, cols: int) -> Iterator[Frame]:
         from offline.near_duplicates.pairs import EDIT_WORDS
         from offline.near_duplicates.scans import replace_word
 
         page = self.scan.image
-        height, width = self.rows * TOKEN, self.cols * TOKEN
+        height, width = rows * TOKEN, cols * TOKEN
         x = self.rng.randrange(0, max(1, page.width - width) // TOKEN + 1) * TOKEN
         y = self.rng.randrange(0, max(1, (page.height - height) // 2))
         for _ in range(self.rng.randint(6, 14)):
@@ -233,11 +238,11 @@ class _Sources:
                 if inside:
                     page = replace_word(page, self.rng.choice(inside), self.rng.choice(EDIT_WORDS))
 
-    def _video(self) -> Iterator[Frame]:
-        frames = list(self._clip_frames()) if self.clips else []
-        yield from frames or self._pan_frames()  # a clip shorter than the start chosen: a pan instead
+    def _video(self, rows: int, cols: int) -> Iterator[Frame]:
+        frames = list(self._clip_frames(rows, cols)) if self.clips else []
+        yield from frames or self._pan_frames(rows, cols)  # a clip shorter than the start chosen: a pan instead
 
-    def _clip_frames(self) -> Iterator[Frame]:
+    def _clip_frames(self, rows: int, cols: int) -> Iterator[Frame]:
         import av
 
         clip = self.rng.choice(self.clips)
@@ -246,36 +251,36 @@ class _Sources:
         with av.open(str(clip), "r") as container:
             for index, frame in enumerate(container.decode(video=0)):
                 if index in wanted:
-                    yield _fit(frame.to_image(), self.rows, self.cols)
+                    yield _fit(frame.to_image(), rows, cols)
                 if index >= max(wanted):
                     break
 
-    def _pan_frames(self) -> Iterator[Frame]:
+    def _pan_frames(self, rows: int, cols: int) -> Iterator[Frame]:
         photo = _skimage(self.rng.choice(self.photos))
-        scale = max(self.cols * TOKEN * 2 / photo.width, self.rows * TOKEN * 2 / photo.height, 1.0)
+        scale = max(cols * TOKEN * 2 / photo.width, rows * TOKEN * 2 / photo.height, 1.0)
         photo = photo.resize((math.ceil(photo.width * scale), math.ceil(photo.height * scale)))
         x, y = self.rng.randint(0, photo.width // 4), self.rng.randint(0, photo.height // 4)
         for _ in range(self.rng.randint(6, 14)):
-            yield photo.crop((x, y, x + self.cols * TOKEN, y + self.rows * TOKEN))
-            x = min(photo.width - self.cols * TOKEN, x + self.rng.randint(2, 9))
-            y = min(photo.height - self.rows * TOKEN, y + self.rng.randint(0, 4))
+            yield photo.crop((x, y, x + cols * TOKEN, y + rows * TOKEN))
+            x = min(photo.width - cols * TOKEN, x + self.rng.randint(2, 9))
+            y = min(photo.height - rows * TOKEN, y + self.rng.randint(0, 4))
 
-    def photo_upload(self) -> Frame:
-        return _fit(_skimage(self.rng.choice(self.photos)), self.rows, self.cols)
+    def photo_upload(self, rows: int, cols: int) -> Frame:
+        return _fit(_skimage(self.rng.choice(self.photos)), rows, cols)
 
-    def _photo(self) -> Iterator[Frame]:
-        picture = self.photo_upload()
+    def _photo(self, rows: int, cols: int) -> Iterator[Frame]:
+        picture = self.photo_upload(rows, cols)
         assert isinstance(picture, Image.Image)
         yield picture
         for quality in self.rng.sample((92, 85, 75, 60), self.rng.randint(1, 3)):
             yield picture, "JPEG", {"quality": quality}
 
-    def _form(self) -> Iterator[Frame]:
+    def _form(self, rows: int, cols: int) -> Iterator[Frame]:
         from bundled.reader.panels import changed, random_panel
 
         panel = random_panel(self.rng)
         for _ in range(self.rng.randint(4, 10)):
-            yield _fit(panel.render(), self.rows, self.cols)
+            yield _fit(panel.render(), rows, cols)
             if len(panel.keys) > 1:
                 panel, _ = changed(panel, self.rng, 1)
 

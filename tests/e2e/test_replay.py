@@ -64,7 +64,7 @@ def replay(trace: Path, url: str, out: Path, *args: str) -> subprocess.Completed
 
 
 def test_a_made_trace_of_500_requests(embedded, tmp_path):
-    trace = make_trace(tmp_path / "trace", TraceShape(requests=500, tenants=3, seed=1, tokens=(4, 6), docs=False))
+    trace = make_trace(tmp_path / "trace", TraceShape(requests=500, tenants=3, seed=1, grids=((4, 6),), docs=False))
     before = admin_plans(embedded)
     done = replay(trace, embedded, tmp_path / "out", "--fast", "--concurrency", "4")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -98,7 +98,7 @@ def test_a_made_trace_of_500_requests(embedded, tmp_path):
 
 
 def test_a_stopped_replay_resumes_and_compares_with_plain_sglang(embedded, tmp_path):
-    trace = make_trace(tmp_path / "trace", TraceShape(requests=40, tenants=2, seed=2, tokens=(4, 6), docs=False))
+    trace = make_trace(tmp_path / "trace", TraceShape(requests=40, tenants=2, seed=2, grids=((4, 6),), docs=False))
     out = tmp_path / "out"
     first = replay(trace, embedded, out, "--fast", "--compare")
     assert first.returncode == 0, first.stdout + first.stderr

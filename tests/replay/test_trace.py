@@ -40,6 +40,30 @@ def test_the_same_seed_makes_the_same_trace(made, tmp_path):
     assert again.read_text() == made.read_text()
 
 
+def test_a_trace_of_several_image_sizes_keeps_each_session_at_one(tmp_path):
+    """Sessions take their grids at random from the ones asked for, so the sizes mix through the trace; every image
+    has exactly one of those sizes, and an image's repeats and its session's other images keep it."""
+    from PIL import Image
+
+    from replay.cli import _grids
+    from replay.maker import TOKEN
+
+    grids = _grids("2x2, 4x6,8x8")
+    assert grids == ((2, 2), (4, 6), (8, 8))
+    path = make_trace(tmp_path, TraceShape(requests=60, tenants=2, seed=5, grids=grids, docs=False))
+    trace = read_trace(path)
+    sizes: dict[tuple[str, str], set[tuple[int, int]]] = {}
+    for request in trace.requests:
+        url = next(image_parts(request.body))["url"]
+        with Image.open(path.parent / url) as image:
+            sizes.setdefault((request.tenant, request.meta["session"]), set()).add(image.size)
+    assert all(len(seen) == 1 for seen in sizes.values())
+    assert {size for seen in sizes.values() for size in seen} == {(c * TOKEN, r * TOKEN) for r, c in grids}
+    assert trace.header["grids"] == [[2, 2], [4, 6], [8, 8]]
+    with pytest.raises(ValueError, match="ROWSxCOLS"):
+        _grids("8x8,,16x16")
+
+
 def test_documentation_pages_rendered_by_chromium(tmp_path):
     """Doc sessions over documentation pages where Chromium and Debian's docs are installed: scrolls show other
     parts of one page, an edit re-renders it with one word changed."""
@@ -53,8 +77,8 @@ def test_documentation_pages_rendered_by_chromium(tmp_path):
     if renderer is None:
         pytest.skip("rendered documentation needs Chromium and python3.11-doc or sqlite3-doc (apt-get install "
                     "chromium python3.11-doc): doc sessions use the scanned pages instead, tested above")
-    sources = _Sources(TraceShape(tokens=(6, 9), render_dir=tmp_path / "renders"), random.Random(4))
-    frames = [np.asarray(frame) for frame in sources._rendered_doc()]
+    sources = _Sources(TraceShape(grids=((6, 9),), render_dir=tmp_path / "renders"), random.Random(4))
+    frames = [np.asarray(frame) for frame in sources._rendered_doc(6, 9)]
     assert all(frame.shape == (6 * TOKEN, 9 * TOKEN, 3) for frame in frames) and len(frames) >= 6
     assert len({frame.tobytes() for frame in frames}) > 1
     assert list((tmp_path / "renders").glob("*.png")) and (RENDER_WIDTH, RENDER_HEIGHT) == (812, 1680)
