@@ -264,10 +264,10 @@ class Planner:
         elif alias is not None and plan is None:
             self.counts["guard_fallback"] += 1
         if plan is None or not self._pays(plan, costs, context):
-            self.matcher.add(image.key, namespace, image.features)
+            self.matcher.add(image.key, namespace, image.features, lookup.query)
             return miss
         if not plan.derive:  # stored only if its worker runs it as a full prefill: indexed, pending until then
-            self.matcher.add(image.key, namespace, image.features)
+            self.matcher.add(image.key, namespace, image.features, lookup.query)
         assert alias is not None
         self.cache.record_approximate_hit(alias.alias)
         return plan

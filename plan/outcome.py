@@ -92,6 +92,10 @@ class Outcome:
 class OutcomeBox:
     """The shared folder of outcomes; the worker ``put``s, the gateway ``take``s."""
 
+    # A take reads and removes one small file in shared memory (tens of microseconds): the gateway calls it on its
+    # event loop, where a hop to a thread would cost more than the read (a whole scheduling delay on a busy host).
+    blocking = False
+
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
@@ -138,6 +142,8 @@ class OutcomeBox:
 class SharedOutcomeBox:
     """Outcomes in a Redis or Valkey server: ``outcome:<request id>`` under the store's prefix, expiring after
     ``expire_s``. The same interface as OutcomeBox; one round trip per call."""
+
+    blocking = True  # a network round trip: called off the event loop
 
     def __init__(self, url: str, *, name: str, expire_s: int = 600, timeout_s: float = 2.0,
                  secret: DataPlaneSecret | None = None) -> None:

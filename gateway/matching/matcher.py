@@ -54,6 +54,7 @@ class Lookup:
     matches: tuple[Match, ...]  # at or above the match threshold, best first
     candidates: int  # compared in full
     best_similarity: float | None  # the best fine score among the candidates (None: there were none)
+    query: IndexRecord  # the new image's own record, which add() takes if the image is then indexed
 
     @property
     def near_miss(self) -> bool:
@@ -76,9 +77,11 @@ class Matcher:
     def record(self, key: str, namespace: str, features: TokenFeatures) -> IndexRecord:
         return IndexRecord.of(key, namespace, self.scope, features, blank_entropy=self.settings.blank_entropy)
 
-    def add(self, key: str, namespace: str, features: TokenFeatures) -> None:
-        """Index an image (and persist its features) under its exact key."""
-        record = self.record(key, namespace, features)
+    def add(self, key: str, namespace: str, features: TokenFeatures, record: IndexRecord | None = None) -> None:
+        """Index an image (and persist its features) under its exact key; ``record``: its index record when a
+        lookup made it already (``Lookup.query``)."""
+        if record is None or (record.key, record.namespace) != (key, namespace):
+            record = self.record(key, namespace, features)
         if self.features is not None:
             try:
                 self.features.put(key, record.to_bytes(), features.to_bytes())
@@ -135,7 +138,7 @@ class Matcher:
             if alignment.similarity >= self.settings.match_threshold:
                 matches.append(Match(alias=alias, alignment=alignment, alias_features=alias_features))
         matches.sort(key=lambda m: -m.alignment.similarity)
-        return Lookup(matches=tuple(matches), candidates=compared, best_similarity=best)
+        return Lookup(matches=tuple(matches), candidates=compared, best_similarity=best, query=query)
 
     def is_pending(self, key: str) -> bool:
         """Whether key was indexed recently enough that its entry may still be on its way into the store."""

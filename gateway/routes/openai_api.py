@@ -238,10 +238,13 @@ async def _answer(request: Request, services: Services, upstream: UpstreamReques
 
 async def _what_ran(services: Services, planned: Planned, request_id: str) -> tuple[str, dict[int, Outcome] | None]:
     """The reuse header from what the worker reports it ran (plan.outcome), its fallbacks counted and logged, and
-    the outcomes (None when the worker reported none). The outcome is read on a thread: a round trip to the books'
-    server (or a small file in shared memory), which the event loop must not wait on."""
+    the outcomes (None when the worker reported none). A round trip to the books' server is made on a thread; a
+    small file in shared memory is read on the loop (``blocking`` says which)."""
     reported = services.outcomes is not None and planned.plan is not None and planned.plan.reported
-    ran = await on_thread(services.outcomes.take, request_id) if reported and services.outcomes is not None else None
+    ran = None
+    if reported and services.outcomes is not None:
+        box = services.outcomes
+        ran = await on_thread(box.take, request_id) if box.blocking else box.take(request_id)
     if ran is None:
         if reported:
             services.requests.unreported.inc()

@@ -43,6 +43,21 @@ def test_a_near_duplicate_is_found_in_its_namespace_only(feature_store) -> None:
     assert other.matches == () and other.candidates == 0 and not other.near_miss
 
 
+def test_an_image_looked_up_then_added_is_indexed_under_the_lookups_record(feature_store) -> None:
+    """The planner adds a missed image with the record its lookup made (the regional descriptor is computed once);
+    a record of another key or namespace is not taken for it."""
+    m = matcher(feature_store)
+    m.add(key("astronaut.png"), "ns", features(aligned("astronaut.png", 8, 8)))
+    query = features(aligned("camera.png", 8, 8))
+    found = m.lookup("ns", key("camera.png"), query)
+    assert found.query.key == key("camera.png") and found.query.namespace == "ns"
+    m.add(key("camera.png"), "ns", query, found.query)
+    assert m.index.get(key("camera.png")).added_at == found.query.added_at
+    assert [match.alias for match in m.lookup("ns", key("again"), query).matches] == [key("camera.png")]
+    m.add(key("other"), "ns", query, found.query)  # not its record: made afresh
+    assert m.index.get(key("other")) is not None and m.index.get(key("other")).added_at >= found.query.added_at
+
+
 def test_an_unrelated_image_is_a_miss_and_a_close_call_a_near_miss(feature_store) -> None:
     m = matcher(feature_store, coarse_threshold=0.0)  # let every same-grid entry reach the fine stage
     for name in NAMES[:3]:
