@@ -17,9 +17,12 @@ image size, rounds alternate the three cases (the order rotates every round), ea
                scope, warmed once: a request without a plan is keyed by its own id and shares nothing)
     same       the seen image after the same text: encoder output and all image KV reused
     moved      the seen image after a different preamble: keys moved, uniform r = --ratio recomputed per layer
+    text       the same preamble and question without the image: the text-only prefill, an exact hit's floor but
+               for the read (through the gateway and at the worker alike: there is nothing to plan)
 
 SGLang's own prefix cache is emptied before every request (POST /flush_cache), so the same-prefix case measures
-this project's reuse, not SGLang's radix cache. Prints p50 TTFT per case and its ratio to the miss.
+this project's reuse, not SGLang's radix cache. Prints p50 TTFT per case and its ratio to the miss, to the
+decoder-only prefill (llm) and to the text-only prefill (text).
 
     .venv/bin/python bench/reuse_ttft.py [--size deep|bench|tiny] [--sides 896 1344] [--rounds 3] [--ratio 0.05]
 
@@ -57,13 +60,13 @@ from tests.images_lib import data_url, encode, small  # noqa: E402
 
 MODEL_ID = "bench-model"
 QUESTION = "Describe the picture in one word."
-CASES = ("plain", "miss", "llm", "same", "moved")
+CASES = ("plain", "miss", "llm", "same", "moved", "text")
 
 
-def body(preamble: str, url: str, rid: str | None = None) -> dict:
-    """A streamed one-token request: preamble, the image, the question."""
-    content = [{"type": "text", "text": preamble}, {"type": "image_url", "image_url": {"url": url}},
-               {"type": "text", "text": QUESTION}]
+def body(preamble: str, url: str | None, rid: str | None = None) -> dict:
+    """A streamed one-token request: preamble, the image (None: none), the question."""
+    image = [{"type": "image_url", "image_url": {"url": url}}] if url is not None else []
+    content = [{"type": "text", "text": preamble}, *image, {"type": "text", "text": QUESTION}]
     out = {"model": MODEL_ID, "messages": [{"role": "user", "content": content}], "max_tokens": 1,
            "temperature": 0, "stream": True}
     if rid:
@@ -136,15 +139,17 @@ def main() -> None:
 
 
 def print_table(side: int, tokens: int, times: dict) -> None:
-    """Each case's p50, and its ratio to the miss and to the decoder-only prefill (llm), per side of the gateway."""
-    print(f"{'image':>14} {'case':6} {'gateway':>10} {'x miss':>7} {'x llm':>6} {'worker':>10} {'x miss':>7} "
-          f"{'x llm':>6}", flush=True)
+    """Each case's p50, and its ratio to the miss, to the decoder-only prefill (llm) and to the text-only prefill
+    (text), per side of the gateway."""
+    print(f"{'image':>14} {'case':6} {'gateway':>10} {'x miss':>7} {'x llm':>6} {'x text':>6} {'worker':>10} "
+          f"{'x miss':>7} {'x llm':>6} {'x text':>6}", flush=True)
     p50 = {(case, p): statistics.median(times[(case, p)]) for case in CASES for p in ("gateway", "worker")}
     for case in CASES:
         row = [f"{side}px/{tokens:>5}t {case:6}"]
         for p in ("gateway", "worker"):
             t = p50[(case, p)]
-            row.append(f"{t:9.2f}s {t / p50[('miss', p)]:6.3f}x {t / p50[('llm', p)]:5.2f}x")
+            row.append(f"{t:9.2f}s {t / p50[('miss', p)]:6.3f}x {t / p50[('llm', p)]:5.2f}x "
+                       f"{t / p50[('text', p)]:5.2f}x")
         print(" ".join(row), flush=True)
 
 
@@ -192,12 +197,14 @@ def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, st
                             preamble, variant(base, next(serial)) if case in ("plain", "miss") else seen, rid)
                     if case == "plain" and path == "gateway":
                         payload = body(preamble, variant(base, next(serial)))
+                    if case == "text":
+                        payload = body(preamble, None)
                     # Through the gateway, a miss's image (one pixel changed) is a near-duplicate of the stored one:
                     # exact reuse only, so that it is planned as the miss it is.
                     mode = {"llm": "off", "plain": "off", "miss": "exact"}.get(case) if path == "gateway" else None
                     seconds, headers = ttft(client, url, payload, headers={REUSE_MODE_HEADER: mode} if mode else None)
                     expected = {"plain": None, "llm": None, "miss": "miss", "same": "exact_same_prefix",
-                                "moved": "exact_moved"}[case]  # plain, llm: planned nothing, so no header
+                                "moved": "exact_moved", "text": None}[case]  # plain, llm, text: nothing planned
                     if path == "gateway":
                         assert headers.get("x-revisit-reuse") == expected, (case, headers.get("x-revisit-reuse"))
                     times[(case, path)].append(seconds)

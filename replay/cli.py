@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from replay.runner import MODES, ReplaySettings, Run, read_results, replay
+from replay.runner import MODES, ReplaySettings, Run, read_results, replay_interleaved
 from replay.trace import TraceError, read_trace
 
 
@@ -41,6 +41,9 @@ def add_commands(commands: Any) -> None:
     run.add_argument("--mode", choices=MODES, default="all", help="what the gateway may reuse (default all)")
     run.add_argument("--compare", nargs="?", const="all,off", default=None, metavar="MODES",
                      help="replay once per mode, side by side (default all,off)")
+    run.add_argument("--interleave", action="store_true", help="with --compare: replay the modes at the same time, "
+                     "each request under every mode back to back (the order turning), so that the machine's slow "
+                     "stretches fall on every mode alike")
     run.add_argument("--admin-token", default=os.environ.get("REVISIT_ADMIN_TOKEN"),
                      help="the gateway's admin token, for its counts and tier traffic (default: "
                           "$REVISIT_ADMIN_TOKEN)")
@@ -123,20 +126,23 @@ def _replay(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.compare.split(",")] if args.compare else [args.mode]
     if bad := [m for m in modes if m not in MODES]:
         raise ValueError(f"unknown mode {bad[0]!r}; use {', '.join(MODES)}")
+    if args.interleave and len(set(modes)) < 2:
+        raise ValueError("--interleave needs --compare with two modes or more")
+    if len(set(modes)) != len(modes):
+        raise ValueError("each mode may be compared once")
     run_id = _run_id(out)
+    lanes = [(ReplaySettings(url=args.url.rstrip("/"), model=args.model, concurrency=args.concurrency,
+                             paced=not args.fast, speed=args.speed, mode=mode, admin_token=args.admin_token,
+                             key_prefix=f"sk-replay-{run_id}-{mode}-"), out / f"results-{mode}.jsonl")
+             for mode in modes]
     runs: list[Run] = []
-    for mode in modes:
-        settings = ReplaySettings(url=args.url.rstrip("/"), model=args.model, concurrency=args.concurrency,
-                                  paced=not args.fast, speed=args.speed, mode=mode, admin_token=args.admin_token,
-                                  key_prefix=f"sk-replay-{run_id}-{mode}-")
-        results_path = out / f"results-{mode}.jsonl"
-        already = len(read_results(results_path))
-        with tqdm(total=len(trace.requests), initial=already, unit="req", desc=f"replaying (mode {mode})",
-                  disable=args.no_progress) as bar:
-            run = asyncio.run(replay(trace, settings, results_path,
-                                     progress=lambda done, total: bar.update(done - bar.n)))
-        runs.append(run)
-    report = write_report(runs, out, trace_name=str(trace.header.get("name") or args.trace.name))
+    for group in [lanes] if args.interleave else [[lane] for lane in lanes]:
+        already = sum(len(read_results(path)) for _, path in group)
+        with tqdm(total=len(trace.requests) * len(group), initial=already, unit="req",
+                  desc=f"replaying (mode {', '.join(s.mode for s, _ in group)})", disable=args.no_progress) as bar:
+            runs += asyncio.run(replay_interleaved(trace, group, progress=lambda done, total: bar.update(done - bar.n)))
+    report = write_report(runs, out, trace_name=str(trace.header.get("name") or args.trace.name),
+                          interleaved=args.interleave)
     for summary in report["runs"]:
         print(f"mode {summary['mode']}: {summary['ok']}/{summary['requests']} ok; hit rate exact "
               f"{summary['hit_rate']['exact']:.1%}, approximate {summary['hit_rate']['approximate']:.1%}; "

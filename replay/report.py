@@ -10,7 +10,10 @@ Figures per run (one per reuse mode with ``--compare``):
   the prompt tokens the worker counted: a request's images are most of them), side by side across runs;
 - the gateway's own counts over the same run (``/admin/stats`` sampled before, during and after): its plans, which
   must equal what the headers said when nothing else used the gateway meanwhile, and the tier traffic: hits per
-  tier, promotions, demotions, admissions and evictions.
+  tier, promotions, demotions, admissions and evictions;
+- with several runs, each request's TTFT against its own TTFT in the baseline run (mode ``off`` where it was run,
+  else the last): the median and geometric mean of those ratios, over every request, per prompt size and per kind
+  (``paired``). Percentiles of two runs compare two crowds; the paired ratios compare each request with itself.
 
 Plots: hit rate by kind over the run (``hit_rate.png``), TTFT CDF per kind (``ttft_cdf.png``, one panel per run),
 tier traffic over time (``tier_traffic.png``: L2 and L3 hits, promotions, demotions, admissions and evictions, and
@@ -130,10 +133,46 @@ def summarize(run: Run) -> dict[str, Any]:
     return summary
 
 
-def write_report(runs: Sequence[Run], out_dir: Path, *, trace_name: str = "") -> dict[str, Any]:
-    """report.json, report.md and the plots in out_dir; returns the report."""
+def paired(runs: Sequence[Run]) -> dict[str, Any] | None:
+    """Each run's TTFT per request over the same request's in the baseline run (``off`` if run, else the last):
+    median and geometric mean of the ratios, over all requests both served, per prompt size and per request kind
+    (the kind in the run, not the baseline). None with fewer than two runs."""
+    if len(runs) < 2:
+        return None
+    base = next((r for r in runs if r.settings.mode == "off"), runs[-1])
+    base_ttft = {r.index: r.ttft_s for r in base.results if r.ok and r.ttft_s}
+    out: dict[str, Any] = {"baseline": base.settings.mode, "runs": {}}
+    for run in runs:
+        if run is base:
+            continue
+        groups: dict[str, dict[str, list[float]]] = {"all": {"all": []}, "size": {}, "kind": {}}
+        for r in run.results:
+            if not (r.ok and r.ttft_s and r.index in base_ttft):
+                continue
+            ratio = r.ttft_s / base_ttft[r.index]
+            groups["all"]["all"].append(ratio)
+            size = next((label for label, low, high in SIZE_BUCKETS if low <= (r.prompt_tokens or 0) < high), None)
+            if size is not None and r.prompt_tokens is not None:
+                groups["size"].setdefault(size, []).append(ratio)
+            groups["kind"].setdefault(request_kind(r.reuse), []).append(ratio)
+        groups["size"] = {label: groups["size"][label] for label, _, _ in SIZE_BUCKETS if label in groups["size"]}
+        out["runs"][run.settings.mode] = {
+            group: {label: _ratios(values) for label, values in by.items()} for group, by in groups.items()}
+    return out
+
+
+def _ratios(values: list[float]) -> dict[str, float | int]:
+    return {"n": len(values), "median": statistics.median(values),
+            "geomean": statistics.geometric_mean(values)}
+
+
+def write_report(runs: Sequence[Run], out_dir: Path, *, trace_name: str = "",
+                 interleaved: bool = False) -> dict[str, Any]:
+    """report.json, report.md and the plots in out_dir; returns the report. ``interleaved``: the runs were replayed
+    together, request by request (replay.runner.replay_interleaved)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"trace": trace_name, "runs": [summarize(run) for run in runs]}
+    report = {"trace": trace_name, "interleaved": interleaved, "runs": [summarize(run) for run in runs],
+              "paired": paired(runs)}
     plots = plot(runs, out_dir)
     report["plots"] = [p.name for p in plots]
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
@@ -173,6 +212,8 @@ def markdown(report: dict[str, Any]) -> str:
         if any(spread.get("n") for spread in spreads):
             row(f"TTFT p50 / p95 (ms), prompts of {label} tokens",
                 [f"{_ms(s_.get('p50'))} / {_ms(s_.get('p95'))} (n {s_.get('n', 0)})" for s_ in spreads])
+    if report.get("paired"):
+        lines += _paired_lines(report["paired"], interleaved=bool(report.get("interleaved")))
     for r in runs:
         lines += ["", f"## Mode {r['mode']}", "", "| request kind | n | TTFT p50 ms | TTFT p95 ms | latency p50 ms |",
                   "|---|---|---|---|---|"]
@@ -209,6 +250,21 @@ def markdown(report: dict[str, Any]) -> str:
             lines += ["", "Failed: " + ", ".join(f"{k}: {v}" for k, v in r["failed"].items())]
     lines += ["", "Plots: " + ", ".join(f"![{p}]({p})" for p in report.get("plots", []))]
     return "\n".join(lines) + "\n"
+
+
+def _paired_lines(pairs: dict[str, Any], *, interleaved: bool) -> list[str]:
+    how = ("replayed together, request by request" if interleaved else
+           "replayed one after the other: on a shared machine the run that goes first is often a few percent slower, "
+           "so compare with --interleave")
+    lines = ["", f"## Each request against itself in mode {pairs['baseline']}", "",
+             f"TTFT of the same request over its TTFT in mode {pairs['baseline']} (runs {how}):", "",
+             "| mode | requests | n | median | geometric mean |", "|---|---|---|---|---|"]
+    for mode, groups in pairs["runs"].items():
+        for group in ("all", "size", "kind"):
+            for label, ratio in groups[group].items():
+                name = "all" if group == "all" else f"prompts of {label} tokens" if group == "size" else label
+                lines.append(f"| {mode} | {name} | {ratio['n']} | {ratio['median']:.3f} | {ratio['geomean']:.3f} |")
+    return lines
 
 
 def _by_tier(hits: dict[str, int]) -> str:

@@ -9,17 +9,24 @@ are sampled (with the admin token) for the report's tier traffic and to check th
 Tenants get API keys ``{key_prefix}{tenant}``: a fresh prefix gives a run caches of its own, so that two runs of
 one trace (reuse on and off, say) do not serve each other's images. ``mode`` is sent as ``x-revisit-reuse-mode``:
 ``all`` (the gateway's default), ``exact`` (exact hits only) or ``off`` (plain SGLang).
+
+``replay_interleaved`` replays a trace once per mode at the same time, request by request: each trace request is
+sent under every mode back to back, the modes' order turning from one request to the next. Runs one after the other
+are not comparable to a few percent on a shared machine (on a 2-core host, whichever mode ran first was 3-7% slower
+in TTFT, whichever it was); interleaved, a slow stretch falls on every mode alike. Each mode keeps its own keys, so
+its own caches: only the machine is shared.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 
@@ -106,51 +113,76 @@ def read_results(path: Path) -> list[Result]:
 async def replay(trace: Trace, settings: ReplaySettings, results_path: Path, *,
                  progress: Callable[[int, int], None] | None = None) -> Run:
     """Replay every request of the trace not yet in results_path; returns all results (earlier ones included)."""
-    done = {r.index: r for r in read_results(results_path)}
-    todo = [r for r in trace.requests if r.index not in done]
+    return (await replay_interleaved(trace, [(settings, results_path)], progress=progress))[0]
+
+
+async def replay_interleaved(trace: Trace, lanes: Sequence[tuple[ReplaySettings, Path]], *,
+                             progress: Callable[[int, int], None] | None = None) -> list[Run]:
+    """Replay the trace once per lane (its settings and results file) at the same time, request by request (the
+    module's docstring), each lane resuming from its own results file; returns one run per lane. The URL, model,
+    concurrency (over every lane's requests together), pacing and admin token are the first lane's. The gateway's
+    /admin/stats cover every lane at once: they go with the first lane's run only."""
+    settings = lanes[0][0]
+    done = [{r.index: r for r in read_results(path)} for _, path in lanes]
+    # Request by request, every lane's turn; the lanes' order turns with the request's index.
+    def turns(index: int) -> list[int]:
+        return [(index + j) % len(lanes) for j in range(len(lanes))]
+
+    jobs = [(k, request) for request in trace.requests for k in turns(request.index) if request.index not in done[k]]
     files = ImageFiles(trace.base_dir)
-    results_path.parent.mkdir(parents=True, exist_ok=True)
+    for _, path in lanes:
+        path.parent.mkdir(parents=True, exist_ok=True)
     limits = httpx.Limits(max_connections=settings.concurrency + 2, max_keepalive_connections=settings.concurrency)
     samples: list[Sample] = []
     started = time.monotonic()
-    first_t = todo[0].t if todo else 0.0
+    first_t = jobs[0][1].t if jobs else 0.0
+    total = len(trace.requests) * len(lanes)
     async with httpx.AsyncClient(base_url=settings.url, timeout=settings.timeout_s, limits=limits) as client:
         model = settings.model or await _first_model(client)
-        if todo:
+        if jobs:
             await _calibrated(client, settings)
         gate = asyncio.Semaphore(settings.concurrency)
         workers = await _worker_urls(client)
         sampler = asyncio.create_task(_sample(client, settings, samples, started, workers))
-        with results_path.open("a") as out:
-            if out.tell() and not results_path.read_bytes().endswith(b"\n"):
-                out.write("\n")  # after a line a killed run cut short
-            finished = len(done)
+        with contextlib.ExitStack() as files_open:
+            outs = [files_open.enter_context(_results_file(path)) for _, path in lanes]
+            finished = sum(len(d) for d in done)
 
-            async def one(request: TraceRequest) -> None:
+            async def one(k: int, request: TraceRequest) -> None:
                 nonlocal finished
                 if settings.paced:
                     delay = (request.t - first_t) / settings.speed - (time.monotonic() - started)
                     if delay > 0:
                         await asyncio.sleep(delay)
                 async with gate:
-                    result = await _send(client, files, request, model, settings, started)
-                done[request.index] = result
-                out.write(json.dumps(asdict(result)) + "\n")
-                out.flush()
+                    result = await _send(client, files, request, model, lanes[k][0], started)
+                done[k][request.index] = result
+                outs[k].write(json.dumps(asdict(result)) + "\n")
+                outs[k].flush()
                 finished += 1
                 if progress is not None:
-                    progress(finished, len(trace.requests))
+                    progress(finished, total)
 
             try:
-                await asyncio.gather(*(one(r) for r in todo))
+                await asyncio.gather(*(one(k, r) for k, r in jobs))
             finally:
                 sampler.cancel()
                 await asyncio.gather(sampler, return_exceptions=True)
                 if settings.admin_token:
                     if (last := await _stats(client, settings)) is not None:
                         samples.append(Sample(time.monotonic() - started, last, await _bytes_read(workers)))
-    return Run(settings=settings, results=[done[i] for i in sorted(done)], samples=samples,
-               wall_s=time.monotonic() - started)
+    wall_s = time.monotonic() - started
+    return [Run(settings=lane, results=[done[k][i] for i in sorted(done[k])], samples=samples if k == 0 else [],
+                wall_s=wall_s) for k, (lane, _) in enumerate(lanes)]
+
+
+@contextlib.contextmanager
+def _results_file(path: Path) -> Iterator[TextIO]:
+    """A results file opened to append, after a newline where a killed run cut its last line short."""
+    with path.open("a") as out:
+        if out.tell() and not path.read_bytes().endswith(b"\n"):
+            out.write("\n")
+        yield out
 
 
 async def _first_model(client: httpx.AsyncClient) -> str:

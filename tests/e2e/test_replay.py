@@ -105,7 +105,7 @@ def test_a_stopped_replay_resumes_and_compares_with_plain_sglang(embedded, tmp_p
     kept = (out / "results-all.jsonl").read_text().splitlines()[:15]
     (out / "results-all.jsonl").write_text("\n".join(kept) + "\n" + '{"index": 99, "cut sh')  # as a kill leaves it
     before = admin_plans(embedded)
-    again = replay(trace, embedded, out, "--fast", "--compare")
+    again = replay(trace, embedded, out, "--fast", "--compare", "--interleave")  # resumed side by side
     assert again.returncode == 0, again.stdout + again.stderr
     resent = sum(admin_plans(embedded)[k] - before[k] for k in before if k in ("miss", "exact_same_prefix",
                                                                               "exact_moved", "approximate"))
@@ -117,3 +117,5 @@ def test_a_stopped_replay_resumes_and_compares_with_plain_sglang(embedded, tmp_p
     assert off["images"]["ran"]["plain"] == 40 and off["hit_rate"]["any"] == 0.0
     assert on["hit_rate"]["any"] > 0
     assert "mode all | mode off" in (out / "report.md").read_text()
+    assert report["interleaved"] and report["paired"]["baseline"] == "off"
+    assert report["paired"]["runs"]["all"]["all"]["all"]["n"] == 40

@@ -235,3 +235,71 @@ def test_a_replay_waits_for_the_gateways_calibration_of_its_workers():
     polls["stats"] = 0
     asyncio.run(wait(ReplaySettings(url="http://g")))  # no admin token: nothing to read, no wait
     assert polls["stats"] == 0
+
+
+def test_interleaved_modes_take_turns_request_by_request(tmp_path, monkeypatch):
+    """--interleave: each trace request goes under every mode back to back, the modes' order turning with the
+    request, one at a time at concurrency 1; each mode resumes from its own results file (an in-process gateway
+    stand-in: the order is the replay's own rule)."""
+    import asyncio
+
+    import httpx
+
+    from replay import runner
+    from replay.runner import replay_interleaved
+    from replay.trace import Trace, TraceRequest
+
+    sent: list[tuple[str, str]] = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"workers": []})
+        body = json.loads(request.content)
+        sent.append((request.headers["x-revisit-reuse-mode"], body["messages"][0]["content"]))
+        return httpx.Response(200, json={"usage": {"prompt_tokens": 5}})
+
+    class Client(httpx.AsyncClient):
+        def __init__(self, **kwargs):
+            super().__init__(transport=httpx.MockTransport(gateway), **kwargs)
+
+    monkeypatch.setattr(runner.httpx, "AsyncClient", Client)
+    trace = Trace(header={}, base_dir=tmp_path, requests=tuple(
+        TraceRequest(index=i, t=0.1 * i, tenant="a", body={"messages": [{"role": "user", "content": f"q{i}"}]},
+                     meta={}) for i in range(4)))
+    lanes = [(ReplaySettings(url="http://g", mode=mode, concurrency=1, paced=False), tmp_path / f"results-{mode}.jsonl")
+             for mode in ("all", "off")]
+    (tmp_path / "results-off.jsonl").write_text(json.dumps(Result(
+        index=2, tenant="a", family="", sent_s=0.0, status=200, ttft_s=0.1).__dict__) + "\n")  # off did q2 already
+    runs = asyncio.run(replay_interleaved(trace, lanes))
+    assert sent == [("all", "q0"), ("off", "q0"), ("off", "q1"), ("all", "q1"), ("all", "q2"),
+                    ("off", "q3"), ("all", "q3")]
+    assert [r.settings.mode for r in runs] == ["all", "off"]
+    assert [[r.index for r in run.results] for run in runs] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert all(r.ok for run in runs for r in run.results)
+
+
+def test_the_report_pairs_each_request_with_itself_in_the_baseline(tmp_path):
+    """With several runs the report divides each request's TTFT by the same request's in mode off: median and
+    geometric mean, over all, per prompt size and per kind."""
+    def run(mode: str, ttfts: list[float], kinds: list[str]) -> Run:
+        results = [_result(i, [kind], ttft) for i, (ttft, kind) in enumerate(zip(ttfts, kinds, strict=True))]
+        results[3].prompt_tokens = 1500
+        return Run(settings=ReplaySettings(url="http://x", mode=mode), results=results, samples=[], wall_s=1.0)
+
+    off = run("off", [1.0, 1.0, 2.0, 10.0], ["plain"] * 4)
+    on = run("all", [0.5, 1.0, 2.0, 2.5], ["exact_same_prefix", "miss", "miss", "approximate"])
+    report = write_report([on, off], tmp_path, interleaved=True)
+    pairs = report["paired"]
+    assert pairs["baseline"] == "off" and list(pairs["runs"]) == ["all"]
+    ratios = pairs["runs"]["all"]
+    assert ratios["all"]["all"]["n"] == 4 and ratios["all"]["all"]["median"] == pytest.approx(0.75)
+    assert ratios["all"]["all"]["geomean"] == pytest.approx((0.5 * 1 * 1 * 0.25) ** 0.25)
+    assert list(ratios["size"]) == ["< 128", "1024-2047"] and ratios["size"]["1024-2047"]["median"] == 0.25
+    assert ratios["kind"]["miss"] == {"n": 2, "median": 1.0, "geomean": 1.0}
+    text = (tmp_path / "report.md").read_text()
+    assert "replayed together, request by request" in text
+    assert "| all | prompts of 1024-2047 tokens | 1 | 0.250 | 0.250 |" in text
+    write_report([on], tmp_path)
+    assert "against itself" not in (tmp_path / "report.md").read_text()  # one run: nothing to pair
