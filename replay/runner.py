@@ -121,7 +121,7 @@ async def replay_interleaved(trace: Trace, lanes: Sequence[tuple[ReplaySettings,
     """Replay the trace once per lane (its settings and results file) at the same time, request by request (the
     module's docstring), each lane resuming from its own results file; returns one run per lane. The URL, model,
     concurrency (over every lane's requests together), pacing and admin token are the first lane's. The gateway's
-    /admin/stats cover every lane at once: they go with the first lane's run only."""
+    /admin/stats cover every lane at once: they go with one run only, the first that plans (mode other than off)."""
     settings = lanes[0][0]
     done = [{r.index: r for r in read_results(path)} for _, path in lanes]
     # Request by request, every lane's turn; the lanes' order turns with the request's index.
@@ -172,7 +172,8 @@ async def replay_interleaved(trace: Trace, lanes: Sequence[tuple[ReplaySettings,
                     if (last := await _stats(client, settings)) is not None:
                         samples.append(Sample(time.monotonic() - started, last, await _bytes_read(workers)))
     wall_s = time.monotonic() - started
-    return [Run(settings=lane, results=[done[k][i] for i in sorted(done[k])], samples=samples if k == 0 else [],
+    counted = next((k for k, (lane, _) in enumerate(lanes) if lane.mode != "off"), 0)  # whose plans the stats count
+    return [Run(settings=lane, results=[done[k][i] for i in sorted(done[k])], samples=samples if k == counted else [],
                 wall_s=wall_s) for k, (lane, _) in enumerate(lanes)]
 
 

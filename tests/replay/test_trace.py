@@ -256,6 +256,8 @@ def test_interleaved_modes_take_turns_request_by_request(tmp_path, monkeypatch):
             return httpx.Response(200, json={"data": [{"id": "m"}]})
         if request.url.path == "/health":
             return httpx.Response(200, json={"workers": []})
+        if request.url.path == "/admin/stats":
+            return httpx.Response(200, json={"plans": {}})
         body = json.loads(request.content)
         sent.append((request.headers["x-revisit-reuse-mode"], body["messages"][0]["content"]))
         return httpx.Response(200, json={"usage": {"prompt_tokens": 5}})
@@ -268,14 +270,15 @@ def test_interleaved_modes_take_turns_request_by_request(tmp_path, monkeypatch):
     trace = Trace(header={}, base_dir=tmp_path, requests=tuple(
         TraceRequest(index=i, t=0.1 * i, tenant="a", body={"messages": [{"role": "user", "content": f"q{i}"}]},
                      meta={}) for i in range(4)))
-    lanes = [(ReplaySettings(url="http://g", mode=mode, concurrency=1, paced=False), tmp_path / f"results-{mode}.jsonl")
-             for mode in ("all", "off")]
+    lanes = [(ReplaySettings(url="http://g", mode=mode, concurrency=1, paced=False, admin_token="t"),
+              tmp_path / f"results-{mode}.jsonl") for mode in ("off", "all")]
     (tmp_path / "results-off.jsonl").write_text(json.dumps(Result(
         index=2, tenant="a", family="", sent_s=0.0, status=200, ttft_s=0.1).__dict__) + "\n")  # off did q2 already
     runs = asyncio.run(replay_interleaved(trace, lanes))
-    assert sent == [("all", "q0"), ("off", "q0"), ("off", "q1"), ("all", "q1"), ("all", "q2"),
-                    ("off", "q3"), ("all", "q3")]
-    assert [r.settings.mode for r in runs] == ["all", "off"]
+    assert sent == [("off", "q0"), ("all", "q0"), ("all", "q1"), ("off", "q1"), ("all", "q2"),
+                    ("all", "q3"), ("off", "q3")]
+    assert [r.settings.mode for r in runs] == ["off", "all"]
+    assert runs[0].samples == [] and runs[1].samples  # the gateway's counts go with the mode that plans
     assert [[r.index for r in run.results] for run in runs] == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert all(r.ok for run in runs for r in run.results)
 
