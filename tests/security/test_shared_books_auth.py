@@ -18,7 +18,7 @@ import redis
 from gateway.books import BookLog, SharedBooks, SharedFeatureStore
 from gateway.config import PolicySettings
 from gateway.routes.admin import books_status
-from plan.outcome import FULL_PREFILL, PLANNED, Outcome, SharedOutcomeBox, outcome_box
+from plan.outcome import FULL_PREFILL, PLANNED, Outcome, OutcomeBox, SharedOutcomeBox, outcome_box
 from settings.secret import DataPlaneSecret
 from tests.policy.helpers import key
 
@@ -225,7 +225,10 @@ def test_a_forged_outcome_is_ignored(redis_server, server, name):
     assert box.take("r3") == {0: Outcome(FULL_PREFILL, "entry_missing")}  # the genuine one
 
 
-def test_the_gateway_takes_an_outcome_off_the_event_loop():
+@pytest.mark.parametrize("blocking", [True, False])
+def test_the_gateway_takes_an_outcome_off_the_event_loop_only_where_it_blocks(blocking):
+    """A round trip to the books' server (a blocking box) is made on a thread; a file in shared memory (the local
+    box) is read on the loop, where a hand-off to a thread would cost more than the read."""
     from gateway.routes.openai_api import _what_ran
 
     seen = {}
@@ -234,7 +237,7 @@ def test_the_gateway_takes_an_outcome_off_the_event_loop():
         seen["thread"] = threading.current_thread()
         return {0: Outcome(PLANNED)}
 
-    services = SimpleNamespace(outcomes=SimpleNamespace(take=take), requests=None)
+    services = SimpleNamespace(outcomes=SimpleNamespace(take=take, blocking=blocking), requests=None)
     planned = SimpleNamespace(plan=SimpleNamespace(reported=True), fallbacks=lambda ran: [],
                               reuse_header=lambda ran=None: "hit" if ran else "planned")
 
@@ -242,7 +245,9 @@ def test_the_gateway_takes_an_outcome_off_the_event_loop():
         return await _what_ran(services, planned, "r1"), threading.current_thread()  # type: ignore[arg-type]
 
     (header, ran), loop_thread = asyncio.run(answer())
-    assert header == "hit" and ran == {0: Outcome(PLANNED)} and seen["thread"] is not loop_thread
+    assert header == "hit" and ran == {0: Outcome(PLANNED)}
+    assert (seen["thread"] is not loop_thread) == blocking
+    assert SharedOutcomeBox.blocking and not OutcomeBox.blocking
 
 
 # ---- with the right secret everything works ---------------------------------------------------
