@@ -3,7 +3,7 @@
     revisit trace make OUT [--requests 500] [--tenants 3] [--rate 2] [--tokens 6x9[,ROWSxCOLS...]] [--seed 0]
     revisit trace import CSV OUT                a trace of per-request image hashes and arrival times
     revisit replay TRACE --url URL [--out DIR] [--fast | --speed X] [--concurrency 4] [--mode all|exact|off]
-                   [--compare [MODES]] [--admin-token T]
+                   [--compare [MODES] [--interleave]] [--admin-token T]
 
 A replay writes ``results-<mode>.jsonl`` (one line per request as it ends: stop it and run the same command to
 go on), ``report.json``, ``report.md`` and the plots into ``--out``. ``--compare`` replays the trace once per mode
