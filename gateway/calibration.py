@@ -117,7 +117,7 @@ class WorkerCosts:
             self.calibrations[url] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             return
         prior = self.prior(samples)
-        self.models[url] = CostModel(prior, floor=prefill_floor(samples))
+        self.models[url] = CostModel(prior, floor=calibration_floor(samples))
         self.calibrations[url] = {"seconds": round(time.monotonic() - started, 1), "probes": [
             {"work": work.as_dict(), "seconds": round(seconds, 4)} for work, seconds in samples]}
         log.info("worker %s calibrated in %.1f s: %s", url, time.monotonic() - started, prior.as_dict())
@@ -197,13 +197,14 @@ def _text_line(samples: list[tuple[Work, float]]) -> tuple[float, float]:
     return max(short_s - short.token_layers * per_token_layer, 1e-4), per_token_layer
 
 
-def prefill_floor(samples: list[tuple[Work, float]]) -> Costs:
-    """The least a worker's prefill may cost, in its calibration and in every refit: a quarter of the text probes'
-    line. Prefill's linear and quadratic parts trade off over a few prompt lengths, and on a noisy machine a fit
-    that put all of it in attention made prefill free (a short prompt then predicted at the request's cost
-    alone); the executor's layer loop is never cheaper than SGLang's at that."""
-    _, per_token_layer = _text_line(samples)
-    return Costs.of(token_layers=per_token_layer / 4,
+def calibration_floor(samples: list[tuple[Work, float]]) -> Costs:
+    """The least a worker's request and prefill may cost, in its calibration and in every refit: a quarter of the
+    text probes' line (its intercept, and its slope). Prefill's linear and quadratic parts, and a request's own cost,
+    trade off over a few prompt lengths, and on a noisy machine fits made prefill free (all of it put in attention:
+    a short prompt then predicted at the request's cost alone) and, in another CI run, the request free (all of it
+    put in prefill); the executor's layer loop is never cheaper than SGLang's."""
+    request, per_token_layer = _text_line(samples)
+    return Costs.of(request=request / 4, token_layers=per_token_layer / 4,
                     planned_token_layers=EXECUTOR_PREFILL_FACTOR * per_token_layer / 4)
 
 
@@ -211,13 +212,13 @@ def calibrated(samples: list[tuple[Work, float]], facts: ModelFacts) -> Costs:
     """Costs from the probes. Prefill's linear and quadratic parts trade off over three prompt lengths (on the tiny
     model an unpulled fit put everything in attention), so the fit is pulled, with a twentieth of a probe's weight,
     toward the straight line through the shortest and the longest text probe (no quadratic part), and held at or
-    above ``prefill_floor``. Vision is not pulled: on a CPU worker it is quadratic in the patches, and pulled toward
+    above ``calibration_floor``. Vision is not pulled: on a CPU worker it is quadratic in the patches, and pulled toward
     a line through two small images the fit predicted a 1K-token miss on the deep bench model at 22 s (it takes
     38 s). What the probes cannot exercise is derived from prefill."""
     request, per_token_layer = _text_line(samples)
     line = Costs.of(request=request, token_layers=per_token_layer)
     fitted = fit([w.vector() for w, _ in samples], [s for _, s in samples], prior=line, prior_weight=0.05,
-                 floor=prefill_floor(samples))
+                 floor=calibration_floor(samples))
     costs = dict(zip(FEATURES, fitted.per_unit, strict=True))
     return Costs.of(request=costs["request"], token_layers=costs["token_layers"],
                     attention_pairs=costs["attention_pairs"], vision_patches=costs["vision_patches"],

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from gateway.calibration import calibrated, prefill_floor
+from gateway.calibration import calibrated, calibration_floor
 from gateway.costs import (
     FEATURES,
     CostModel,
@@ -146,7 +146,27 @@ def test_calibration_on_noisy_probes_never_makes_prefill_free() -> None:
     costs = calibrated(probes, facts).as_dict()
     assert costs["token_layers"] >= line / 4 * (1 - 1e-3)
     assert costs["planned_token_layers"] >= costs["token_layers"] and costs["request"] > 0
-    assert prefill_floor(probes).as_dict()["token_layers"] == pytest.approx(line / 4, rel=1e-3)
+    assert calibration_floor(probes).as_dict()["token_layers"] == pytest.approx(line / 4, rel=1e-3)
+
+
+def test_calibration_never_makes_the_request_free() -> None:
+    """A CI run's probes fitted ``request`` at 0.0 (all of it put in prefill): the floor holds the request at a
+    quarter of the text probes' line's intercept, in the calibration's fit as in every refit."""
+    facts = ModelFacts(layers=4, kv_bytes_per_token_layer=64)
+    probes = [(text_work(tokens, facts), t) for tokens, t in ((10, 0.05), (290, 0.08), (1200, 0.2))]
+    request, slope = (0.05 * 1200 - 0.2 * 10) / (1200 - 10), (0.2 - 0.05) / ((1200 - 10) * 4)
+    floor = calibration_floor(probes).as_dict()
+    assert floor["request"] == pytest.approx(request / 4, rel=1e-3)
+    assert floor["token_layers"] == pytest.approx(slope / 4, rel=1e-3)
+    # Times a prefill without a request's own cost explains exactly: unfloored, the request comes out free.
+    works = [text_work(tokens, facts) for tokens in (10, 290, 1200)]
+    times = [w.token_layers * slope for w in works]
+    assert fit([w.vector() for w in works], times, prior=Costs.of(token_layers=slope),
+               prior_weight=0.05).as_dict()["request"] == 0.0
+    held = fit([w.vector() for w in works], times, prior=Costs.of(token_layers=slope), prior_weight=0.05,
+               floor=calibration_floor(probes)).as_dict()
+    assert held["request"] >= request / 4 * (1 - 1e-3)  # as_dict rounds to four digits
+    assert calibrated(probes, facts).as_dict()["request"] >= request / 4 * (1 - 1e-3)
 
 
 def test_costs_refuse_what_cannot_be_a_cost() -> None:
