@@ -191,8 +191,8 @@ def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, st
                             preamble, variant(base, next(serial)) if case == "miss" else seen)
                     else:
                         ratios = () if case == "same" else (args.ratio,) * layers
-                        rid = None if case == "plain" else stored_miss_rid((rows, cols)) if case == "miss" else \
-                            unstored if case == "llm" else exact_rid(key, (rows, cols), ratios)
+                        rid = None if case in ("plain", "text") else stored_miss_rid((rows, cols)) \
+                            if case == "miss" else unstored if case == "llm" else exact_rid(key, (rows, cols), ratios)
                         url, payload = worker.url + "/v1/chat/completions", body(
                             preamble, variant(base, next(serial)) if case in ("plain", "miss") else seen, rid)
                     if case == "plain" and path == "gateway":

@@ -40,6 +40,13 @@ SIZE_BUCKETS = (("< 128", 0, 128), ("128-511", 128, 512), ("512-1023", 512, 1024
                 (">= 2048", 2048, 1 << 62))
 
 
+def size_bucket(prompt_tokens: int | None) -> str | None:
+    """The label of the SIZE_BUCKETS a prompt of that many tokens falls in; None when the count is unknown."""
+    if prompt_tokens is None:
+        return None
+    return next(label for label, low, high in SIZE_BUCKETS if low <= prompt_tokens < high)
+
+
 def request_kind(reuse: Sequence[str]) -> str:
     kinds = set(reuse)
     return "none" if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
@@ -103,9 +110,9 @@ def summarize(run: Run) -> dict[str, Any]:
         "latency_s": {kind: _spread([r.latency_s for r in rs if r.latency_s is not None])
                       for kind, rs in by_kind.items()},
         "ttft_all_s": _spread([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "ttft_by_size_s": {label: _spread([r.ttft_s for r in ok if r.ttft_s is not None and r.prompt_tokens is not None
-                                           and low <= r.prompt_tokens < high])
-                           for label, low, high in SIZE_BUCKETS},
+        "ttft_by_size_s": {label: _spread([r.ttft_s for r in ok if r.ttft_s is not None
+                                           and size_bucket(r.prompt_tokens) == label])
+                           for label, _, _ in SIZE_BUCKETS},
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
         "cached_tokens": sum(r.cached_tokens or 0 for r in ok),
         "store_tokens": sum(r.store_tokens for r in ok),
@@ -151,8 +158,7 @@ def paired(runs: Sequence[Run]) -> dict[str, Any] | None:
                 continue
             ratio = r.ttft_s / base_ttft[r.index]
             groups["all"]["all"].append(ratio)
-            size = next((label for label, low, high in SIZE_BUCKETS if low <= (r.prompt_tokens or 0) < high), None)
-            if size is not None and r.prompt_tokens is not None:
+            if (size := size_bucket(r.prompt_tokens)) is not None:
                 groups["size"].setdefault(size, []).append(ratio)
             groups["kind"].setdefault(request_kind(r.reuse), []).append(ratio)
         groups["size"] = {label: groups["size"][label] for label, _, _ in SIZE_BUCKETS if label in groups["size"]}

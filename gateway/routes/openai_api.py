@@ -240,10 +240,10 @@ async def _what_ran(services: Services, planned: Planned, request_id: str) -> tu
     """The reuse header from what the worker reports it ran (plan.outcome), its fallbacks counted and logged, and
     the outcomes (None when the worker reported none). A round trip to the books' server is made on a thread; a
     small file in shared memory is read on the loop (``blocking`` says which)."""
-    reported = services.outcomes is not None and planned.plan is not None and planned.plan.reported
+    box = services.outcomes
+    reported = box is not None and planned.plan is not None and planned.plan.reported
     ran = None
-    if reported and services.outcomes is not None:
-        box = services.outcomes
+    if reported and box is not None:
         ran = await on_thread(box.take, request_id) if box.blocking else box.take(request_id)
     if ran is None:
         if reported:
