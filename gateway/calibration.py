@@ -28,13 +28,14 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import httpx
 import numpy as np
 from PIL import Image
 
 from gateway.config import ProcessorSettings
-from gateway.costs import FEATURES, CostModel, Costs, ModelFacts, Work, fit, image_work, text_work
+from gateway.costs import FEATURES, CostModel, Costs, ModelFacts, PromptsSent, Work, fit, image_work, text_work
 from gateway.images import token_grid
 from gateway.workers import Worker, WorkerPool
 
@@ -47,6 +48,8 @@ _TEXT_PROBES = (1, 40, 170)  # words (about seven tokens each)
 _IMAGE_PROBES = (8, 16, 24)  # token grid sides: vision is quadratic on CPU, so three sizes
 _PROBE_TIMEOUT_S = 600.0
 PREDICTIONS_KEPT = 1024
+RECENT_SHOWN = 64  # predictions shown one by one in /admin/stats
+KV_TOKENS_ASSUMED = 65_536  # a worker's KV pool in tokens until its /server_info says (SGLang's CPU default here)
 
 
 class WorkerCosts:
@@ -63,7 +66,8 @@ class WorkerCosts:
         self.models: dict[str, CostModel] = {}
         self.calibrations: dict[str, dict] = {}
         self._calibrating: dict[str, asyncio.Task] = {}
-        self.predictions: deque[tuple[str, float, float]] = deque(maxlen=PREDICTIONS_KEPT)
+        self.predictions: deque[tuple[str, float, float, Work]] = deque(maxlen=PREDICTIONS_KEPT)
+        self.prompts: dict[str, PromptsSent] = {}  # what each worker's prefix cache is taken to hold
 
     def model(self, url: str) -> CostModel | None:
         return self.models.get(url)
@@ -72,21 +76,32 @@ class WorkerCosts:
         """A measured worker's costs (the first measured), for a plan whose worker is not known yet."""
         return next(iter(self.models.values()), None)
 
+    def held(self, url: str, prompts: Sequence[str]) -> frozenset[int]:
+        """Which of ``prompts`` (costs.prompt_through, one per image) worker ``url``'s prefix cache is taken to hold."""
+        sent = self.prompts.get(url)
+        return sent.held(prompts) if sent is not None else frozenset()
+
+    def sent(self, url: str, prompts: Sequence[tuple[str, int]]) -> None:
+        """Prompts (digest, tokens) worker ``url`` was sent and has served."""
+        if (sent := self.prompts.get(url)) is None:
+            sent = self.prompts[url] = PromptsSent(KV_TOKENS_ASSUMED)
+        sent.sent(prompts)
+
     def observe(self, url: str, work: Work, seconds: float, *, kind: str = "") -> None:
         """A request ``url`` served alone: its work, its time to first token and its reuse label. What the costs
         predicted for it (before it is a sample) is kept beside what it measured, by label."""
         model = self.models.get(url)
         if model is None:
             return
-        self.predictions.append((kind, model.predict(work), seconds))
+        self.predictions.append((kind, model.predict(work), seconds, work))
         model.observe(work, seconds)
 
     def accuracy(self) -> dict[str, dict]:
         """By reuse label, over the last predictions: how many, and the median of predicted / measured and of
         |predicted - measured| / measured (the prediction made before the request was a sample)."""
         out = {}
-        for kind in sorted({kind for kind, _, _ in self.predictions}):
-            pairs = [(p, m) for k, p, m in self.predictions if k == kind]
+        for kind in sorted({kind for kind, *_ in self.predictions}):
+            pairs = [(p, m) for k, p, m, _ in self.predictions if k == kind]
             ratios = sorted(p / m for p, m in pairs)
             errors = sorted(abs(p - m) / m for p, m in pairs)
             out[kind] = {"requests": len(pairs), "predicted_over_measured": round(ratios[len(ratios) // 2], 3),
@@ -94,7 +109,9 @@ class WorkerCosts:
         return out
 
     def came_up(self, worker: Worker) -> None:
-        """Measure ``worker`` in the background (one measurement at a time per worker)."""
+        """Measure ``worker`` in the background (one measurement at a time per worker). It may have been restarted:
+        its prefix cache is taken to be empty."""
+        self.prompts[worker.url] = PromptsSent(KV_TOKENS_ASSUMED)
         running = self._calibrating.get(worker.url)
         if running is not None and not running.done():
             return
@@ -116,6 +133,9 @@ class WorkerCosts:
                         url, type(exc).__name__, exc)
             self.calibrations[url] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             return
+        kv_tokens = await self._kv_tokens(worker)
+        if kv_tokens is not None and (sent := self.prompts.get(url)) is not None:
+            sent.capacity_tokens = kv_tokens
         prior = self.prior(samples)
         self.models[url] = CostModel(prior, floor=calibration_floor(samples))
         self.calibrations[url] = {"seconds": round(time.monotonic() - started, 1), "probes": [
@@ -152,6 +172,15 @@ class WorkerCosts:
                             image_work(None, self.facts, grid.tokens, prompt_tokens), best))
         return samples
 
+    async def _kv_tokens(self, worker: Worker) -> int | None:
+        """The tokens the worker's KV pool holds (SGLang's /server_info ``max_total_num_tokens``), None if unsaid."""
+        try:
+            response = await self._client.get(worker.url + "/server_info", timeout=30.0)
+            tokens = response.json().get("max_total_num_tokens") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return tokens if isinstance(tokens, int) and tokens > 0 else None
+
     async def _timed(self, worker: Worker, content: list[dict]) -> tuple[float, int]:
         """One probe's seconds and prompt tokens, sent once the gateway has nothing else in flight there (and
         counted in flight there meanwhile, so that requests go elsewhere when they can)."""
@@ -173,12 +202,15 @@ class WorkerCosts:
 
     def snapshot(self) -> dict:
         """Per worker URL: its costs, their prior, samples and fit error, and its calibration; and under
-        ``"predicted"`` the predictions' accuracy by reuse label."""
+        ``"predicted"`` the predictions' accuracy by reuse label, under ``"recent"`` the last predictions one by one
+        (label, predicted and measured seconds, the work priced)."""
         workers = {url: {**model.snapshot(), "calibration": self.calibrations.get(url)}
                    for url, model in self.models.items()}
         workers.update({url: {"calibration": calibration} for url, calibration in self.calibrations.items()
                         if url not in self.models})
-        return {"workers": workers, "predicted": self.accuracy()}
+        recent = [{"kind": kind, "predicted": round(p, 4), "measured": round(m, 4), "work": work.as_dict()}
+                  for kind, p, m, work in list(self.predictions)[-RECENT_SHOWN:]]
+        return {"workers": workers, "predicted": self.accuracy(), "recent": recent}
 
 
 def _png_data_url(image: Image.Image) -> str:

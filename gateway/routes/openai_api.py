@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.config import RESPONSE_CACHE_LEVELS, RESPONSE_CACHE_OFF, MatchSettings
-from gateway.costs import ModelFacts, Work, request_work
+from gateway.costs import ModelFacts, Work, prompt_through, request_work
 from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
@@ -109,46 +109,61 @@ async def chat_completions(request: Request) -> Any:
                          rid=plan.to_rid(request_id, key=services.plan_key) if plan else public_id)
     upstream = await UpstreamRequest.encode(body, size_hint=intake.body_bytes)
 
+    costs = services.costs
+    # The prompt through each image, as the worker's prefix cache keeps it (what the costs take it to hold).
+    prompts = [prompt_through(caller.scope, digest, image.key)
+               for digest, image in zip(intake.prefix_digests, intake.images, strict=True)]
+
     def on_served(worker: Worker) -> None:
         services.planner.served(intake, worker.url)
+        if costs is not None:
+            costs.sent(worker.url, [(p, image.grid.tokens) for p, image in zip(prompts, intake.images, strict=True)])
 
     # The worker's time to its first token, when it served this request alone: a sample of its costs (a stream's
-    # first event, or a whole answer of one token).
-    first: list[tuple[Worker, float]] = []
-    sampled = services.costs is not None and not intake.videos and \
+    # first event, or a whole answer of one token), with the images its prefix cache was taken to hold then.
+    first: list[tuple[Worker, float, frozenset[int]]] = []
+
+    def on_first(worker: Worker, seconds: float) -> None:
+        assert costs is not None
+        first.append((worker, seconds, costs.held(worker.url, prompts)))
+
+    sampled = costs is not None and not intake.videos and \
         (intake.params.stream or (intake.params.max_tokens or intake.params.max_completion_tokens) == 1)
     route = Route(prefer=planned.prefer, public_id=public_id, on_served=on_served,
-                  shape=Shape(CHAT, extras=config.response_extras),
-                  on_first=(lambda worker, seconds: first.append((worker, seconds))) if sampled else None)
+                  shape=Shape(CHAT, extras=config.response_extras), on_first=on_first if sampled else None)
 
     async def after_prefill() -> None:
         ran = None
         if planned.kinds:
             headers[REUSE_HEADER], ran = await _what_ran(services, planned, request_id)
             headers[STORE_TOKENS_HEADER] = str(planned.store_tokens(ran))
-        # A sample of the worker's costs, unless SGLang's prefix cache served an image (what the model prices
-        # neither plan nor plain request at)
-        if first and services.costs is not None and not any(o.ran == PREFIX_CACHED for o in (ran or {}).values()):
-            worker, seconds = first[0]
-            work, kind = _work_that_ran(services.costs.facts, intake, plan, planned.kinds, ran)
-            services.costs.observe(worker.url, work, seconds, kind=kind)
+        if first and costs is not None:  # a sample of the worker's costs
+            worker, seconds, held = first[0]
+            work, kind = _work_that_ran(costs.facts, intake, plan, planned.kinds, ran, held)
+            costs.observe(worker.url, work, seconds, kind=kind)
 
     return await _answer(request, services, upstream, route, stream=intake.params.stream, headers=headers,
                          after_prefill=after_prefill, keep=_keeper(services, question, found))
 
 
 def _work_that_ran(model: ModelFacts, intake: IntakeResult, plan: RequestPlan | None, kinds: Sequence[str],
-                   ran: Mapping[int, Outcome] | None) -> tuple[Work, str]:
+                   ran: Mapping[int, Outcome] | None, held: frozenset[int] = frozenset()) -> tuple[Work, str]:
     """The request's work as the worker ran it, and its reuse label: an image it computed as after a miss counts as
-    plain, and as a miss; images of a request planned nothing (reuse off for it) as "plain"."""
-    images, ran_as = [], []
+    plain, and as a miss; images of a request planned nothing (reuse off for it) as "plain"; an image SGLang's
+    prefix cache served (so the worker reported, or, where it reported nothing, in ``held``: what the gateway took
+    the cache to hold) costs nothing, and counts as "prefix_cached"."""
+    images, cached, ran_as = [], [], []
     for index, image in enumerate(intake.images):
         image_plan = plan.images[index] if plan is not None and index < len(plan.images) else None
         outcome = outcome_of(ran, index)
+        if outcome.ran == PREFIX_CACHED if outcome is not None else index in held:
+            cached.append(image.grid.tokens)
+            ran_as.append(PREFIX_CACHED)
+            continue
         fell_back = outcome is not None and outcome.fell_back
         images.append((image.grid.tokens, None if fell_back else image_plan))
         ran_as.append(PLAIN if index >= len(kinds) else "miss" if fell_back else kinds[index])
-    return request_work(model, intake.text_chars, images), reuse_label(ran_as)
+    return request_work(model, intake.text_chars, images, cached), reuse_label(ran_as)
 
 
 def _cached_answer(request: Request, services: Services, found: Found, intake: IntakeResult,

@@ -94,6 +94,34 @@ def test_a_request_served_alone_is_a_sample(measuring) -> None:
     assert sum(model.observed for model in services.costs.models.values()) == after + 1
 
 
+def test_a_repeat_sglangs_prefix_cache_serves_is_priced_as_served(measuring) -> None:
+    """The gateway takes a worker's prefix cache to hold the prompts it sent it: a repeat on the same worker is a
+    sample priced without the image's vision pass and prefill (or one SGLang served in a fraction of the time would
+    pull the fit's vision costs to nothing). Checked against what SGLang says it served from its cache."""
+    costs(measuring)
+    services = measuring.app.state.services
+    picture = data_url(encode(small("astronaut.png", (168, 168))))
+    key = f"sk-{uuid.uuid4().hex}"
+    ran = []
+    for _ in range(3):  # two workers: two of three on one of them
+        response = httpx.post(measuring.url + "/v1/chat/completions", timeout=120,
+                              headers={"Authorization": f"Bearer {key}"},
+                              json={"model": "revisit-tiny", "max_tokens": 1, "temperature": 0, "messages": [
+                                  {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
+                                                               {"type": "text", "text": "Describe it."}]}]})
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        ran.append((services.costs.snapshot()["recent"][-1], cached))
+    for sample, cached in ran:
+        held = sample["kind"] == "prefix_cached"
+        # taken as held exactly where SGLang served the image (6 x 6 tokens at 168 px) from its cache
+        assert held == (cached > 36), (sample, cached)
+        assert bool(sample["work"].get("vision_patches")) != held, sample
+        assert sample["work"].get("attention_pairs")  # the text still attends over it
+    assert [sample["kind"] == "prefix_cached" for sample, _ in ran].count(True) >= 1, ran
+
+
 def ask(gateway, picture: str, key: str) -> httpx.Headers:
     response = httpx.post(gateway.url + "/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {key}"},
                           json={"model": "revisit-tiny", "max_tokens": 2, "temperature": 0, "messages": [

@@ -14,11 +14,14 @@ from gateway.costs import (
     CostModel,
     Costs,
     ModelFacts,
+    PromptsSent,
     Work,
     fit,
     image_work,
     nnls,
     partial_pass_tokens,
+    prompt_through,
+    request_work,
     text_work,
 )
 from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, EXACT, FULL_PASS, MISS, PARTIAL_PASS, ImagePlan
@@ -228,3 +231,28 @@ def test_an_approximate_hit_counts_warmup_budget_reads_and_the_partial_pass() ->
     assert image_work(many_changed, SHAPE, 64).planned_token_layers == 64 * 3 + 16 * 25
     blend = dataclasses.replace(plan, selector=CACHEBLEND, reuse=tuple(range(64)))
     assert image_work(blend, SHAPE, 64).read_token_layers == 64 * 28  # CacheBlend reads from layer 0
+
+
+def test_an_image_the_prefix_cache_served_costs_only_the_context_it_adds() -> None:
+    model = ModelFacts(layers=28)
+    computed = request_work(model, 40, [(1024, None)])
+    served = request_work(model, 40, [], cached=[1024])
+    assert served.vision_patches == 0 and served.token_layers == request_work(model, 40, []).token_layers
+    # the text still attends over the image's tokens
+    assert served.attention_pairs == pytest.approx(computed.attention_pairs * 26 / 1050, rel=1e-3)
+
+
+def test_the_prompts_sent_are_held_until_the_kv_pool_would_be_full() -> None:
+    scope, other = "scope-a", "scope-b"
+    first, second = prompt_through(scope, "p0", "img1"), prompt_through(scope, "p0", "img2")
+    assert prompt_through(other, "p0", "img1") != first  # another namespace: SGLang keeps it apart (extra_key)
+    assert prompt_through(scope, "p1", "img1") != first  # another prompt before the image
+    sent = PromptsSent(capacity_tokens=3000)
+    assert sent.held([first, second]) == frozenset()
+    sent.sent([(first, 1024)])
+    assert sent.held([first, second]) == frozenset({0})
+    sent.sent([(second, 1024), (first, 1024)])  # the first sent again: the most recent now
+    third = prompt_through(scope, "p0", "img3")
+    sent.sent([(third, 1024)])  # over 3,000 tokens: the least recently sent goes
+    assert sent.held([first, second, third]) == frozenset({0, 2})
+    assert len(sent) == 2
