@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -104,13 +105,13 @@ class Costs:
 
 
 class CostModel:
-    """One worker profile's costs: a prior, refitted to the last ``window`` samples as they come, none below
-    ``floor``.
+    """One worker profile's costs: a prior, refitted to the last ``window`` samples as they come (every
+    ``refit_every`` samples, or on a sample ``refit_after_s`` or more after the last fit), none below ``floor``.
 
     Thread-safe: samples arrive from the event loop, predictions are asked on the cache thread."""
 
     def __init__(self, prior: Costs, *, window: int = 256, prior_weight: float = 1.0, refit_every: int = 8,
-                 floor: Costs | None = None) -> None:
+                 refit_after_s: float = 1.0, floor: Costs | None = None) -> None:
         if floor is not None and any(f > p for f, p in zip(floor.per_unit, prior.per_unit, strict=True)):
             raise ValueError(f"a prior below its floor: {prior.as_dict()} under {floor.as_dict()}")
         self.prior = prior
@@ -119,7 +120,9 @@ class CostModel:
         self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._prior_weight = prior_weight
         self._refit_every = refit_every
+        self._refit_after_s = refit_after_s
         self._since_fit = 0
+        self._fitted_at = 0.0
         self._lock = threading.Lock()
         self.observed = 0
 
@@ -134,7 +137,9 @@ class CostModel:
             self._samples.append((work.vector(), seconds))
             self.observed += 1
             self._since_fit += 1
-            if self._since_fit >= self._refit_every:
+            # Every ``refit_every`` samples, or on the first sample ``refit_after_s`` after the last fit: a worker
+            # whose requests take seconds (samples are few) is refitted on each, one serving many only so often.
+            if self._since_fit >= self._refit_every or time.monotonic() - self._fitted_at >= self._refit_after_s:
                 self._refit()
 
     def refit(self) -> None:
@@ -143,6 +148,7 @@ class CostModel:
 
     def _refit(self) -> None:
         self._since_fit = 0
+        self._fitted_at = time.monotonic()
         if self._samples:
             works, seconds = zip(*self._samples, strict=True)
             self.costs = fit(works, seconds, prior=self.prior, prior_weight=self._prior_weight, floor=self.floor)

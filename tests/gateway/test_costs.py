@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import numpy as np
@@ -93,7 +94,8 @@ def test_a_cost_the_samples_never_exercise_keeps_its_prior() -> None:
 
 
 def test_the_model_refits_as_samples_come_and_reports_its_error() -> None:
-    model = CostModel(Costs.of(**{name: 2 * cost for name, cost in TRUE.as_dict().items()}), refit_every=16)
+    model = CostModel(Costs.of(**{name: 2 * cost for name, cost in TRUE.as_dict().items()}), refit_every=16,
+                      refit_after_s=math.inf)
     work = approximate(1024, 0.05)
     before = abs(model.predict(work) - TRUE.seconds(work)) / TRUE.seconds(work)
     for w, s in samples(random.Random(4), 160):
@@ -256,3 +258,15 @@ def test_the_prompts_sent_are_held_until_the_kv_pool_would_be_full() -> None:
     sent.sent([(third, 1024)])  # over 3,000 tokens: the least recently sent goes
     assert sent.held([first, second, third]) == frozenset({0, 2})
     assert len(sent) == 2
+
+
+def test_a_sample_long_after_the_last_fit_is_fitted_at_once() -> None:
+    """Samples of a slow worker are few (seconds each): each refits the costs, not every eighth."""
+    prior = Costs.of(**{name: 2 * cost for name, cost in TRUE.as_dict().items()})
+    model = CostModel(prior, refit_every=8, refit_after_s=0.0)
+    w, s = samples(random.Random(5), 1)[0]
+    model.observe(w, s)
+    assert model.costs != prior
+    held = CostModel(prior, refit_every=8, refit_after_s=math.inf)
+    held.observe(w, s)
+    assert held.costs == prior
