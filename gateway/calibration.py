@@ -35,7 +35,7 @@ import numpy as np
 from PIL import Image
 
 from gateway.config import ProcessorSettings
-from gateway.costs import FEATURES, CostModel, Costs, ModelFacts, PromptsSent, Work, fit, image_work, text_work
+from gateway.costs import FEATURES, CostModel, Costs, ModelFacts, SglangCaches, Work, fit, image_work, text_work
 from gateway.images import token_grid
 from gateway.workers import Worker, WorkerPool
 
@@ -50,6 +50,7 @@ _PROBE_TIMEOUT_S = 600.0
 PREDICTIONS_KEPT = 1024
 RECENT_SHOWN = 64  # predictions shown one by one in /admin/stats
 KV_TOKENS_ASSUMED = 65_536  # a worker's KV pool in tokens until its /server_info says (SGLang's CPU default here)
+ENCODER_CACHE_BYTES = 100 * 2**20  # SGLang's encoder cache (SGLANG_VLM_CACHE_SIZE_MB, 100 by default in 0.5.23)
 
 
 class WorkerCosts:
@@ -67,7 +68,7 @@ class WorkerCosts:
         self.calibrations: dict[str, dict] = {}
         self._calibrating: dict[str, asyncio.Task] = {}
         self.predictions: deque[tuple[str, float, float, Work]] = deque(maxlen=PREDICTIONS_KEPT)
-        self.prompts: dict[str, PromptsSent] = {}  # what each worker's prefix cache is taken to hold
+        self.caches: dict[str, SglangCaches] = {}  # what each worker's own caches are taken to hold
 
     def model(self, url: str) -> CostModel | None:
         return self.models.get(url)
@@ -76,16 +77,20 @@ class WorkerCosts:
         """A measured worker's costs (the first measured), for a plan whose worker is not known yet."""
         return next(iter(self.models.values()), None)
 
-    def held(self, url: str, prompts: Sequence[str]) -> frozenset[int]:
-        """Which of ``prompts`` (costs.prompt_through, one per image) worker ``url``'s prefix cache is taken to hold."""
-        sent = self.prompts.get(url)
-        return sent.held(prompts) if sent is not None else frozenset()
+    def held(self, url: str, prompts: Sequence[str], images: Sequence[str]) -> tuple[frozenset[int], frozenset[int]]:
+        """Which of ``prompts`` (costs.prompt_through) and ``images`` (costs.image_in), one of each per image of a
+        request, worker ``url``'s prefix and encoder caches are taken to hold."""
+        caches = self.caches.get(url)
+        return caches.held(prompts, images) if caches is not None else (frozenset(), frozenset())
 
-    def sent(self, url: str, prompts: Sequence[tuple[str, int]]) -> None:
-        """Prompts (digest, tokens) worker ``url`` was sent and has served."""
-        if (sent := self.prompts.get(url)) is None:
-            sent = self.prompts[url] = PromptsSent(KV_TOKENS_ASSUMED)
-        sent.sent(prompts)
+    def sent(self, url: str, prompts: Sequence[str], images: Sequence[str], tokens: Sequence[int]) -> None:
+        """Worker ``url`` served a request of these ``prompts`` and ``images`` (one of each per image, ``tokens``
+        each)."""
+        if (caches := self.caches.get(url)) is None:
+            caches = self.caches[url] = SglangCaches(KV_TOKENS_ASSUMED, ENCODER_CACHE_BYTES)
+        per_token = self.facts.embedding_bytes_per_token
+        caches.sent(list(zip(prompts, tokens, strict=True)), [(key, n * per_token) for key, n in zip(images, tokens,
+                                                                                                    strict=True)])
 
     def observe(self, url: str, work: Work, seconds: float, *, kind: str = "") -> None:
         """A request ``url`` served alone: its work, its time to first token and its reuse label. What the costs
@@ -110,8 +115,8 @@ class WorkerCosts:
 
     def came_up(self, worker: Worker) -> None:
         """Measure ``worker`` in the background (one measurement at a time per worker). It may have been restarted:
-        its prefix cache is taken to be empty."""
-        self.prompts[worker.url] = PromptsSent(KV_TOKENS_ASSUMED)
+        its caches are taken to be empty."""
+        self.caches[worker.url] = SglangCaches(KV_TOKENS_ASSUMED, ENCODER_CACHE_BYTES)
         running = self._calibrating.get(worker.url)
         if running is not None and not running.done():
             return
@@ -134,8 +139,8 @@ class WorkerCosts:
             self.calibrations[url] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             return
         kv_tokens = await self._kv_tokens(worker)
-        if kv_tokens is not None and (sent := self.prompts.get(url)) is not None:
-            sent.capacity_tokens = kv_tokens
+        if kv_tokens is not None and (caches := self.caches.get(url)) is not None:
+            caches.prompts.capacity = kv_tokens
         prior = self.prior(samples)
         self.models[url] = CostModel(prior, floor=calibration_floor(samples))
         self.calibrations[url] = {"seconds": round(time.monotonic() - started, 1), "probes": [

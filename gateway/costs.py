@@ -125,6 +125,7 @@ class CostModel:
         self._fitted_at = 0.0
         self._lock = threading.Lock()
         self.observed = 0
+        self.left_out = 0  # samples the last fit left out (robust_fit)
 
     def predict(self, work: Work) -> float:
         return self.costs.seconds(work)
@@ -151,7 +152,9 @@ class CostModel:
         self._fitted_at = time.monotonic()
         if self._samples:
             works, seconds = zip(*self._samples, strict=True)
-            self.costs = fit(works, seconds, prior=self.prior, prior_weight=self._prior_weight, floor=self.floor)
+            self.costs, self.left_out = robust_fit(np.asarray(works), np.asarray(seconds), current=self.costs,
+                                                   prior=self.prior, prior_weight=self._prior_weight,
+                                                   floor=self.floor)
 
     def errors(self) -> dict[str, float] | None:
         """How far the current costs' predictions are from the samples held: median and 90th percentile of
@@ -166,20 +169,51 @@ class CostModel:
 
     def snapshot(self) -> dict:
         return {"costs": self.costs.as_dict(), "prior": self.prior.as_dict(), "samples": len(self._samples),
-                "observed": self.observed, "relative_error": self.errors()}
+                "left_out": self.left_out, "observed": self.observed, "relative_error": self.errors()}
+
+
+OUTLIER_RATIO = 3.0  # a sample predicted more than 3x or less than a third of its time is left out of a refit
+OUTLIERS_AT_MOST = 0.1  # ... while such samples are at most this share of them (more: the worker has changed)
+
+
+def robust_fit(works: np.ndarray, seconds: np.ndarray, *, current: Costs, prior: Costs, prior_weight: float = 1.0,
+               floor: Costs | None = None) -> tuple[Costs, int]:
+    """``fit`` made symmetric and robust, for samples some of which the work does not describe (an image a cache
+    the gateway did not see served: a sample many times faster than its work; a stall: one slower). Squared
+    relative error punishes a prediction 12x too high 150 times as much as one 8x too low, so one unseen cache hit
+    among forty samples once pulled a fit's vision costs to nearly nothing, and every 1K-token miss after it was
+    predicted at 0.13 of its time. Here the samples the ``current`` costs (fitted before them) predict more than
+    ``OUTLIER_RATIO`` off either way are left out, while they are few (many such: the worker itself has changed,
+    and all count), and each sample's error is weighed as if relative to the geometric mean of its time and its
+    prediction (errors of 12x and of 1/12 weigh the same), reweighted once from the first fit. Returns the costs
+    and how many samples were left out."""
+    ratio = np.clip((works @ np.asarray(current.per_unit)) / seconds, 1e-3, 1e3)
+    outliers = (ratio > OUTLIER_RATIO) | (ratio < 1 / OUTLIER_RATIO)
+    keep = ~outliers if outliers.sum() <= OUTLIERS_AT_MOST * len(seconds) else np.ones(len(seconds), dtype=bool)
+    costs = current
+    for _ in range(2):
+        # (prediction - time)^2 / (prediction x time) = (prediction - time)^2 / time^2 x (time / prediction)
+        ratio = np.clip((works @ np.asarray(costs.per_unit)) / seconds, 1e-3, 1e3)
+        costs = fit(works[keep], seconds[keep], prior=prior, prior_weight=prior_weight, floor=floor,
+                    weights=1.0 / ratio[keep])
+    return costs, int((~keep).sum())
 
 
 def fit(works: Iterable[Iterable[float]], seconds: Iterable[float], *, prior: Costs,
-        prior_weight: float = 1.0, floor: Costs | None = None) -> Costs:
-    """Costs that minimise the squared relative error of the predictions over the samples, with no cost below
-    ``floor`` (none negative), plus ``prior_weight`` samples' worth of pull toward ``prior`` on each cost (relative
-    to its own size; the prior also sets each cost's scale for the solve)."""
+        prior_weight: float = 1.0, floor: Costs | None = None, weights: np.ndarray | None = None) -> Costs:
+    """Costs that minimise the squared relative error of the predictions over the samples (each sample's squared
+    error times its ``weights``, 1 by default), with no cost below ``floor`` (none negative), plus ``prior_weight``
+    samples' worth of pull toward ``prior`` on each cost (relative to its own size; the prior also sets each cost's
+    scale for the solve)."""
     a = np.asarray(list(works), dtype=np.float64)
     y = np.asarray(list(seconds), dtype=np.float64)
     if a.ndim != 2 or a.shape[1] != len(FEATURES) or len(y) != len(a):
         raise ValueError(f"need samples of {len(FEATURES)} features, got shape {a.shape} for {len(y)} times")
     # Relative error: each sample's row scaled by 1 / its time, so a 50 ms request counts as much as a 50 s one.
     a, y = a / y[:, None], np.ones_like(y)
+    if weights is not None:
+        root = np.sqrt(np.asarray(weights, dtype=np.float64))
+        a, y = a * root[:, None], y * root
     p = np.asarray(prior.per_unit, dtype=np.float64)
     # Each column in units of its prior's contribution to a typical sample, so the pull and the solve are scaled.
     scale = np.where(p > 0, p, 1.0)
@@ -235,13 +269,15 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 class ModelFacts:
     """What the work of a request depends on in the model, read from its folder by the gateway's settings: its
     decoder layers, the bytes of one token's K and V at one layer (every KV head, in the KV cache's dtype), the
-    vision patches per image token (spatial_merge_size squared), and the vision tower's attention window in image
-    tokens (Qwen2.5-VL: 112 px windows of 28 px tokens; None for towers that attend globally, Qwen3-VL)."""
+    vision patches per image token (spatial_merge_size squared), the vision tower's attention window in image
+    tokens (Qwen2.5-VL: 112 px windows of 28 px tokens; None for towers that attend globally, Qwen3-VL), and the
+    bytes of one image token's vision output (what SGLang's encoder cache holds of it)."""
 
     layers: int
     kv_bytes_per_token_layer: int = 0
     patches_per_token: int = 4
     window_tokens: int | None = 4
+    embedding_bytes_per_token: int = 0  # one image token's vision output (the decoder's width, in its dtype)
 
     @property
     def read_s_per_token_layer(self) -> float:
@@ -269,7 +305,7 @@ class ModelFacts:
         window_tokens = int(window) // (patch * merge) if isinstance(window, int) and window > 0 else None
         kv_bytes = 2 * int(kv_heads) * int(head_dim) * _DTYPE_BYTES.get(dtype, 2)
         return cls(layers=layers, kv_bytes_per_token_layer=kv_bytes, patches_per_token=merge * merge,
-                   window_tokens=window_tokens)
+                   window_tokens=window_tokens, embedding_bytes_per_token=hidden * _DTYPE_BYTES.get(dtype, 2))
 
 def text_tokens(chars: int) -> int:
     """About how many tokens a chat request's text of ``chars`` characters is, with the template's own."""
@@ -313,54 +349,81 @@ def image_work(plan: ImagePlan | None, model: ModelFacts, tokens: int, context: 
 
 
 def request_work(model: ModelFacts, text_chars: int, images: Sequence[tuple[int, ImagePlan | None]],
-                 cached: Sequence[int] = ()) -> Work:
+                 cached: Sequence[int] = (), embedded: Sequence[int] = ()) -> Work:
     """A chat request's work: its text (``text_chars``) and each image (its tokens, and the plan it ran under: None
     for plain SGLang or a fallback to a full prefill); ``cached``: the tokens of its images SGLang's prefix cache
-    served (no vision pass, no prefill: they only lengthen the context the rest attends over)."""
+    served (no vision pass, no prefill: they only lengthen the context the rest attends over); ``embedded``: those
+    of its images SGLang's encoder cache served (prefilled, with no vision pass)."""
     text = text_tokens(text_chars)
-    context = text + sum(tokens for tokens, _ in images) + sum(cached)
+    context = text + sum(tokens for tokens, _ in images) + sum(cached) + sum(embedded)
     work = text_work(text, model, context)
     for tokens, plan in images:
         work = work + image_work(plan, model, tokens, context)
+    for tokens in embedded:
+        work = work + Work(request=0.0, token_layers=tokens * model.layers,
+                           attention_pairs=_pairs(tokens * model.layers, context))
     return work
 
 
-class PromptsSent:
-    """What a worker's SGLang prefix cache (its radix tree of prompts) is taken to hold still: the prompts through
-    each image the gateway sent it (``prompt_through``), most recently sent last, as many as its KV pool has tokens
-    for (the least recently sent forgotten first, as SGLang evicts its least recently used leaves). An image after a
-    prompt sent before is served from that cache: no vision pass, no prefill of its tokens. A guess (SGLang may evict
-    sooner, for other requests' running tokens), which prices the samples the costs are fitted to: a repeat SGLang
-    served in 2 s, priced as a 96 s miss, once pulled every vision cost of a fit to zero."""
+class Held:
+    """Keys held in a cache of ``capacity`` (tokens, bytes), the least recently put forgotten first."""
 
-    def __init__(self, capacity_tokens: int) -> None:
-        self.capacity_tokens = capacity_tokens
-        self._sent: OrderedDict[str, int] = OrderedDict()
-        self._tokens = 0
-        self._lock = threading.Lock()
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._total = 0
 
-    def held(self, prompts: Sequence[str]) -> frozenset[int]:
-        """The indexes of ``prompts`` (digests) taken to be held."""
-        with self._lock:
-            return frozenset(i for i, digest in enumerate(prompts) if digest in self._sent)
-
-    def sent(self, prompts: Sequence[tuple[str, int]]) -> None:
-        """Prompts (digest, tokens) sent to the worker now."""
-        with self._lock:
-            for digest, tokens in prompts:
-                self._tokens += tokens - self._sent.pop(digest, 0)
-                self._sent[digest] = tokens
-            while self._tokens > self.capacity_tokens and self._sent:
-                self._tokens -= self._sent.popitem(last=False)[1]
+    def __contains__(self, key: object) -> bool:
+        return key in self._sizes
 
     def __len__(self) -> int:
-        return len(self._sent)
+        return len(self._sizes)
+
+    def put(self, key: str, size: int) -> None:
+        self._total += size - self._sizes.pop(key, 0)
+        self._sizes[key] = size
+        while self._total > self.capacity and self._sizes:
+            self._total -= self._sizes.popitem(last=False)[1]
+
+
+class SglangCaches:
+    """What a worker's own SGLang caches are taken to hold, from what the gateway sent it: its prefix cache (a radix
+    tree of prompts, by KV tokens: the prompts through each image, ``prompt_through``) and its encoder cache (each
+    image's vision output, by bytes: the images, under their namespace, ``image_in``), the least recently sent
+    forgotten first, as SGLang evicts. An image after a prompt sent before is served from the first: no vision pass,
+    no prefill of its tokens; an image sent before after another prompt, from the second: prefilled, not encoded. A
+    guess (SGLang may evict sooner, for other requests' running tokens), which prices the samples the costs are
+    fitted to: repeats SGLang served in 1-2 s, priced as 17-96 s misses, pulled every vision cost of a fit to zero."""
+
+    def __init__(self, kv_tokens: int, encoder_bytes: int) -> None:
+        self.prompts = Held(kv_tokens)
+        self.images = Held(encoder_bytes)
+        self._lock = threading.Lock()
+
+    def held(self, prompts: Sequence[str], images: Sequence[str]) -> tuple[frozenset[int], frozenset[int]]:
+        """The indexes of ``prompts`` the prefix cache is taken to hold, and of ``images`` the encoder cache."""
+        with self._lock:
+            return (frozenset(i for i, key in enumerate(prompts) if key in self.prompts),
+                    frozenset(i for i, key in enumerate(images) if key in self.images))
+
+    def sent(self, prompts: Sequence[tuple[str, int]], images: Sequence[tuple[str, int]]) -> None:
+        """Prompts (key, tokens) and images (key, bytes of their vision output) the worker was sent and served."""
+        with self._lock:
+            for key, tokens in prompts:
+                self.prompts.put(key, tokens)
+            for key, size in images:
+                self.images.put(key, size)
 
 
 def prompt_through(scope: str, prefix_digest: str, image_key: str) -> str:
     """A digest of a prompt up to and including an image: what comes before it (gateway.intake.prefix_digests) and
     the image, under the namespace SGLang's cache keeps it in (its ``extra_key``)."""
     return hashlib.blake2b(f"{scope}\0{prefix_digest}\0{image_key}".encode(), digest_size=16).hexdigest()
+
+
+def image_in(scope: str, image_key: str) -> str:
+    """An image under the namespace the engine extension keys SGLang's encoder cache by (its items' hashes)."""
+    return hashlib.blake2b(f"{scope}\0{image_key}".encode(), digest_size=16).hexdigest()
 
 
 def partial_pass_tokens(plan: ImagePlan, model: ModelFacts) -> int:

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.config import RESPONSE_CACHE_LEVELS, RESPONSE_CACHE_OFF, MatchSettings
-from gateway.costs import ModelFacts, Work, prompt_through, request_work
+from gateway.costs import ModelFacts, Work, image_in, prompt_through, request_work
 from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
@@ -110,22 +110,23 @@ async def chat_completions(request: Request) -> Any:
     upstream = await UpstreamRequest.encode(body, size_hint=intake.body_bytes)
 
     costs = services.costs
-    # The prompt through each image, as the worker's prefix cache keeps it (what the costs take it to hold).
+    # Each image as the worker's own caches keep it: the prompt through it (prefix cache), the image (encoder cache).
     prompts = [prompt_through(caller.scope, digest, image.key)
                for digest, image in zip(intake.prefix_digests, intake.images, strict=True)]
+    images = [image_in(caller.scope, image.key) for image in intake.images]
 
     def on_served(worker: Worker) -> None:
         services.planner.served(intake, worker.url)
         if costs is not None:
-            costs.sent(worker.url, [(p, image.grid.tokens) for p, image in zip(prompts, intake.images, strict=True)])
+            costs.sent(worker.url, prompts, images, [image.grid.tokens for image in intake.images])
 
     # The worker's time to its first token, when it served this request alone: a sample of its costs (a stream's
-    # first event, or a whole answer of one token), with the images its prefix cache was taken to hold then.
-    first: list[tuple[Worker, float, frozenset[int]]] = []
+    # first event, or a whole answer of one token), with what its caches were taken to hold of its images then.
+    first: list[tuple[Worker, float, Held]] = []
 
     def on_first(worker: Worker, seconds: float) -> None:
         assert costs is not None
-        first.append((worker, seconds, costs.held(worker.url, prompts)))
+        first.append((worker, seconds, Held(*costs.held(worker.url, prompts, images))))
 
     sampled = costs is not None and not intake.videos and \
         (intake.params.stream or (intake.params.max_tokens or intake.params.max_completion_tokens) == 1)
@@ -146,24 +147,38 @@ async def chat_completions(request: Request) -> Any:
                          after_prefill=after_prefill, keep=_keeper(services, question, found))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Held:
+    """The indexes of a request's images the worker's prefix cache (``prompts``) and encoder cache (``images``)
+    were taken to hold (gateway.costs.SglangCaches)."""
+
+    prompts: frozenset[int] = frozenset()
+    images: frozenset[int] = frozenset()
+
+
 def _work_that_ran(model: ModelFacts, intake: IntakeResult, plan: RequestPlan | None, kinds: Sequence[str],
-                   ran: Mapping[int, Outcome] | None, held: frozenset[int] = frozenset()) -> tuple[Work, str]:
+                   ran: Mapping[int, Outcome] | None, held: Held = Held()) -> tuple[Work, str]:
     """The request's work as the worker ran it, and its reuse label: an image it computed as after a miss counts as
-    plain, and as a miss; images of a request planned nothing (reuse off for it) as "plain"; an image SGLang's
-    prefix cache served (so the worker reported, or, where it reported nothing, in ``held``: what the gateway took
-    the cache to hold) costs nothing, and counts as "prefix_cached"."""
-    images, cached, ran_as = [], [], []
+    plain, and as a miss; images of a request planned nothing (reuse off for it) as "plain". An image SGLang's
+    prefix cache served (so the worker reported, or, where it reported nothing, as ``held`` takes it) costs only the
+    context it adds, and counts as "prefix_cached"; one computed as plain SGLang computes it whose vision output
+    SGLang's encoder cache held (``held``) costs its prefill and no vision pass."""
+    images, cached, embedded, ran_as = [], [], [], []
     for index, image in enumerate(intake.images):
         image_plan = plan.images[index] if plan is not None and index < len(plan.images) else None
         outcome = outcome_of(ran, index)
-        if outcome.ran == PREFIX_CACHED if outcome is not None else index in held:
+        if outcome.ran == PREFIX_CACHED if outcome is not None else index in held.prompts:
             cached.append(image.grid.tokens)
             ran_as.append(PREFIX_CACHED)
             continue
         fell_back = outcome is not None and outcome.fell_back
-        images.append((image.grid.tokens, None if fell_back else image_plan))
+        computed = fell_back or image_plan is None or image_plan.strategy == MISS
+        if computed and index in held.images:
+            embedded.append(image.grid.tokens)
+        else:
+            images.append((image.grid.tokens, None if fell_back else image_plan))
         ran_as.append(PLAIN if index >= len(kinds) else "miss" if fell_back else kinds[index])
-    return request_work(model, intake.text_chars, images, cached), reuse_label(ran_as)
+    return request_work(model, intake.text_chars, images, cached, embedded), reuse_label(ran_as)
 
 
 def _cached_answer(request: Request, services: Services, found: Found, intake: IntakeResult,
