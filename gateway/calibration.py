@@ -8,6 +8,8 @@ in flight, each twice (the faster counts):
                 token and layer, and its attention's growth with the prompt
     image       plain requests with a noise image of 64, 256 and 576 tokens: the vision tower per patch (and per
                 patch pair), the prefill known from the text probes
+    repeat      on a worker whose attention backend pads an extend to the whole prompt (PADDED_EXTEND_BACKENDS),
+                the largest image once more, which its prefix cache then holds: what attending over it again costs
 
 Every probe is a plain request under a namespace of its own (``CALIBRATION_SCOPE``: SGLang's prefix cache keeps it
 apart by ``extra_key``, and a request without a plan shares no encoder-cache entry with anyone, engine_ext keys its
@@ -35,7 +37,18 @@ import numpy as np
 from PIL import Image
 
 from gateway.config import ProcessorSettings
-from gateway.costs import FEATURES, CostModel, Costs, ModelFacts, SglangCaches, Work, fit, image_work, text_work
+from gateway.costs import (
+    FEATURES,
+    CostModel,
+    Costs,
+    ModelFacts,
+    SglangCaches,
+    Work,
+    fit,
+    image_work,
+    request_work,
+    text_work,
+)
 from gateway.images import token_grid
 from gateway.workers import Worker, WorkerPool
 
@@ -50,6 +63,11 @@ _PROBE_TIMEOUT_S = 600.0
 PREDICTIONS_KEPT = 1024
 RECENT_SHOWN = 64  # predictions shown one by one in /admin/stats
 KV_TOKENS_ASSUMED = 65_536  # a worker's KV pool in tokens until its /server_info says (SGLang's CPU default here)
+# SGLang's CPU attention backend pads an extend's queries to the whole sequence and attends over all of it
+# (sglang/srt/layers/attention/torch_native_backend.py, _run_sdpa_forward_extend, 0.5.23): a prompt whose prefix its
+# cache holds still pays the whole prompt's attention (a 2.3K-token image held: 2.2 s on the deep bench model, where
+# its text alone takes 0.1 s). FlashInfer, FA3 and Triton run the extend's queries alone.
+PADDED_EXTEND_BACKENDS = frozenset({"torch_native"})
 ENCODER_CACHE_BYTES = 100 * 2**20  # SGLang's encoder cache (SGLANG_VLM_CACHE_SIZE_MB, 100 by default in 0.5.23)
 
 
@@ -69,6 +87,7 @@ class WorkerCosts:
         self._calibrating: dict[str, asyncio.Task] = {}
         self.predictions: deque[tuple[str, float, float, Work]] = deque(maxlen=PREDICTIONS_KEPT)
         self.caches: dict[str, SglangCaches] = {}  # what each worker's own caches are taken to hold
+        self.padded: dict[str, bool] = {}  # whether a worker's extends after a cached prefix attend as a whole prompt
 
     def model(self, url: str) -> CostModel | None:
         return self.models.get(url)
@@ -131,16 +150,18 @@ class WorkerCosts:
     async def _calibrate(self, worker: Worker) -> None:
         url = worker.url
         started = time.monotonic()
+        info = await self._server_info(worker)
+        kv_tokens = info.get("max_total_num_tokens")
+        if isinstance(kv_tokens, int) and kv_tokens > 0 and (caches := self.caches.get(url)) is not None:
+            caches.prompts.capacity = kv_tokens
+        self.padded[url] = padded = info.get("attention_backend") in PADDED_EXTEND_BACKENDS
         try:
-            samples = await self._probe(worker)
+            samples = await self._probe(worker, padded)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.warning("worker %s: calibration failed (%s: %s); its costs stay unknown until it comes up again",
                         url, type(exc).__name__, exc)
             self.calibrations[url] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             return
-        kv_tokens = await self._kv_tokens(worker)
-        if kv_tokens is not None and (caches := self.caches.get(url)) is not None:
-            caches.prompts.capacity = kv_tokens
         prior = self.prior(samples)
         self.models[url] = CostModel(prior, floor=calibration_floor(samples))
         self.calibrations[url] = {"seconds": round(time.monotonic() - started, 1), "probes": [
@@ -151,7 +172,7 @@ class WorkerCosts:
         """Costs from the probes: what they exercise fitted to them, the rest derived (the module's docstring)."""
         return calibrated(samples, self.facts)
 
-    async def _probe(self, worker: Worker) -> list[tuple[Work, float]]:
+    async def _probe(self, worker: Worker, padded: bool) -> list[tuple[Work, float]]:
         samples: list[tuple[Work, float]] = []
         rng = np.random.default_rng(secrets.randbits(32))
         for count in _TEXT_PROBES:
@@ -175,16 +196,21 @@ class WorkerCosts:
             assert best is not None
             samples.append((text_work(prompt_tokens - grid.tokens, self.facts, prompt_tokens) +
                             image_work(None, self.facts, grid.tokens, prompt_tokens), best))
+        if padded:  # the largest image once more, which SGLang's prefix cache holds now: its rows' attention again
+            seconds, _ = await self._timed(worker, content)
+            samples.append((request_work(self.facts, len("What is this?"), [], cached=[grid.tokens], padded=True),
+                            seconds))
         return samples
 
-    async def _kv_tokens(self, worker: Worker) -> int | None:
-        """The tokens the worker's KV pool holds (SGLang's /server_info ``max_total_num_tokens``), None if unsaid."""
+    async def _server_info(self, worker: Worker) -> dict:
+        """What the worker's SGLang says of itself (/server_info: its KV pool's tokens, its attention backend); {} if
+        it says nothing."""
         try:
             response = await self._client.get(worker.url + "/server_info", timeout=30.0)
-            tokens = response.json().get("max_total_num_tokens") if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
-        return tokens if isinstance(tokens, int) and tokens > 0 else None
+            info = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return {}
+        return info if isinstance(info, dict) else {}
 
     async def _timed(self, worker: Worker, content: list[dict]) -> tuple[float, int]:
         """One probe's seconds and prompt tokens, sent once the gateway has nothing else in flight there (and
@@ -227,7 +253,7 @@ def _png_data_url(image: Image.Image) -> str:
 def _text_line(samples: list[tuple[Work, float]]) -> tuple[float, float]:
     """The request's own seconds and the seconds per token and layer of the straight line through the shortest and
     the longest text probe."""
-    text = [(w, s) for w, s in samples if not w.vision_patches]
+    text = [(w, s) for w, s in samples if not w.vision_patches and not w.padded_pairs]
     (short, short_s), (long, long_s) = min(text, key=lambda x: x[0].token_layers), \
         max(text, key=lambda x: x[0].token_layers)
     per_token_layer = max((long_s - short_s) / max(long.token_layers - short.token_layers, 1.0), 1e-9)
@@ -261,4 +287,5 @@ def calibrated(samples: list[tuple[Work, float]], facts: ModelFacts) -> Costs:
                     attention_pairs=costs["attention_pairs"], vision_patches=costs["vision_patches"],
                     vision_pairs=costs["vision_pairs"],
                     planned_token_layers=EXECUTOR_PREFILL_FACTOR * costs["token_layers"],
-                    read_token_layers=facts.read_s_per_token_layer, planned_images=PLANNED_IMAGE_S)
+                    read_token_layers=facts.read_s_per_token_layer, planned_images=PLANNED_IMAGE_S,
+                    padded_pairs=costs["padded_pairs"] or costs["attention_pairs"])

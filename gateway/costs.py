@@ -17,12 +17,17 @@ of that work costs on that worker (its model, device and parallel layout). The u
                           image's vision time; a GPU's varlen kernels pay it only in the full-attention blocks
     read_token_layers     stored image tokens x layers read from the store (K and V of every KV head)
     planned_images        once per image run under a plan: the plan's checks, the entry's header probe
+    padded_pairs          the attention pairs of prompt rows SGLang's prefix cache held, in millions, which an
+                          attention backend that pads an extend to the whole sequence computes again (SGLang's CPU
+                          backend, torch_native: gateway.calibration.PADDED_EXTEND_BACKENDS); its own unit, as that
+                          backend's masked attention over the whole sequence costs per pair what prefill's does not
 
 ``Costs`` holds seconds per unit. ``CostModel`` fits them to measured samples (the time from sending a request to
 its first event, taken only from requests the worker served alone, so queueing is not counted as work) by least
 squares with no negative cost, pulled toward a prior (the calibration's figures) with the weight of one sample,
 so that a unit the samples never exercise keeps its prior instead of falling to zero: a cost the model has not
-seen must not make a plan look free.
+seen must not make a plan look free; robustly (``robust_fit``), since some samples' work is not what the worker
+did: SGLang's own caches serve repeats, which ``SglangCaches`` guesses from what the gateway sent each worker.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from plan.budget import budget
 from plan.checkpoint import model_config
 
 FEATURES = ("request", "token_layers", "planned_token_layers", "attention_pairs", "vision_patches", "vision_pairs",
-            "read_token_layers", "planned_images")
+            "read_token_layers", "planned_images", "padded_pairs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,7 @@ class Work:
     vision_pairs: float = 0.0
     read_token_layers: float = 0.0
     planned_images: float = 0.0
+    padded_pairs: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(*(a + b for a, b in zip(self.vector(), other.vector(), strict=True)))
@@ -349,16 +355,19 @@ def image_work(plan: ImagePlan | None, model: ModelFacts, tokens: int, context: 
 
 
 def request_work(model: ModelFacts, text_chars: int, images: Sequence[tuple[int, ImagePlan | None]],
-                 cached: Sequence[int] = (), embedded: Sequence[int] = ()) -> Work:
+                 cached: Sequence[int] = (), embedded: Sequence[int] = (), padded: bool = False) -> Work:
     """A chat request's work: its text (``text_chars``) and each image (its tokens, and the plan it ran under: None
     for plain SGLang or a fallback to a full prefill); ``cached``: the tokens of its images SGLang's prefix cache
-    served (no vision pass, no prefill: they only lengthen the context the rest attends over); ``embedded``: those
-    of its images SGLang's encoder cache served (prefilled, with no vision pass)."""
+    served (no vision pass, no prefill: they only lengthen the context the rest attends over, unless the worker's
+    attention is ``padded``: then their rows' attention is computed again, gateway.calibration.PADDED_EXTEND_BACKENDS);
+    ``embedded``: those of its images SGLang's encoder cache served (prefilled, with no vision pass)."""
     text = text_tokens(text_chars)
     context = text + sum(tokens for tokens, _ in images) + sum(cached) + sum(embedded)
     work = text_work(text, model, context)
     for tokens, plan in images:
         work = work + image_work(plan, model, tokens, context)
+    if padded:
+        work = work + Work(request=0.0, padded_pairs=_pairs(sum(cached) * model.layers, context))
     for tokens in embedded:
         work = work + Work(request=0.0, token_layers=tokens * model.layers,
                            attention_pairs=_pairs(tokens * model.layers, context))

@@ -140,7 +140,8 @@ async def chat_completions(request: Request) -> Any:
             headers[STORE_TOKENS_HEADER] = str(planned.store_tokens(ran))
         if first and costs is not None:  # a sample of the worker's costs
             worker, seconds, held = first[0]
-            work, kind = _work_that_ran(costs.facts, intake, plan, planned.kinds, ran, held)
+            work, kind = _work_that_ran(costs.facts, intake, plan, planned.kinds, ran, held,
+                                        padded=costs.padded.get(worker.url, False))
             costs.observe(worker.url, work, seconds, kind=kind)
 
     return await _answer(request, services, upstream, route, stream=intake.params.stream, headers=headers,
@@ -157,12 +158,13 @@ class Held:
 
 
 def _work_that_ran(model: ModelFacts, intake: IntakeResult, plan: RequestPlan | None, kinds: Sequence[str],
-                   ran: Mapping[int, Outcome] | None, held: Held = Held()) -> tuple[Work, str]:
+                   ran: Mapping[int, Outcome] | None, held: Held = Held(), *, padded: bool = False) -> tuple[Work, str]:
     """The request's work as the worker ran it, and its reuse label: an image it computed as after a miss counts as
     plain, and as a miss; images of a request planned nothing (reuse off for it) as "plain". An image SGLang's
     prefix cache served (so the worker reported, or, where it reported nothing, as ``held`` takes it) costs only the
     context it adds, and counts as "prefix_cached"; one computed as plain SGLang computes it whose vision output
-    SGLang's encoder cache held (``held``) costs its prefill and no vision pass."""
+    SGLang's encoder cache held (``held``) costs its prefill and no vision pass. ``padded``: the worker's attention
+    backend attends over the whole prompt after a cached prefix (costs.request_work)."""
     images, cached, embedded, ran_as = [], [], [], []
     for index, image in enumerate(intake.images):
         image_plan = plan.images[index] if plan is not None and index < len(plan.images) else None
@@ -178,7 +180,7 @@ def _work_that_ran(model: ModelFacts, intake: IntakeResult, plan: RequestPlan | 
         else:
             images.append((image.grid.tokens, None if fell_back else image_plan))
         ran_as.append(PLAIN if index >= len(kinds) else "miss" if fell_back else kinds[index])
-    return request_work(model, intake.text_chars, images, cached, embedded), reuse_label(ran_as)
+    return request_work(model, intake.text_chars, images, cached, embedded, padded), reuse_label(ran_as)
 
 
 def _cached_answer(request: Request, services: Services, found: Found, intake: IntakeResult,

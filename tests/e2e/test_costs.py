@@ -46,14 +46,18 @@ def costs(gateway) -> dict:
 def test_every_worker_is_measured_when_it_comes_up(measuring) -> None:
     for url, worker in costs(measuring).items():
         probes = worker["calibration"]["probes"]
-        assert len(probes) == 6 and all(p["seconds"] > 0 for p in probes), probes
-        assert [bool(p["work"].get("vision_patches")) for p in probes] == [False, False, False, True, True, True]
+        assert len(probes) == 7 and all(p["seconds"] > 0 for p in probes), probes
+        assert [bool(p["work"].get("vision_patches")) for p in probes] == [False] * 3 + [True] * 3 + [False]
+        # the tests' workers attend with torch_native: the last image again, held by SGLang's prefix cache
+        assert probes[-1]["work"].get("padded_pairs") and not probes[-1]["work"].get("vision_patches")
         measured = worker["costs"]
         assert set(measured) == set(FEATURES)
         # Prefill and the request's own cost are what every prediction rests on: the probes must find them.
         assert measured["token_layers"] > 0 and measured["request"] > 0, (url, measured)
         # What the probes cannot exercise starts from the prefill: the executor's loop no cheaper than SGLang's.
         assert measured["planned_token_layers"] >= measured["token_layers"]
+    # the tests' CPU workers attend with torch_native: an extend after a cached prefix attends as the whole prompt
+    assert measuring.app.state.services.costs.padded == {url: True for url in measuring.config.workers}
 
 
 def test_the_admin_stats_show_the_costs(measuring) -> None:

@@ -243,6 +243,10 @@ def test_an_image_the_prefix_cache_served_costs_only_the_context_it_adds() -> No
     assert served.vision_patches == 0 and served.token_layers == request_work(model, 40, []).token_layers
     # the text still attends over the image's tokens
     assert served.attention_pairs == pytest.approx(computed.attention_pairs * 26 / 1050, rel=1e-3)
+    # SGLang's CPU backend attends over the whole prompt after a cached prefix: the image's rows' attention again
+    padded = request_work(model, 40, [], cached=[1024], padded=True)
+    assert padded.attention_pairs + padded.padded_pairs == pytest.approx(computed.attention_pairs, rel=1e-3)
+    assert (padded.token_layers, padded.vision_patches) == (served.token_layers, 0)
 
 
 def test_what_sglang_caches_hold_is_kept_until_they_would_be_full() -> None:
