@@ -375,10 +375,12 @@ def request_work(model: ModelFacts, text_chars: int, images: Sequence[tuple[int,
 
 
 class Held:
-    """Keys held in a cache of ``capacity`` (tokens, bytes), the least recently put forgotten first."""
+    """Keys held in a cache of ``capacity`` (tokens, bytes) and at most ``entries`` keys, the least recently put
+    forgotten first."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, entries: int = 65_536) -> None:
         self.capacity = capacity
+        self.entries = entries
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self._total = 0
 
@@ -391,7 +393,7 @@ class Held:
     def put(self, key: str, size: int) -> None:
         self._total += size - self._sizes.pop(key, 0)
         self._sizes[key] = size
-        while self._total > self.capacity and self._sizes:
+        while (self._total > self.capacity or len(self._sizes) > self.entries) and self._sizes:
             self._total -= self._sizes.popitem(last=False)[1]
 
 

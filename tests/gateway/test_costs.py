@@ -14,6 +14,7 @@ from gateway.costs import (
     FEATURES,
     CostModel,
     Costs,
+    Held,
     ModelFacts,
     SglangCaches,
     Work,
@@ -267,6 +268,11 @@ def test_what_sglang_caches_hold_is_kept_until_they_would_be_full() -> None:
     caches.sent([(third, 1024)], [(image_in(scope, "img3"), 1_000_000)])  # over both: the least recent goes
     assert caches.held([first, second, third], [picture, another]) == (frozenset({0, 2}), frozenset({0}))
     assert (len(caches.prompts), len(caches.images)) == (2, 2)
+    # sizes unknown (0 bytes a token): the number of keys bounds it
+    unsized = Held(capacity=100, entries=3)
+    for n in range(5):
+        unsized.put(f"k{n}", 0)
+    assert len(unsized) == 3 and "k4" in unsized and "k1" not in unsized
 
 
 def test_an_image_the_encoder_cache_served_is_prefilled_not_encoded() -> None:
