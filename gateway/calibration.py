@@ -59,6 +59,7 @@ EXECUTOR_PREFILL_FACTOR = 1.2  # measured: an approximate hit's decoder part at 
 PLANNED_IMAGE_S = 0.002
 _TEXT_PROBES = (1, 40, 170)  # words (about seven tokens each)
 _IMAGE_PROBES = (8, 16, 24)  # token grid sides: vision is quadratic on CPU, so three sizes
+_IMAGE_QUESTION = "What is this?"  # the image probes' text
 _PROBE_TIMEOUT_S = 600.0
 PREDICTIONS_KEPT = 1024
 RECENT_SHOWN = 64  # predictions shown one by one in /admin/stats
@@ -190,7 +191,7 @@ class WorkerCosts:
             for _ in range(2):
                 noise = Image.fromarray(rng.integers(0, 256, size=(pixels, pixels, 3), dtype=np.uint8))
                 content: list[dict] = [{"type": "image_url", "image_url": {"url": _png_data_url(noise)}},
-                           {"type": "text", "text": "What is this?"}]
+                           {"type": "text", "text": _IMAGE_QUESTION}]
                 seconds, prompt_tokens = await self._timed(worker, content)
                 best = seconds if best is None else min(best, seconds)
             assert best is not None
@@ -198,7 +199,7 @@ class WorkerCosts:
                             image_work(None, self.facts, grid.tokens, prompt_tokens), best))
         if padded:  # the largest image once more, which SGLang's prefix cache holds now: its rows' attention again
             seconds, _ = await self._timed(worker, content)
-            samples.append((request_work(self.facts, len("What is this?"), [], cached=[grid.tokens], padded=True),
+            samples.append((request_work(self.facts, len(_IMAGE_QUESTION), [], cached=[grid.tokens], padded=True),
                             seconds))
         return samples
 
