@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.planner import KINDS, Planner
+from gateway.planner import KINDS, REFUSALS, Planner
 from gateway.policy import CachePolicy
 
 PREFIX = "revisit_cache"
@@ -82,12 +82,19 @@ class PlannerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = planner_stats(self._planner)
         plans = CounterMetricFamily("revisit_plans", "Images planned, by kind (miss, exact_same_prefix, exact_moved, "
-                                    "approximate), exact plans on derived entries (derived_hit), and lookups "
-                                    "that were near misses, guard fallbacks or cost fallbacks.",
-                                    labels=["kind"])
+                                    "approximate), exact plans on derived entries (derived_hit), entries taken "
+                                    "into the books (admitted), requests planned nothing for want of a store "
+                                    "(store_unavailable).", labels=["kind"])
         for kind, count in sorted(stats["plans"].items()):
             plans.add_metric([kind], count)
         yield plans
+        refused = CounterMetricFamily("revisit_plan_refusals", "Images planned as misses though something stored "
+                                      "was near them, by why (planner.REFUSALS): not similar enough, too much "
+                                      "changed, predicted not to pay, the near-duplicates' entries gone.",
+                                      labels=["reason"])
+        for reason, count in stats["refused"].items():
+            refused.add_metric([reason], count)
+        yield refused
         matching = stats["matching"]
         yield GaugeMetricFamily("revisit_match_index_entries", "Images in the approximate-match index.",
                                 value=matching["indexed"])
@@ -95,13 +102,14 @@ class PlannerCollector(Collector):
 
 def planner_stats(planner: Planner) -> dict:
     """The planner's counts and the match index's size (call on the cache thread, where they change)."""
-    plans = {kind: 0 for kind in (*KINDS, "derived_hit", "near_miss", "guard_fallback", "cost_fallback",
-                                  "store_unavailable")}
+    plans = {kind: 0 for kind in (*KINDS, "derived_hit", "admitted", "store_unavailable")}
     plans.update(planner.counts)
     matcher = planner.matcher
-    return {"plans": plans, "matching": {"enabled": matcher is not None,
-                                         "indexed": len(matcher.index) if matcher is not None else 0,
-                                         "damaged_records": matcher.damaged_records if matcher is not None else 0}}
+    refused = {reason: planner.refused[reason] for reason in REFUSALS}
+    return {"plans": plans, "refused": refused,
+            "matching": {"enabled": matcher is not None,
+                         "indexed": len(matcher.index) if matcher is not None else 0,
+                         "damaged_records": matcher.damaged_records if matcher is not None else 0}}
 
 
 # Seconds: a cached image on a GPU answers in tens of milliseconds, a miss on a CPU worker in minutes.

@@ -17,7 +17,7 @@ settings and the tenant's namespace (so no plan ever names another tenant's entr
 A plan is a prediction that it pays: with the workers' costs measured (gateway/calibration.py), an exact or
 approximate plan predicted to take no less time than computing the image as plain SGLang does is not sent. The
 image is computed instead: an approximate candidate as a miss (so it is stored, and its next sight is exact), an
-exact one without storing (its entry is there). Counted as "cost_fallback".
+exact one without storing (its entry is there). Such an image's header says ``refused=cost`` (REFUSALS).
 
 A miss is indexed for approximate matching (its features persist beside the store): its entry is stored by its
 worker. An image planned as approximate leaves a derived entry (its worker stores the K/V it computed, marked with
@@ -43,6 +43,7 @@ may still hold it), unless it is busier than the least-loaded worker by more tha
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,14 +71,30 @@ _REMEMBERED = 65536  # holders of recent images
 
 
 KINDS = ("miss", "exact_same_prefix", "exact_moved", "approximate")  # what each image was planned as
+# Why an image that could have been reused was planned as a miss (Planned.refusals, the x-revisit-reuse header's
+# ``refused=``, /admin/stats ``refused``, revisit_plan_refusals): the nearest stored image of its namespace was not
+# similar enough; it was, but too much of it changed (the guard); the plan was predicted not to beat plain SGLang
+# (an exact hit or an approximate one); the near-duplicates found had lost their entries.
+REFUSALS = ("similarity", "changed_share", "cost", "alias_gone")
 # What a request lets the planner reuse (the x-revisit-reuse-mode request header): everything, exact hits only, or
 # nothing (plain SGLang; nothing is stored). A client can only ask for less than the gateway's settings allow.
 REUSE_MODES = ("all", "exact", "off")
 # Also counted: "admitted" (entries found in the store and taken into the books), "derived_hit" (exact plans whose
-# entry is a derived one: an approximate hit's K/V), "near_miss" (candidates compared but none similar enough),
-# "guard_fallback" (a match planned as a miss: too much changed), "cost_fallback" (an exact or approximate plan not
-# sent: predicted no faster than plain SGLang), "store_unavailable" (requests planned nothing because the store or
-# the shared books did not answer).
+# entry is a derived one: an approximate hit's K/V), "store_unavailable" (requests planned nothing because the store
+# or the shared books did not answer); refusals by reason apart (Planner.refused).
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an image was planned as a miss though something stored was near it (REFUSALS), and how near:
+    ``nearest`` is the best similarity among the namespace's stored images compared (1 for the image itself,
+    stored, when its exact hit would not pay; rounded down, as an approximate plan's)."""
+
+    reason: str
+    nearest: float
+
+    def header(self) -> str:
+        return f"nearest={math.floor(self.nearest * 1e4) / 1e4:.4f};refused={self.reason}"
 
 
 @dataclass(frozen=True)
@@ -87,10 +104,12 @@ class Planned:
     kinds: tuple[str, ...]  # per image, one of KINDS
     similarities: tuple[float | None, ...] = ()  # per image: an approximate plan's match score
     derived: tuple[bool, ...] = ()  # per image: an exact plan's entry is a derived one (an approximate hit's K/V)
+    refusals: tuple[Refusal | None, ...] = ()  # per image planned as a miss: why, where something stored was near
 
     def reuse_header(self, ran: Mapping[int, Outcome] | None = None) -> str:
         """Per image, what ran: ``miss``, ``exact_same_prefix``, ``exact_moved`` or ``approximate;similarity=0.9731``
-        (rounded down: a near-duplicate never reads as 1) when the worker ran the plan, an exact kind with
+        (rounded down: a near-duplicate never reads as 1) when the worker ran the plan; ``miss;nearest=0.8860;
+        refused=similarity`` when something stored was near but not reused (Refusal); an exact kind with
         ``;derived`` when its entry holds an approximate hit's K/V, with ``;prefix_cached`` when SGLang's prefix
         cache held the image's rows already (nothing executed or read), with ``;degraded=<cause>``
         when some of it was computed instead; ``miss;planned=<kind>;fallback=<cause>`` when the worker had to
@@ -98,6 +117,7 @@ class Planned:
         what was planned."""
         parts = []
         derived = self.derived or (False,) * len(self.kinds)
+        refusals = self.refusals or (None,) * len(self.kinds)
         for index, (kind, similarity) in enumerate(zip(self.kinds, self.similarities or (None,) * len(self.kinds),
                                                        strict=True)):
             outcome = outcome_of(ran, index)
@@ -106,6 +126,8 @@ class Planned:
                 continue
             part = kind if similarity is None else f"{kind};similarity={similarity:.4f}"
             part += ";derived" if derived[index] else ""
+            refusal = refusals[index]
+            part += f";{refusal.header()}" if refusal is not None else ""
             part += ";prefix_cached" if outcome is not None and outcome.ran == PREFIX_CACHED else ""
             parts.append(part if outcome is None or outcome.cause is None else f"{part};degraded={outcome.cause}")
         return ",".join(parts)
@@ -147,6 +169,7 @@ class Planner:
         self.costs = costs
         self._holder: OrderedDict[str, str] = OrderedDict()  # image or video key -> worker URL that last served it
         self.counts: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()  # images planned as misses, by why (REFUSALS)
         self.frames = FrameBook()  # the frames of recent videos (gateway/videos.py)
 
     @property
@@ -164,7 +187,7 @@ class Planner:
         costs = self._costs_for(next((self._holder[image.key] for image in intake.images
                                       if image.key in self._holder), None))
         try:
-            plans, kinds, similarities, derived = await self.cache.run(
+            plans, kinds, similarities, derived, refusals = await self.cache.run(
                 self._plan_images, intake, strategy or self.settings.match.strategy, mode == "all", costs)
         except (StoreError, BooksError) as exc:
             # The shared tier or the shared books did not answer: the request runs as in plain SGLang (nothing
@@ -174,7 +197,8 @@ class Planner:
             return Planned(None, self._video_holder(intake), ())
         prefer = next((self._holder[image.key] for image, kind in zip(intake.images, kinds, strict=True)
                        if kind != "miss" and image.key in self._holder), None) or self._video_holder(intake)
-        return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds), tuple(similarities), tuple(derived))
+        return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds), tuple(similarities), tuple(derived),
+                       tuple(refusals))
 
     def _video_holder(self, intake: IntakeResult) -> str | None:
         return next((self._holder[video.key] for video in intake.videos if video.key in self._holder), None)
@@ -200,20 +224,23 @@ class Planner:
 
     def _plan_images(self, intake: IntakeResult, strategy: str, approximate: bool = True,
                      costs: CostModel | None = None) -> \
-            tuple[list[ImagePlan], list[str], list[float | None], list[bool]]:
+            tuple[list[ImagePlan], list[str], list[float | None], list[bool], list[Refusal | None]]:
         """The cache thread's part of plan()."""
         plans: list[ImagePlan] = []
         kinds: list[str] = []
         similarities: list[float | None] = []
         derived: list[bool] = []
+        refusals: list[Refusal | None] = []
         context = text_tokens(intake.text_chars) + sum(image.grid.tokens for image in intake.images)
         for image, prefix_digest in zip(intake.images, intake.prefix_digests, strict=True):
             grid = (image.grid.rows, image.grid.cols)
             stored = self._stored(image.key)
             similarities.append(None)
             derived.append(False)
+            refusals.append(None)
             if stored is None:
-                plan = self._plan_new(image, prefix_digest, intake.namespace, strategy, approximate, costs, context)
+                plan, refusals[-1] = self._plan_new(image, prefix_digest, intake.namespace, strategy, approximate,
+                                                    costs, context)
                 plans.append(plan)
                 kinds.append(plan.strategy)
                 if plan.strategy != MISS:
@@ -232,6 +259,7 @@ class Planner:
             if not self._pays(exact, costs, context):
                 plans.append(ImagePlan(key=image.key, strategy=MISS, tokens=exact.tokens, grid=grid, store=False))
                 kinds.append("miss")
+                refusals[-1] = Refusal("cost", 1.0)
                 continue
             plans.append(exact)
             kinds.append("exact_same_prefix" if same else "exact_moved")
@@ -239,46 +267,48 @@ class Planner:
             self.counts["derived_hit"] += stored.derived
             self.cache.record_exact_hit(image.key)
         self.counts.update(kinds)
-        return plans, kinds, similarities, derived
+        self.refused.update(refusal.reason for refusal in refusals if refusal is not None)
+        return plans, kinds, similarities, derived, refusals
 
     def _plan_new(self, image: CanonicalImage, prefix_digest: str, namespace: str, strategy: str,
-                  approximate: bool = True, costs: CostModel | None = None, context: int = 0) -> ImagePlan:
+                  approximate: bool = True, costs: CostModel | None = None,
+                  context: int = 0) -> tuple[ImagePlan, Refusal | None]:
         """An image the store does not hold: approximate when it nearly duplicates a stored image of its
-        namespace (and the guard agrees, and ``approximate``), else a miss. Either way the worker stores it, so it
-        is indexed."""
+        namespace (and the guard agrees, and ``approximate``, and it pays), else a miss, with why where something
+        stored was near. Either way the worker stores it, so it is indexed."""
         grid = (image.grid.rows, image.grid.cols)
         miss = ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
                          prefix_digest=prefix_digest)
         if self.matcher is None or image.features is None:
-            return miss
+            return miss, None
         if not approximate:
             self.matcher.add(image.key, namespace, image.features)
-            return miss
+            return miss, None
         lookup = self.matcher.lookup(namespace, image.key, image.features)
         alias = self._usable_alias(lookup.matches)
         plan = None if alias is None else approximate_plan(
             alias, image.features.entropy, key=image.key, grid=grid, prefix_digest=prefix_digest,
             settings=self.settings.match, strategy=strategy, layers=self.settings.layers)
-        if alias is None and lookup.near_miss:
-            self.counts["near_miss"] += 1
+        refusal = None
+        if alias is None and lookup.best_similarity is not None:
+            refusal = Refusal("alias_gone" if lookup.matches else "similarity", lookup.best_similarity)
         elif alias is not None and plan is None:
-            self.counts["guard_fallback"] += 1
-        if plan is None or not self._pays(plan, costs, context):
+            refusal = Refusal("changed_share", alias.alignment.similarity)
+        elif plan is not None and not self._pays(plan, costs, context):
+            refusal, plan = Refusal("cost", alias.alignment.similarity if alias is not None else 0.0), None
+        if plan is None:
             self.matcher.add(image.key, namespace, image.features, lookup.query)
-            return miss
+            return miss, refusal
         if not plan.derive:  # stored only if its worker runs it as a full prefill: indexed, pending until then
             self.matcher.add(image.key, namespace, image.features, lookup.query)
         assert alias is not None
         self.cache.record_approximate_hit(alias.alias)
-        return plan
+        return plan, None
 
     def _pays(self, plan: ImagePlan, costs: CostModel | None, context: int) -> bool:
         """Whether the plan is predicted to beat plain SGLang under ``costs`` (those of the worker likely to run
-        it), in a prompt of ``context`` tokens; True without costs. Counts a "cost_fallback" when not."""
-        if costs is None or self.costs is None or pays(plan, self.costs.facts, costs, context):
-            return True
-        self.counts["cost_fallback"] += 1
-        return False
+        it), in a prompt of ``context`` tokens; True without costs."""
+        return costs is None or self.costs is None or pays(plan, self.costs.facts, costs, context)
 
     def _usable_alias(self, matches: tuple[Match, ...]) -> Match | None:
         """The best match whose entry the store holds (admitting it to the books if need be). Matches whose entry

@@ -127,7 +127,8 @@ def summarize(run: Run) -> dict[str, Any]:
             "decisions": _delta(first.get("decisions", {}), last.get("decisions", {})),
             "evictions": _delta(first.get("evictions", {}), last.get("evictions", {})),
             "entries_at_end": {tier: usage.get("entries") for tier, usage in last.get("tiers", {}).items()},
-            "cost_fallbacks": admin_plans.get("cost_fallback", 0),
+            # images planned as misses though something stored was near them, by why (planner.REFUSALS)
+            "refused": {k: v for k, v in _delta(first.get("refused", {}), last.get("refused", {})).items() if v},
             # The gateway's predictions of its requests' TTFT against what they took, by what they ran as, over
             # its last requests served alone (every run against that gateway so far, this one's last).
             "predicted": (last.get("worker_costs") or {}).get("predicted") or {},
@@ -240,8 +241,10 @@ def markdown(report: dict[str, Any]) -> str:
                       + "; approximate hits " + _by_tier(g["hits"].get("approximate", {}))
                       + "; decisions " + (", ".join(f"{k} {v}" for k, v in g["decisions"].items() if v) or "none")
                       + "; evictions " + ", ".join(f"{t} {sum(v.values())}" for t, v in g["evictions"].items())]
-            if g.get("cost_fallbacks"):
-                lines += ["", f"Plans not sent because predicted not to pay (cost fallbacks): {g['cost_fallbacks']}"]
+            if g.get("refused"):
+                lines += ["", "Images planned as misses though something stored was near them, by why: "
+                          + ", ".join(f"{k} {v}" for k, v in g["refused"].items())
+                          + " (cost: predicted not to beat plain SGLang)"]
             if g.get("predicted"):
                 lines += ["", "The gateway's predicted TTFT against the measured, by what ran (its last requests "
                           "served alone; the median of each):", "",

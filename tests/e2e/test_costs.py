@@ -149,17 +149,18 @@ def test_a_plan_predicted_not_to_pay_is_not_sent(gateway) -> None:
     costs = WorkerCosts(gateway.config.model_facts, gateway.config.model,
                         gateway.config.processor, services.pool, services.client)
     planner = services.planner
-    before = planner.counts["cost_fallback"]
+    before = planner.refused["cost"]
     try:
         planner.costs = costs
         dear = Costs.of(request=0.01, token_layers=1e-6, vision_patches=1e-6, read_token_layers=1.0)
         costs.models = {url: CostModel(dear) for url in gateway.config.workers}
-        assert ask(gateway, picture, key)["x-revisit-reuse"] == "miss"
-        assert planner.counts["cost_fallback"] == before + 1
+        # stored, and refused: nearest is the image itself
+        assert ask(gateway, picture, key)["x-revisit-reuse"] == "miss;nearest=1.0000;refused=cost"
+        assert planner.refused["cost"] == before + 1
         cheap = Costs.of(request=0.01, token_layers=1e-3, vision_patches=1e-3, read_token_layers=1e-9)
         costs.models = {url: CostModel(cheap) for url in gateway.config.workers}
         # sent as planned (SGLang's prefix cache may hold the image from the miss above: ";prefix_cached")
         assert ask(gateway, picture, key)["x-revisit-reuse"].split(";")[0] == "exact_same_prefix"
-        assert planner.counts["cost_fallback"] == before + 1
+        assert planner.refused["cost"] == before + 1
     finally:
         planner.costs = None

@@ -284,16 +284,20 @@ def test_metrics_match_admin_stats(http, policy, server):
 
 def test_stats_and_metrics_count_plans_and_the_match_index(http, server):
     planner = server.app.state.services.planner
-    planner.counts.update({"approximate": 3, "near_miss": 2, "guard_fallback": 1})
+    planner.counts.update({"approximate": 3})
+    planner.refused.update({"similarity": 2, "changed_share": 1})
     stats = http.get("/admin/stats").json()
-    assert {"miss", "exact_same_prefix", "exact_moved", "approximate", "near_miss", "guard_fallback"} <= set(
-        stats["plans"])
-    assert stats["plans"]["approximate"] >= 3 and stats["plans"]["guard_fallback"] >= 1
+    assert {"miss", "exact_same_prefix", "exact_moved", "approximate", "admitted"} <= set(stats["plans"])
+    assert stats["plans"]["approximate"] >= 3
+    assert stats["refused"]["similarity"] >= 2 and stats["refused"]["changed_share"] >= 1
+    assert set(stats["refused"]) == {"similarity", "changed_share", "cost", "alias_gone"}
     assert stats["matching"] == {"enabled": False, "indexed": 0, "damaged_records": 0}  # this gateway has no store
     assert stats["books"] == {"shared": False} and stats["plans"]["store_unavailable"] == 0
     samples = _samples(httpx.get(server.url + "/metrics").text)
     for kind, count in stats["plans"].items():
         assert samples[("revisit_plans_total", (("kind", kind),))] == count
+    for reason, count in stats["refused"].items():
+        assert samples[("revisit_plan_refusals_total", (("reason", reason),))] == count
     assert samples[("revisit_match_index_entries", ())] == 0
 
 
@@ -335,3 +339,19 @@ def test_recent_lists_the_last_requests_that_ran_the_model_newest_first(server, 
     assert (older["endpoint"], older["code"]) == ("/v1/completions", 503)  # no worker is up
     assert newest["at"] >= older["at"] and newest["duration_s"] >= 0 and newest["ttft_s"] is None
     assert_error(http.get("/admin/recent", params={"limit": 0}), 400)
+
+
+def test_every_metric_the_grafana_dashboard_charts_is_one_the_gateway_exports(server) -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parents[2] / "dashboards/grafana/revisit.json").read_text())
+    def family(name: str) -> str:
+        return re.sub(r"_(total|bucket|sum|count)$", "", name)
+
+    charted = {family(name) for panel in dashboard["panels"] for target in panel.get("targets", ())
+               for name in re.findall(r"revisit_[a-z0-9_]+", target["expr"])}
+    exported = {family(name) for name in re.findall(r"^# TYPE (revisit_[a-z0-9_]+) ",
+                                                      httpx.get(server.url + "/metrics").text, re.M)}
+    assert "revisit_plan_refusals" in charted and charted <= exported, sorted(charted - exported)

@@ -192,19 +192,19 @@ def test_the_report_counts_what_the_headers_said(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["runs"][0]["images"]["total"] == 10
 
 
-def test_the_report_shows_the_gateways_predictions_and_cost_fallbacks(tmp_path):
+def test_the_report_shows_the_gateways_predictions_and_refusals(tmp_path):
     results = [_result(i, ["miss"], 1.0) for i in range(3)]
-    last = {**_stats(0, 0, 3), "plans": {**_stats(0, 0, 3)["plans"], "cost_fallback": 2},
+    last = {**_stats(0, 0, 3), "refused": {"similarity": 1, "changed_share": 0, "cost": 2},
             "worker_costs": {"workers": {}, "predicted": {
                 "miss": {"requests": 3, "predicted_over_measured": 0.91, "relative_error": 0.09}}}}
     run = Run(settings=ReplaySettings(url="http://x"), results=results, wall_s=1.0,
               samples=[Sample(0.0, _stats(0, 0, 0), None), Sample(1.0, last, None)])
     summary = summarize(run)
-    assert summary["gateway"]["cost_fallbacks"] == 2
+    assert summary["gateway"]["refused"] == {"similarity": 1, "cost": 2}
     assert summary["gateway"]["predicted"]["miss"]["predicted_over_measured"] == 0.91
     write_report([run], tmp_path)
     text = (tmp_path / "report.md").read_text()
-    assert "cost fallbacks): 2" in text and "| miss | 3 | 0.91 | 9.0% |" in text
+    assert "near them, by why: similarity 1, cost 2" in text and "| miss | 3 | 0.91 | 9.0% |" in text
 
 
 def test_a_replay_waits_for_the_gateways_calibration_of_its_workers():

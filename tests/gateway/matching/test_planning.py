@@ -237,7 +237,35 @@ def test_a_match_whose_entry_never_arrived_is_dropped_after_the_grace(cache) -> 
     planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8), matcher)
     a = aligned("rocket.jpg", 8, 8)
     key = plan(planner, a, "ns").plan.images[0].key  # type: ignore[union-attr]
-    assert plan(planner, jpeg(a), "ns").kinds == ("miss",) and key not in matcher.index
+    gone = plan(planner, jpeg(a), "ns")
+    assert gone.kinds == ("miss",) and key not in matcher.index
+    assert gone.reuse_header().startswith("miss;nearest=0.9") and gone.reuse_header().endswith("refused=alias_gone")
+
+
+def test_a_miss_says_why_nothing_near_it_was_reused_and_the_planner_counts_it(cache) -> None:
+    """A miss near a stored image of its namespace says how near and why it was refused: the nearest fell short of
+    the match threshold (similarity), or matched with more changed than the guard allows (changed_share). Nothing
+    near, or only another namespace's: a plain miss."""
+    manager, _ = cache
+    # every same-grid entry compared finely; a 40% change matches (0.65), an unrelated image does not (< 0.5)
+    settings = MatchSettings(coarse_threshold=0.0, match_threshold=0.6, max_changed_share=0.3)
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8, match=settings),
+                      Matcher(settings, scope="test", features=None))
+    a = aligned("text.png", 10, 10)
+    store_like_a_worker(manager, plan(planner, a, "ns").plan.images[0].key, (10, 10))  # type: ignore[union-attr]
+    unrelated = plan(planner, aligned("coffee.png", 10, 10), "ns")
+    header = unrelated.reuse_header()
+    assert unrelated.kinds == ("miss",) and header.startswith("miss;nearest=0.") and header.endswith(
+        ";refused=similarity")
+    assert float(header.split("nearest=")[1].split(";")[0]) < settings.match_threshold
+    b = a.copy()
+    b.paste(aligned("camera.png", 10, 10).crop((0, 0, 10 * CELL, 4 * CELL)), (0, 0))  # 40% of the tokens replaced
+    changed = plan(planner, b, "ns")
+    header = changed.reuse_header()
+    assert changed.kinds == ("miss",) and header.endswith(";refused=changed_share")
+    assert float(header.split("nearest=")[1].split(";")[0]) >= settings.match_threshold
+    assert planner.refused == {"similarity": 1, "changed_share": 1}
+    assert plan(planner, aligned("camera.png", 10, 10), "other").reuse_header() == "miss"  # nothing of its own
 
 
 def test_matching_can_be_turned_off(cache) -> None:
@@ -310,7 +338,7 @@ def test_with_the_cluster_or_the_books_away_requests_are_planned_nothing_at_once
 
 def test_a_near_duplicate_predicted_not_to_pay_is_planned_as_a_storing_miss(cache) -> None:
     """With a worker's costs known, an approximate plan is sent only where it is predicted to beat plain SGLang;
-    otherwise the image is a miss that stores it (so its next sight is exact), counted as a cost fallback."""
+    otherwise the image is a miss that stores it (so its next sight is exact), refused for its cost."""
     manager, matcher = cache
     client = httpx.AsyncClient()
     costs = WorkerCosts(ModelFacts(layers=8, kv_bytes_per_token_layer=64), "m", PROCESSOR,
@@ -326,8 +354,9 @@ def test_a_near_duplicate_predicted_not_to_pay_is_planned_as_a_storing_miss(cach
                                                        planned_token_layers=1e-3))
     refused = plan(planner, near, "ns")
     assert refused.kinds == ("miss",) and refused.plan is not None and refused.plan.images[0].store
-    assert planner.counts["cost_fallback"] == 1
+    assert planner.refused["cost"] == 1
+    assert refused.reuse_header().startswith("miss;nearest=0.9") and refused.reuse_header().endswith(";refused=cost")
     # The other way round: reuse pays.
     costs.models["http://worker"] = CostModel(Costs.of(token_layers=1e-3, vision_patches=1e-3,
                                                        planned_token_layers=1e-3, read_token_layers=1e-9))
-    assert plan(planner, near, "ns").kinds == ("approximate",) and planner.counts["cost_fallback"] == 1
+    assert plan(planner, near, "ns").kinds == ("approximate",) and planner.refused["cost"] == 1
