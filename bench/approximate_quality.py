@@ -1,4 +1,4 @@
-"""Answer quality of approximate hits, per strategy and over the plan's knobs, on the reading model that depends on
+"""Answer quality of approximate hits, per selector and over the plan's knobs, on the reading model that depends on
 late-layer image KV (the oracle), through the reference (offline.reference.approximate: the same selection rule
 the workers run, tests/engine_ext/test_reuse_worker.py checks that they agree).
 
@@ -7,13 +7,13 @@ the workers run, tests/engine_ext/test_reuse_worker.py checks that they agree).
 
 Pairs (A cached, B = A with one field given another value) come from offline.reader_eval. For each pair the
 gateway's own matching (default pixel features, settings) plans B against A exactly as the planner would, with
-the strategy and knobs of each configuration; the reference executes the plan on B's prompt with A's entry as a
+the selector and knobs of each configuration; the reference executes the plan on B's prompt with A's entry as a
 full prefill of A leaves it, and the reader's answer is tallied:
 
     changed    asked about the changed field: right = B's value, stale = A's value (the alias read as is)
     unchanged  asked about a field A and B share
 
-``full`` is B from scratch (a miss): the accuracy every strategy is held to. With ``--sweep`` the entropy-aware
+``full`` is B from scratch (a miss): the accuracy every selector is held to. With ``--sweep`` the entropy-aware
 plan runs over rho x beta x W (every combination) and each baseline over rho. ``--vision partial`` also runs each
 configuration with B's encoder output from the partial vision pass (the alias' encoder output where nothing
 changed, the vision tower over the tokens whose pixels differ and their margin only). ``--chunked`` also runs the
@@ -138,7 +138,7 @@ def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
             tally(tallies, "full (miss)", model, names, asked, [Fresh(encoder)])
             for config in chosen:
                 plan = plan_against(new, old, alias=ALIAS, key="1" * 64, settings=config.settings,
-                                    strategy=config.selector, layers=model.num_layers)
+                                    selector=config.selector, layers=model.num_layers)
                 if plan is None:
                     guard[config.name] += 1
                     continue
@@ -182,7 +182,7 @@ def evaluate_tight(model, count: int, seed: int, progress: bool = True) -> dict:
                 tally(tallies, ("full (miss)", share, 0.0), model, names, asked, [Fresh(asked.encoder)])
                 for selector, rho in itertools.product(SELECTORS, TIGHT_RHOS):
                     plan = plan_against(asked.new, asked.old, alias=ALIAS, key="1" * 64, settings=settings,
-                                        strategy=selector, layers=model.num_layers)
+                                        selector=selector, layers=model.num_layers)
                     assert plan is not None
                     plan = dataclasses.replace(plan, recompute_share=rho if selector != FULL_REUSE else 0.0)
                     changed_tokens = plan.change_map.count("x")

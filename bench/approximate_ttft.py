@@ -83,7 +83,7 @@ def plan_for(alias_key: str, base: Image.Image, image: Image.Image, grid: tuple[
     extractor = PixelExtractor()
     new, old = extractor.extract(image, grid, CELL), extractor.extract(base, grid, CELL)
     plan = plan_against(new, old, alias=alias_key, key=uuid.uuid4().hex * 2, settings=MatchSettings(),
-                        strategy=selector, layers=layers)
+                        selector=selector, layers=layers)
     if plan is None:
         raise RuntimeError("the guard planned a miss: the redrawn box is too large for this image")
     return plan
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--size", default="deep", choices=("tiny", "bench", "deep"))
     parser.add_argument("--sides", type=int, nargs="+", default=[896, 1344])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--selector", default=MatchSettings().strategy)
+    parser.add_argument("--selector", default=MatchSettings().selector)
     args = parser.parse_args()
 
     model_path = build_model(DEFAULT_ARCH, args.size, on_progress=print)
@@ -133,7 +133,7 @@ def main() -> None:
             g = token_grid(side, side, processor)
             grid = (g.rows, g.cols)
             alias = uuid.uuid4().hex * 2
-            ttft(client, url, body("Look:", seen, rid(ImagePlan(key=alias, strategy=MISS, tokens=grid[0] * grid[1],
+            ttft(client, url, body("Look:", seen, rid(ImagePlan(key=alias, kind=MISS, tokens=grid[0] * grid[1],
                                                                  grid=grid))))
             wait_stored(store, alias)
             times: dict[str, list[float]] = {case: [] for case in CASES}
@@ -146,7 +146,7 @@ def main() -> None:
                     if case == "miss":
                         payload = body("Look:", variant(base, next(shades)))
                     elif case == "llm":
-                        payload = body("Look:", seen, rid(ImagePlan(key=alias, strategy=MISS, tokens=grid[0] * grid[1],
+                        payload = body("Look:", seen, rid(ImagePlan(key=alias, kind=MISS, tokens=grid[0] * grid[1],
                                                                     grid=grid, store=False)))
                     else:
                         image = redrawn(base, next(shades) % 200 + 20)
@@ -161,7 +161,7 @@ def main() -> None:
                     if case == "approx/partial":
                         wait_stored(store, plan.key)
                         httpx.post(worker.url + "/flush_cache", timeout=60)
-                        exact = ImagePlan(key=plan.key, strategy=EXACT, tokens=plan.tokens, grid=plan.grid)
+                        exact = ImagePlan(key=plan.key, kind=EXACT, tokens=plan.tokens, grid=plan.grid)
                         seconds, _ = ttft(client, url, body("Look:", data_url(encode(image)), rid(exact)))
                         times["exact on derived"].append(seconds)
                 print(f"  {side}px round {round_index + 1}/{args.rounds} done", flush=True)

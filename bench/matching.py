@@ -13,6 +13,11 @@ quality   offline.near_duplicates' labelled pairs (rendered documentation pages 
           identical picture that the set uses as another pair's A). Per family: matched share, mean
           similarity, the shift found, and per-token change-map accuracy against the pixel truth (a changed token
           taken for unchanged is the costly error: recall of changed tokens is printed on its own)
+motion    pixel-level motion (gateway/matching/motion.py: phase correlation) on every labelled pair, with the images
+          reduced 1x, 2x and 4x: per family the confidence's spread, how often the motion found is within 1 and
+          0.5 px of the pair's true motion (scrolls and pans by any number of pixels, whole-token shifts, content
+          left in place), and the time per pair; then the highest confidence of an unrelated pair beside the
+          lowest of a near-duplicate whose motion was found
 scale     lookup + plan latency (p50/p99) with 1k, 10k and 100k images indexed (256-token pages: each one's
           per-token record is read from the feature store when it is a candidate), the index's memory per entry
           (a rebuilt index: Python and numpy memory by tracemalloc, plus the HNSW graphs' own count) and the
@@ -44,6 +49,7 @@ from gateway.matching import extractor_for  # noqa: E402
 from gateway.matching.align import CHANGED  # noqa: E402
 from gateway.matching.features import Extractor, TokenFeatures  # noqa: E402
 from gateway.matching.matcher import Matcher  # noqa: E402
+from gateway.matching.motion import find_motion, grey_of  # noqa: E402
 from gateway.matching.plans import approximate_plan  # noqa: E402
 from offline.near_duplicates import FAMILIES, Pair, build_pairs  # noqa: E402
 from plan import ENTROPY_AWARE  # noqa: E402
@@ -105,7 +111,7 @@ def planned(matcher: Matcher, settings: MatchSettings, b_key: str, fb: TokenFeat
         return None, None, found
     match = found.matches[0]
     plan = approximate_plan(match, fb.entropy, key=b_key, grid=fb.grid, prefix_digest="", settings=settings,
-                            strategy=ENTROPY_AWARE, layers=36)
+                            selector=ENTROPY_AWARE, layers=36)
     return match, plan, found
 
 
@@ -199,6 +205,54 @@ def print_quality(name: str, result: dict[str, Any]) -> None:
           f"{100 * tp / max(1, totals['match_pairs']):.1f}%; unrelated pairs matched: {fp:.0f} / "
           f"{totals['never_pairs']:.0f}; precision {100 * tp / max(1, tp + fp):.1f}%")
     print(f"  in a crowd (every A indexed at once): {result['crowd']}")
+
+
+MOTION_REDUCTIONS = (1, 2, 4)
+
+
+def motion_quality(pairs: list[Pair]) -> dict[str, Any]:
+    """Per reduction and family: motion found against the truth, confidence and time (see the module docstring)."""
+    rows: dict[int, dict[str, list[tuple[float, float | None, float]]]] = defaultdict(lambda: defaultdict(list))
+    for reduce in MOTION_REDUCTIONS:
+        for pair in pairs:
+            a, b = grey_of(pair.a, reduce), grey_of(pair.b, reduce)
+            started = time.perf_counter()
+            motion = find_motion(a, b, reduce=reduce)
+            seconds = time.perf_counter() - started
+            truth = pair.true_motion()
+            error = None if truth is None else max(abs(motion.dy - truth[0]), abs(motion.dx - truth[1]))
+            rows[reduce][pair.family].append((motion.confidence, error, seconds))
+    result: dict[str, Any] = {}
+    for reduce, families in rows.items():
+        table = {}
+        for family, found in sorted(families.items()):
+            confidence = sorted(c for c, _, _ in found)
+            errors = [e for _, e, _ in found if e is not None]
+            table[family] = {"pairs": len(found), "confidence_min": confidence[0],
+                             "confidence_median": statistics.median(confidence), "confidence_max": confidence[-1],
+                             "known": len(errors), "within_1px": sum(e <= 1.0 for e in errors),
+                             "within_half_px": sum(e <= 0.5 for e in errors),
+                             "ms_median": 1e3 * statistics.median(t for _, _, t in found)}
+        unrelated = [c for c, _, _ in families.get("unrelated", [])]
+        moved = [c for family, found in families.items() if _label(family)
+                 for c, e, _ in found if e is not None and e <= 1.0]
+        result[str(reduce)] = {"families": table, "unrelated_max": max(unrelated, default=None),
+                               "found_min": min(moved, default=None)}
+    return result
+
+
+def print_motion(result: dict[str, Any]) -> None:
+    for reduce, part in result.items():
+        print(f"\n  reduced {reduce}x: {'family':22s} {'pairs':>5s} {'confidence min / median / max':>30s} "
+              f"{'within 1 px':>12s} {'0.5 px':>7s} {'ms':>6s}")
+        for family, row in part["families"].items():
+            known = f"{row['within_1px']} / {row['known']}" if row["known"] else "-"
+            half = str(row["within_half_px"]) if row["known"] else "-"
+            print(f"  {'':12s}{family:22s} {row['pairs']:5d} {row['confidence_min']:10.3f} / "
+                  f"{row['confidence_median']:.3f} / {row['confidence_max']:.3f} {known:>12s} {half:>7s} "
+                  f"{row['ms_median']:6.1f}")
+        print(f"  unrelated pairs' highest confidence {part['unrelated_max']:.3f}; the near-duplicates' lowest, of "
+              f"those found within 1 px of their motion, {part['found_min']:.3f}")
 
 
 def _label(family: str) -> bool | None:
@@ -304,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--render-dir", type=Path, help="render documentation pages with Chromium, cached here")
     parser.add_argument("--large", action="store_true", help="the labelled set at about 4,000 tokens a pair")
-    parser.add_argument("--sections", nargs="+", default=["cost", "quality", "scale"],
-                        choices=["cost", "quality", "scale"])
+    parser.add_argument("--sections", nargs="+", default=["cost", "quality", "motion", "scale"],
+                        choices=["cost", "quality", "motion", "scale"])
     parser.add_argument("--scales", nargs="+", type=int, default=[1000, 10_000, 100_000])
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=9)
@@ -345,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 part["quality"] = quality(extractor, settings, pairs, scratch)
                 print_quality(name, part["quality"])
+            if "motion" in args.sections and name == args.extractors[0]:  # pixels: the same for every extractor
+                pairs = build_pairs(render_dir=args.render_dir, large=args.large, per_family=args.per_family)
+                print(f"\npixel motion (phase correlation) on {len(pairs)} labelled pairs:", flush=True)
+                report["motion"] = motion_quality(pairs)
+                print_motion(report["motion"])
             if "scale" in args.sections:
                 if name == args.extractors[0]:
                     print("\nthe coarse stage alone, scan against HNSW graph:", flush=True)

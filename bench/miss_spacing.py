@@ -69,7 +69,7 @@ def run(model_path: Path, args, shades, via_gateway: bool = False) -> dict[str, 
                 keys: list[str] = []
                 for _ in range(args.requests):
                     key = uuid.uuid4().hex * 2
-                    plan = ImagePlan(key=key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
+                    plan = ImagePlan(key=key, kind=MISS, tokens=grid[0] * grid[1], grid=grid,
                                      store=case != "unstored")
                     rid = None if via_gateway else RequestPlan(images=(plan,)).to_rid(key[:32], key=PUBLIC_PLAN_KEY)
                     payload = body("Look:", variant(base, next(shades)), rid)

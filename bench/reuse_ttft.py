@@ -82,13 +82,13 @@ def variant(base, n: int) -> str:
 
 
 def exact_rid(key: str, grid: tuple[int, int], ratios: tuple[float, ...]) -> str:
-    plan = ImagePlan(key=key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid, ratios=ratios)
+    plan = ImagePlan(key=key, kind=EXACT, tokens=grid[0] * grid[1], grid=grid, ratios=ratios)
     return RequestPlan(images=(plan,)).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
 
 
 def stored_miss_rid(grid: tuple[int, int]) -> str:
     """A miss plan under a key never used: the worker computes the image and stores its entry."""
-    plan = ImagePlan(key=uuid.uuid4().hex * 2, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)
+    plan = ImagePlan(key=uuid.uuid4().hex * 2, kind=MISS, tokens=grid[0] * grid[1], grid=grid)
     return RequestPlan(images=(plan,)).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
 
 
@@ -174,7 +174,7 @@ def measure(args, worker, gateway_url: str, layers: int, store_env: dict[str, st
 
         # The worker-side llm case's plan: an unstored miss without a scope, so SGLang's encoder cache keys the image
         # by its pixels alone; seen once here, so its encoder output is cached.
-        unstored = RequestPlan(images=(ImagePlan(key=key, strategy=MISS, tokens=rows * cols, grid=(rows, cols),
+        unstored = RequestPlan(images=(ImagePlan(key=key, kind=MISS, tokens=rows * cols, grid=(rows, cols),
                                                  store=False),)).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
         ttft(client, worker.url + "/v1/chat/completions", body("Look:", seen, unstored))
 

@@ -1,9 +1,9 @@
 """Which image tokens an approximate plan recomputes (R), reuses (B) and drops (D): one rule for the workers and
 the reference, so that the two can differ only in what they measure, never in what they decide.
 
-The gateway's plan (plan.request.ImagePlan, strategy approximate) fixes the candidates B0 (``plan.reuse``), the
+The gateway's plan (plan.request.ImagePlan, kind approximate) fixes the candidates B0 (``plan.reuse``), the
 warmup depth W and the recompute share rho; this module turns them and the scores measured in the warmup into the
-three sets. Per selector (the plan's strategy):
+three sets. Per selector (the plan's ``selector``):
 
     entropy_aware   R = the changed tokens, then the similar tokens outside B0, then the tokens outside B0 that
                     score highest by warmup attention, up to the budget; B = B0 (the gateway chose it by entropy);

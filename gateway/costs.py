@@ -336,11 +336,11 @@ def image_work(plan: ImagePlan | None, model: ModelFacts, tokens: int, context: 
     its candidates)."""
     layers = model.layers
     context = max(context, tokens)
-    if plan is None or plan.strategy not in (EXACT, APPROXIMATE):
+    if plan is None or plan.kind not in (EXACT, APPROXIMATE):
         computed = tokens * layers
         return Work(request=0.0, token_layers=computed, attention_pairs=_pairs(computed, context)) + \
             Work.vision(tokens * model.patches_per_token)
-    if plan.strategy == EXACT:
+    if plan.kind == EXACT:
         recomputed = sum(math.floor(ratio * tokens) for ratio in plan.ratios)
         return Work(request=0.0, planned_token_layers=recomputed, attention_pairs=_pairs(recomputed, context),
                     read_token_layers=tokens * layers, planned_images=1)

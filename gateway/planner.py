@@ -10,7 +10,7 @@ settings and the tenant's namespace (so no plan ever names another tenant's entr
                                       recomputed at layer l (the recompute profile's ratios, or a uniform ratio)
     not stored, but a near-duplicate  approximate: the matcher (gateway/matching) found a stored image of the same
     of a stored image                 namespace that it nearly duplicates; the plan names it as the alias, with the
-                                      change map and the reuse set of the strategy (gateway/matching/plans.py), or
+                                      change map and the reuse set of the selector (gateway/matching/plans.py), or
                                       is a miss when the guard finds too much changed
     anything else                     miss
 
@@ -144,9 +144,9 @@ class Planned:
             outcome = outcome_of(ran, index)
             if outcome is not None and outcome.ran != PLANNED:
                 continue  # computed as after a miss, or served by SGLang's prefix cache
-            if image.strategy == EXACT:
+            if image.kind == EXACT:
                 total += image.tokens
-            elif image.strategy == APPROXIMATE:
+            elif image.kind == APPROXIMATE:
                 total += len(image.reuse)
         return total
 
@@ -176,9 +176,9 @@ class Planner:
     def enabled(self) -> bool:
         return self.settings.enabled and self.cache.store is not None
 
-    async def plan(self, intake: IntakeResult, *, strategy: str | None = None, mode: str = "all") -> Planned:
+    async def plan(self, intake: IntakeResult, *, selector: str | None = None, mode: str = "all") -> Planned:
         """One plan per image, read from the store, the books and the match index on the cache thread (never on
-        the loop). ``strategy`` overrides the settings' default selector for approximate plans (the route checks
+        the loop). ``selector`` overrides the settings' default selector for approximate plans (the route checks
         that the settings allow it); ``mode`` (REUSE_MODES) limits what may be reused."""
         if not self.enabled or not intake.images or mode == "off":
             # A video is not planned for (it runs as plain SGLang): it keeps to the worker that served it last.
@@ -188,7 +188,7 @@ class Planner:
                                       if image.key in self._holder), None))
         try:
             plans, kinds, similarities, derived, refusals = await self.cache.run(
-                self._plan_images, intake, strategy or self.settings.match.strategy, mode == "all", costs)
+                self._plan_images, intake, selector or self.settings.match.selector, mode == "all", costs)
         except (StoreError, BooksError) as exc:
             # The shared tier or the shared books did not answer: the request runs as in plain SGLang (nothing
             # reused, nothing stored) rather than not at all.
@@ -222,7 +222,7 @@ class Planner:
             return None
         return (self.costs.model(url) if url is not None else None) or self.costs.any_model()
 
-    def _plan_images(self, intake: IntakeResult, strategy: str, approximate: bool = True,
+    def _plan_images(self, intake: IntakeResult, selector: str, approximate: bool = True,
                      costs: CostModel | None = None) -> \
             tuple[list[ImagePlan], list[str], list[float | None], list[bool], list[Refusal | None]]:
         """The cache thread's part of plan()."""
@@ -239,25 +239,25 @@ class Planner:
             derived.append(False)
             refusals.append(None)
             if stored is None:
-                plan, refusals[-1] = self._plan_new(image, prefix_digest, intake.namespace, strategy, approximate,
+                plan, refusals[-1] = self._plan_new(image, prefix_digest, intake.namespace, selector, approximate,
                                                     costs, context)
                 plans.append(plan)
-                kinds.append(plan.strategy)
-                if plan.strategy != MISS:
+                kinds.append(plan.kind)
+                if plan.kind != MISS:
                     similarities[-1] = plan.similarity
                 continue
             same = stored.prefix_digest == prefix_digest
             ratios = () if same else self.settings.ratios
             if ratios is None:
                 # Moving the image needs per-layer ratios, which need the model's layer count: recompute it all.
-                plans.append(ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
+                plans.append(ImagePlan(key=image.key, kind=MISS, tokens=grid[0] * grid[1], grid=grid,
                                        store=False))
                 kinds.append("miss")
                 continue
-            exact = ImagePlan(key=image.key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid, ratios=ratios,
+            exact = ImagePlan(key=image.key, kind=EXACT, tokens=grid[0] * grid[1], grid=grid, ratios=ratios,
                               prefix_digest=prefix_digest)
             if not self._pays(exact, costs, context):
-                plans.append(ImagePlan(key=image.key, strategy=MISS, tokens=exact.tokens, grid=grid, store=False))
+                plans.append(ImagePlan(key=image.key, kind=MISS, tokens=exact.tokens, grid=grid, store=False))
                 kinds.append("miss")
                 refusals[-1] = Refusal("cost", 1.0)
                 continue
@@ -270,14 +270,14 @@ class Planner:
         self.refused.update(refusal.reason for refusal in refusals if refusal is not None)
         return plans, kinds, similarities, derived, refusals
 
-    def _plan_new(self, image: CanonicalImage, prefix_digest: str, namespace: str, strategy: str,
+    def _plan_new(self, image: CanonicalImage, prefix_digest: str, namespace: str, selector: str,
                   approximate: bool = True, costs: CostModel | None = None,
                   context: int = 0) -> tuple[ImagePlan, Refusal | None]:
         """An image the store does not hold: approximate when it nearly duplicates a stored image of its
         namespace (and the guard agrees, and ``approximate``, and it pays), else a miss, with why where something
         stored was near. Either way the worker stores it, so it is indexed."""
         grid = (image.grid.rows, image.grid.cols)
-        miss = ImagePlan(key=image.key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
+        miss = ImagePlan(key=image.key, kind=MISS, tokens=grid[0] * grid[1], grid=grid,
                          prefix_digest=prefix_digest)
         if self.matcher is None or image.features is None:
             return miss, None
@@ -288,7 +288,7 @@ class Planner:
         alias = self._usable_alias(lookup.matches)
         plan = None if alias is None else approximate_plan(
             alias, image.features.entropy, key=image.key, grid=grid, prefix_digest=prefix_digest,
-            settings=self.settings.match, strategy=strategy, layers=self.settings.layers)
+            settings=self.settings.match, selector=selector, layers=self.settings.layers)
         refusal = None
         if alias is None and lookup.best_similarity is not None:
             refusal = Refusal("alias_gone" if lookup.matches else "similarity", lookup.best_similarity)

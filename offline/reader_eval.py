@@ -4,10 +4,10 @@ Pairs (A cached, B asked), B being A with one or a few fields given another valu
 asked about a changed field of B (right answer: B's value; A's value means the stale KV was read) and about an
 unchanged field (right answer: the same in A and B). Two ways to run it:
 
-reference   offline.reference executes one plan per strategy for B's image, given A's entry as a full prefill
-            of A leaves it (encoder output, K/V, positions) and B's own encoder output. Strategies are functions
+reference   offline.reference executes each reference plan for B's image, given A's entry as a full prefill
+            of A leaves it (encoder output, K/V, positions) and B's own encoder output. Reference plans are functions
             ``Case -> ImagePlan``; built in:
-                full               B from scratch (Fresh): the accuracy every strategy is held to
+                full               B from scratch (Fresh): the accuracy every plan is held to
                 stale              A's KV as they are, nothing recomputed (Reuse, ratios 0): what an approximate
                                    match must never do; on a reader that really reads it answers with A's value
                 recompute_changed  the changed fields' tokens computed at every layer on B's encoder output, every
@@ -108,7 +108,7 @@ class Tally:
 
 @dataclass
 class Report:
-    """Per strategy (reference) or per reported reuse (gateway): a tally for changed and for unchanged fields."""
+    """Per reference plan (reference) or per reported reuse (gateway): a tally for changed and for unchanged fields."""
 
     mode: str
     tallies: dict[str, dict[str, Tally]] = dataclasses.field(
@@ -149,7 +149,7 @@ class Report:
 
 @dataclass(frozen=True)
 class Case:
-    """What a reference strategy gets to plan B's image with."""
+    """What a reference plan gets to plan B's image with."""
 
     pair: Pair
     cached: ImageKV  # A's entry, as a full prefill of A's prompt leaves it
@@ -158,7 +158,7 @@ class Case:
     tokens: int
 
 
-ReferenceStrategy = Callable[[Case], "ImagePlan"]
+ReferencePlan = Callable[[Case], "ImagePlan"]
 
 
 def _full(case: Case):
@@ -182,7 +182,7 @@ def _recompute_changed(case: Case):
                        recompute=sorted(changed_rows))
 
 
-REFERENCE_STRATEGIES: dict[str, ReferenceStrategy] = {
+REFERENCE_PLANS: dict[str, ReferencePlan] = {
     "full": _full, "stale": _stale, "recompute_changed": _recompute_changed,
 }
 
@@ -205,12 +205,12 @@ def cached_entry(model, pair: Pair) -> ImageKV:
 
 
 @torch.no_grad()
-def evaluate_reference(model, pairs: Sequence[Pair], strategies: dict[str, ReferenceStrategy] | None = None,
+def evaluate_reference(model, pairs: Sequence[Pair], plans: dict[str, ReferencePlan] | None = None,
                        progress: Callable[[int, int], None] | None = None) -> Report:
     """``model`` is an offline.reference.ReferenceModel of the reader."""
     from offline.reference import prefill
 
-    strategies = strategies or REFERENCE_STRATEGIES
+    plans = plans or REFERENCE_PLANS
     names = answer_ids(model.processor.tokenizer)
     report = Report(mode="reference")
     started = time.perf_counter()
@@ -224,8 +224,8 @@ def evaluate_reference(model, pairs: Sequence[Pair], strategies: dict[str, Refer
                 b_encoder = model.encode(prompt)[0]
             case = Case(pair=pair, cached=entry, encoder=b_encoder, tokens=len(prompt.images[0]),
                         changed_rows=tuple(i for k in pair.changed for i in pair.asked.token_indices(k)))
-            for name, strategy in strategies.items():
-                result = prefill(model, prompt, [strategy(case)])
+            for name, make_plan in plans.items():
+                result = prefill(model, prompt, [make_plan(case)])
                 answer = names.get(int(result.logits.argmax()), "?")
                 stale = pair.cached.value(key) if kind == CHANGED else None
                 report.tallies[name][kind].add(answer, pair.asked.value(key), stale)
@@ -338,7 +338,7 @@ def _progress(label: str) -> Callable[[int, int], None]:
 def main(argv: list[str] | None = None) -> int:
     from bundled.recipes import ORACLE, READER
 
-    parser = argparse.ArgumentParser(description="A reader's accuracy, under reuse strategies, and from which layers "
+    parser = argparse.ArgumentParser(description="A reader's accuracy, under reference plans, and from which layers "
                                                  "it reads.")
     sub = parser.add_subparsers(dest="mode", required=True)
     ref = sub.add_parser("reference", help="through offline.reference")

@@ -29,13 +29,13 @@ from plan.request import (
     FULL_REUSE,
     MISS,
     PARTIAL_PASS,
+    PLAN_KINDS,
     PLAN_VERSION,
     PUBLIC_PLAN_KEY,
     RID_PREFIX,
     SAME,
     SELECTORS,
     SIMILAR,
-    STRATEGIES,
     VISION_PASSES,
     VLCACHE,
     ImagePlan,
@@ -46,6 +46,6 @@ from plan.request import (
 __all__ = [
     "APPROXIMATE", "ATTENTION_ONLY", "CACHEBLEND", "CHANGE_BLIND", "CHANGED", "DEFAULT_RECOMPUTE_RATIO",
     "ENTROPY_AWARE", "EXACT", "FULL_PASS", "FULL_REUSE", "MISS", "PARTIAL_PASS", "PLAN_VERSION", "PROFILE_FILE",
-    "PUBLIC_PLAN_KEY", "RID_PREFIX", "SAME", "SELECTORS", "SIMILAR", "STRATEGIES", "VISION_PASSES", "VLCACHE",
+    "PUBLIC_PLAN_KEY", "RID_PREFIX", "SAME", "SELECTORS", "SIMILAR", "PLAN_KINDS", "VISION_PASSES", "VLCACHE",
     "ImagePlan", "PlanError", "RecomputeProfile", "RequestPlan", "check_ratios", "plan_key", "recompute_count",
 ]

@@ -12,7 +12,7 @@ A ``RequestPlan`` holds one ``ImagePlan`` per image of the request, in the order
                  every token with no aligned alias token). Warmup layers [0, W) run every token; from W on the
                  ``reuse`` tokens (B) read the alias' K/V at their aligned tokens, the worker picks the tokens to
                  recompute (R: every changed token, plus ``recompute_share`` of the tokens by the selector's score)
-                 and drops the rest (see offline.reference.plans). The selector names the strategy:
+                 and drops the rest (see offline.reference.plans). The ``selector`` names how:
 
         entropy_aware   B = the lowest-entropy share of the same/similar tokens (the gateway picks it); R is scored
                         by the attention the question pays each token in the warmup, normalised against attention
@@ -34,7 +34,7 @@ The wire form is compact JSON with a version; a worker refuses a version it does
 guess, and runs the request without a plan (a full prefill).
 
 Transport: the plan rides in the request id (SGLang's ``rid``, which reaches the model's forward and is unique
-among requests in flight): ``rv5.<request id>.<base64 of the zlib'd JSON>.<MAC>.`` The gateway replaces the id in
+among requests in flight): ``rv6.<request id>.<base64 of the zlib'd JSON>.<MAC>.`` The gateway replaces the id in
 what it returns to clients, so the plan is never shown to them; anything SGLang appends after the last dot (it
 suffixes ids of parallel samples) is ignored.
 
@@ -59,7 +59,7 @@ from plan.errors import PlanError
 from plan.ratios import check_ratios
 from settings.secret import DataPlaneSecret, mac, same_mac
 
-PLAN_VERSION = 5  # 5: plans carry a MAC
+PLAN_VERSION = 6  # 5: plans carry a MAC; 6: an image plan's ``strategy`` is its ``kind``
 RID_PREFIX = f"rv{PLAN_VERSION}."
 _MAC_BYTES = 16
 
@@ -78,7 +78,7 @@ def _plan_mac(key: bytes, request_id: str, packed: str) -> str:
     return base64.urlsafe_b64encode(tag).decode().rstrip("=")
 
 MISS, EXACT, APPROXIMATE = "miss", "exact", "approximate"
-STRATEGIES = (MISS, EXACT, APPROXIMATE)
+PLAN_KINDS = (MISS, EXACT, APPROXIMATE)
 ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE, FULL_REUSE = (
     "entropy_aware", "attention_only", "cacheblend", "vlcache", "full_reuse")
 SELECTORS = (ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE, FULL_REUSE)
@@ -93,7 +93,7 @@ _CHANGE_MAP_RE = re.compile(r"^[=~x]*$")
 @dataclass(frozen=True, kw_only=True)
 class ImagePlan:
     key: str  # this image's exact key
-    strategy: str
+    kind: str  # miss, exact or approximate (PLAN_KINDS)
     tokens: int  # LLM tokens of the image (grid h * w)
     grid: tuple[int, int]
     ratios: tuple[float, ...] = ()  # exact: per layer
@@ -105,7 +105,7 @@ class ImagePlan:
     warmup_layers: int = 0  # approximate: W
     reuse: tuple[int, ...] = ()  # approximate: B, token indices of this image
     recompute_share: float = 0.0  # approximate: rho
-    selector: str = ENTROPY_AWARE  # approximate: the strategy (baselines are chosen per request for evaluation)
+    selector: str = ENTROPY_AWARE  # approximate: how R, B and D are chosen (SELECTORS; the gateway sends its own)
     vision: str = FULL_PASS  # approximate: the vision pass, full or partial (see the module docstring)
     store: bool = True  # whether the worker writes the entry when it computes the image exactly (a miss, or an
     # approximate plan it had to run as a full prefill)
@@ -119,16 +119,16 @@ class ImagePlan:
             raise PlanError(f"key must be 64 lowercase hex characters, got {self.key!r:.80}")
         if not isinstance(self.prefix_digest, str) or len(self.prefix_digest) > 128:
             raise PlanError("prefix_digest must be a string of at most 128 characters")
-        if self.strategy not in STRATEGIES:
-            raise PlanError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.kind not in PLAN_KINDS:
+            raise PlanError(f"kind must be one of {PLAN_KINDS}, got {self.kind!r}")
         if len(self.grid) != 2 or any(not isinstance(g, int) or g <= 0 for g in self.grid):
             raise PlanError(f"grid must be two positive ints, got {self.grid!r}")
         if self.tokens != self.grid[0] * self.grid[1]:
             raise PlanError(f"tokens {self.tokens} != grid {self.grid[0]} x {self.grid[1]}")
         object.__setattr__(self, "ratios", check_ratios(self.ratios))
-        if self.strategy != EXACT and self.ratios:
+        if self.kind != EXACT and self.ratios:
             raise PlanError("ratios belong to exact plans")
-        if self.strategy == APPROXIMATE:
+        if self.kind == APPROXIMATE:
             if self.alias is None or not _KEY_RE.match(self.alias) or self.alias == self.key:
                 raise PlanError("an approximate plan needs an alias key other than its own")
             reuse = tuple(int(i) for i in self.reuse)
@@ -220,7 +220,7 @@ class RequestPlan:
     def reported(self) -> bool:
         """Whether the gateway reads back what ran (plan.outcome): not for plans that only carry the scope (every
         image a miss that is not stored, as when reuse is off)."""
-        return any(p.strategy != MISS or p.store for p in self.images)
+        return any(p.kind != MISS or p.store for p in self.images)
 
     def to_json(self) -> str:
         return json.dumps({"version": self.version, "scope": self.scope, "images": [p.to_dict() for p in self.images]},

@@ -184,9 +184,9 @@ class OutcomeLog:
         """An image of an exact or approximate plan computed as after a miss: counted by cause (once, in the first
         extend that falls back: each later chunk of the image falls back again), logged, and reported."""
         if self._fell_back.add((rows.rid, rows.index)):
-            self._events.add(f"{plan.strategy}_fallback")
-            self._events.fallback(plan.strategy, fallback.cause)
-            log.warning("revisit: the %s plan for %s (%s) runs as a full prefill: %s", plan.strategy,
+            self._events.add(f"{plan.kind}_fallback")
+            self._events.fallback(plan.kind, fallback.cause)
+            log.warning("revisit: the %s plan for %s (%s) runs as a full prefill: %s", plan.kind,
                         plan.key[:16], rows.rid[:40], fallback)
         self.record(rows.rid, rows.index, Outcome(FULL_PREFILL, fallback.cause))
 

@@ -141,14 +141,14 @@ class PlanExecutor:
         approximate: list[ApproximateSpan] = []
         for rows, plan in images:
             try:
-                if plan.strategy in (EXACT, APPROXIMATE) and not rows.in_extend:
+                if plan.kind in (EXACT, APPROXIMATE) and not rows.in_extend:
                     # rows computed before this extend: by an earlier chunk of this request, or by an earlier
                     # request that computed them as a full prefill does (no other leaves them in the prefix cache)
                     if (rows.rid, rows.index) not in self._begun:
-                        self.events.add(f"{plan.strategy}_served_by_prefix_cache")
+                        self.events.add(f"{plan.kind}_served_by_prefix_cache")
                         self.ran.record(rows.rid, rows.index, Outcome(PREFIX_CACHED))
                     continue
-                if plan.strategy == EXACT:
+                if plan.kind == EXACT:
                     exact_span = exact.prepare(self.context, rows, plan, forward_batch)
                     if not exact_span.identical:
                         self._keep_private(rows)
@@ -156,7 +156,7 @@ class PlanExecutor:
                     self._begun.add((rows.rid, rows.index))
                     self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                     continue
-                if plan.strategy == APPROXIMATE:
+                if plan.kind == APPROXIMATE:
                     approximate.append(self.approximate.prepare(rows, plan, forward_batch))
                     self._keep_private(rows)
                     self._begun.add((rows.rid, rows.index))
@@ -164,12 +164,12 @@ class PlanExecutor:
                     continue  # computed approximately: stored after the forward, as derived, when it may be
             except FullPrefill as fallback:
                 self.ran.fell_back(rows, plan, fallback)
-            if plan.strategy == MISS:
+            if plan.kind == MISS:
                 self.ran.record(rows.rid, rows.index, Outcome(PLANNED))
                 if rows.in_extend and rows.lo == rows.start:  # counted once, in the chunk that starts the image
                     self.events.add("miss")
             # once per request and image: a later chunk of the same request finds the image complete again
-            if (plan.store or plan.strategy == EXACT) and rows.complete and self._captured.add((rows.rid, rows.index)):
+            if (plan.store or plan.kind == EXACT) and rows.complete and self._captured.add((rows.rid, rows.index)):
                 self._will_capture(captures, rows, plan, forward_batch)
         try:
             if reuse or approximate or hiding:

@@ -39,8 +39,8 @@ class MatchSettings:
     levels) moved by more than ``max_shade_change``; tokens under ``blank_entropy`` bits are blank.
     Plans: B = the lowest-entropy ``reuse_share`` of the tokens, R = ``recompute_share`` of them, ``warmup_layers``
     layers on every token first; the guard plans a miss when more than ``max_changed_share`` of the tokens changed.
-    ``strategy`` is the default selector (plan.SELECTORS); a request may name another in the ``x-revisit-strategy``
-    header only when ``allow_strategy_header``. ``vision_pass`` is where approximate plans take the new image's
+    ``selector`` is the default selector (plan.SELECTORS); a request may name another in the ``x-revisit-selector``
+    header only when ``allow_selector_header``. ``vision_pass`` is where approximate plans take the new image's
     encoder output from (plan.VISION_PASSES): ``partial`` runs the vision tower over the changed tokens and their
     margin only, the alias' stored output elsewhere; ``full`` over the whole image. ``derive``: the worker stores
     what an approximate plan computed as a derived entry (store.entry.EntryHeader.derived_from).
@@ -67,8 +67,8 @@ class MatchSettings:
     # The default selector, measured (bench/approximate_quality.py, the oracle reader): entropy_aware drops the
     # tokens outside R and B, and answered 75% of unchanged-field questions right where attention_only (nothing
     # dropped) and a full prefill answered 100%; both answered every changed-field question right.
-    strategy: str = ATTENTION_ONLY
-    allow_strategy_header: bool = False
+    selector: str = ATTENTION_ONLY
+    allow_selector_header: bool = False
     vision_pass: str = PARTIAL_PASS
     # Approximate hits leave a derived entry (the K/V the hit computed, marked with its alias), so the image's next
     # sight is exact; never where the selector dropped tokens, and never an alias itself.
@@ -87,8 +87,8 @@ class MatchSettings:
                               "REVISIT_MODEL_DIR")
         if self.extractor == "clip" and self.extractor_path is None:
             raise ConfigError("the clip extractor needs an open_clip model folder: set REVISIT_MATCH_EXTRACTOR_PATH")
-        if self.strategy not in SELECTORS:
-            raise ConfigError(f"match strategy must be one of {SELECTORS}, got {self.strategy!r}")
+        if self.selector not in SELECTORS:
+            raise ConfigError(f"match selector must be one of {SELECTORS}, got {self.selector!r}")
         if self.vision_pass not in VISION_PASSES:
             raise ConfigError(f"match vision_pass must be one of {VISION_PASSES}, got {self.vision_pass!r}")
         for name in ("coarse_threshold", "match_threshold", "patch_threshold", "reuse_share", "recompute_share",
@@ -105,10 +105,19 @@ class MatchSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, model_dir: str | Path | None = None) -> \
             MatchSettings:
-        fields = EnvReader(environ, error=ConfigError).fields(cls, MATCH_ENV_PREFIX)
+        env = EnvReader(environ, error=ConfigError)
+        for old, new in RENAMED.items():
+            if env.raw(old) is not None:
+                raise ConfigError(f"{old} is now {new} (the same values); set {new} instead")
+        fields = env.fields(cls, MATCH_ENV_PREFIX)
         if fields.get("extractor") == "encoder" and fields.get("extractor_path") is None and model_dir is not None:
             fields["extractor_path"] = Path(model_dir)
         return cls(**fields)
+
+
+# Settings given new names: a gateway started with the old one stops with the new one's name rather than ignore it.
+RENAMED = {"REVISIT_MATCH_STRATEGY": "REVISIT_MATCH_SELECTOR",
+           "REVISIT_MATCH_ALLOW_STRATEGY_HEADER": "REVISIT_MATCH_ALLOW_SELECTOR_HEADER"}
 
 
 @dataclass(frozen=True, kw_only=True)

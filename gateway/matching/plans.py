@@ -1,6 +1,6 @@
-"""From a match to an approximate plan: the reuse set B for the chosen strategy, the recompute share, the guard.
+"""From a match to an approximate plan: the reuse set B for the chosen selector, the recompute share, the guard.
 
-Per strategy (plan.request's table), B is
+Per selector (plan.request's table), B is
 
     entropy_aware            the lowest-entropy ``reuse_share`` of the tokens among those that are the same or
                              similar, ranked by the larger of the two images' entropies (low in both)
@@ -8,7 +8,7 @@ Per strategy (plan.request's table), B is
     cacheblend, vlcache,     every token with an aligned alias token, changed ones too: these baselines are blind
     full_reuse               to the change map, as the methods they stand for (the worker takes R out of them)
 
-For entropy_aware and attention_only, changed tokens are never in B and always in R. For every strategy but
+For entropy_aware and attention_only, changed tokens are never in B and always in R. For every selector but
 full_reuse, when the changed tokens outnumber ``recompute_share`` of the tokens the share is widened to hold them
 (the same recompute budget for all), and when they outnumber ``max_changed_share`` the guard plans a miss instead:
 recomputing that much costs about what a miss does.
@@ -28,7 +28,7 @@ from plan import APPROXIMATE, CACHEBLEND, CHANGE_BLIND, ENTROPY_AWARE, FULL_REUS
 
 
 def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: tuple[int, int], prefix_digest: str,
-                     settings: MatchSettings, strategy: str, layers: int | None) -> ImagePlan | None:
+                     settings: MatchSettings, selector: str, layers: int | None) -> ImagePlan | None:
     """The plan for a new image matched to ``match.alias``; None when the guard says a miss is better."""
     alignment = match.alignment
     n = grid[0] * grid[1]
@@ -37,34 +37,34 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
     if changed_share > settings.max_changed_share:
         return None
     aligned = alignment.alias_index >= 0
-    if strategy in CHANGE_BLIND:
+    if selector in CHANGE_BLIND:
         reuse = np.flatnonzero(aligned)
-    elif strategy == ENTROPY_AWARE:
+    elif selector == ENTROPY_AWARE:
         candidates = np.flatnonzero(aligned & ~changed)
         alias_entropy = match.alias_features.entropy.astype(np.float32)[alignment.alias_index[candidates]]
         risk = np.maximum(new_entropy.astype(np.float32)[candidates], alias_entropy)
         reuse = candidates[np.argsort(risk, kind="stable")[: int(settings.reuse_share * n)]]
     else:
         reuse = np.flatnonzero(aligned & ~changed)
-    warmup = 1 if strategy == CACHEBLEND else settings.warmup_layers
-    if strategy == FULL_REUSE:
+    warmup = 1 if selector == CACHEBLEND else settings.warmup_layers
+    if selector == FULL_REUSE:
         warmup, share = 0, 0.0
     else:
         share = min(1.0, max(settings.recompute_share, changed_share))
     if layers is not None:
         warmup = min(warmup, max(0, layers - 1))
-    return ImagePlan(key=key, strategy=APPROXIMATE, tokens=n, grid=grid, prefix_digest=prefix_digest,
+    return ImagePlan(key=key, kind=APPROXIMATE, tokens=n, grid=grid, prefix_digest=prefix_digest,
                      alias=match.alias, alias_grid=match.alias_features.grid, shift=alignment.shift,
                      change_map=alignment.change_map, similarity=math.floor(alignment.similarity * 1e4) / 1e4,
                      reuse=tuple(int(i) for i in reuse), warmup_layers=warmup, recompute_share=round(share, 4),
-                     selector=strategy, vision=settings.vision_pass, derive=settings.derive)
+                     selector=selector, vision=settings.vision_pass, derive=settings.derive)
 
 
 def plan_against(features: TokenFeatures, alias_features: TokenFeatures, *, alias: str, key: str,
-                 settings: MatchSettings, strategy: str, layers: int | None,
+                 settings: MatchSettings, selector: str, layers: int | None,
                  prefix_digest: str = "") -> ImagePlan | None:
     """The plan the gateway makes for an image known to match ``alias`` (the fine stage and approximate_plan, with
     no index lookup: for benches and tests that pick the alias themselves)."""
     match = Match(alias=alias, alignment=compare(features, alias_features, settings), alias_features=alias_features)
     return approximate_plan(match, features.entropy, key=key, grid=features.grid, prefix_digest=prefix_digest,
-                            settings=settings, strategy=strategy, layers=layers)
+                            settings=settings, selector=selector, layers=layers)

@@ -38,7 +38,7 @@ IMAGE_KEYS_HEADER = "x-revisit-image-keys"
 REUSE_HEADER = "x-revisit-reuse"  # per image, what the worker ran (Planned.reuse_header)
 STORE_TOKENS_HEADER = "x-revisit-store-tokens"  # prompt tokens whose K/V came from the store (Planned.store_tokens)
 VIDEO_FRAMES_HEADER = "x-revisit-video-frames"  # per video, its sampled frames and how many were seen before
-STRATEGY_HEADER = "x-revisit-strategy"  # a request's choice of approximate strategy, where settings allow it
+SELECTOR_HEADER = "x-revisit-selector"  # a request's choice of selector, where settings allow it
 REUSE_MODE_HEADER = "x-revisit-reuse-mode"  # what a request lets the planner reuse (planner.REUSE_MODES)
 # Request: the highest response-cache level it accepts (config.RESPONSE_CACHE_LEVELS, or off). Response: what the
 # response cache did (response_cache.Found.header).
@@ -76,7 +76,7 @@ async def chat_completions(request: Request) -> Any:
     config = services.config
     caller = _caller(request)
     namespace = caller.namespace
-    strategy = _requested_strategy(request, config.reuse.match)
+    selector = _requested_selector(request, config.reuse.match)
     mode = _requested_mode(request)
     wanted = _requested_response_level(request)
     level = config.responses.level_for(namespace, wanted)
@@ -93,7 +93,7 @@ async def chat_completions(request: Request) -> Any:
             return _cached_answer(request, services, found, intake, headers)
     elif wanted not in (None, RESPONSE_CACHE_OFF):
         headers[RESPONSE_CACHE_HEADER] = "skipped;reason=not_enabled"
-    planned = await services.planner.plan(intake, strategy=strategy, mode=mode)
+    planned = await services.planner.plan(intake, selector=selector, mode=mode)
     if seen := await services.planner.frames_seen(intake):
         headers[VIDEO_FRAMES_HEADER] = ",".join(video.header() for video in seen)
         for label, count in zip(FRAMES_SEEN, (sum(v.as_image for v in seen), sum(v.in_video for v in seen),
@@ -174,7 +174,7 @@ def _work_that_ran(model: ModelFacts, intake: IntakeResult, plan: RequestPlan | 
             ran_as.append(PREFIX_CACHED)
             continue
         fell_back = outcome is not None and outcome.fell_back
-        computed = fell_back or image_plan is None or image_plan.strategy == MISS
+        computed = fell_back or image_plan is None or image_plan.kind == MISS
         if computed and index in held.images:
             embedded.append(image.grid.tokens)
         else:
@@ -288,18 +288,18 @@ async def _what_ran(services: Services, planned: Planned, request_id: str) -> tu
     return planned.reuse_header(ran), ran
 
 
-def _requested_strategy(request: Request, settings: MatchSettings) -> str | None:
-    """The approximate strategy a request names in its header, checked; None when it names none."""
-    name = request.headers.get(STRATEGY_HEADER)
+def _requested_selector(request: Request, settings: MatchSettings) -> str | None:
+    """The selector a request names in its header, checked; None when it names none."""
+    name = request.headers.get(SELECTOR_HEADER)
     if name is None:
         return None
-    if not settings.allow_strategy_header:
-        raise InvalidRequest(f"this gateway does not let requests choose the reuse strategy ({STRATEGY_HEADER}); "
-                             "an operator can allow it with REVISIT_MATCH_ALLOW_STRATEGY_HEADER=1",
-                             param=STRATEGY_HEADER, code="strategy_not_allowed")
+    if not settings.allow_selector_header:
+        raise InvalidRequest(f"this gateway does not let requests choose the selector ({SELECTOR_HEADER}); "
+                             "an operator can allow it with REVISIT_MATCH_ALLOW_SELECTOR_HEADER=1",
+                             param=SELECTOR_HEADER, code="selector_not_allowed")
     if name not in SELECTORS:
-        raise InvalidRequest(f"{STRATEGY_HEADER} must be one of {', '.join(SELECTORS)}, got {name[:40]!r}",
-                             param=STRATEGY_HEADER, code="invalid_strategy")
+        raise InvalidRequest(f"{SELECTOR_HEADER} must be one of {', '.join(SELECTORS)}, got {name[:40]!r}",
+                             param=SELECTOR_HEADER, code="invalid_selector")
     return name
 
 
@@ -329,7 +329,7 @@ def scoped_plan(plan: RequestPlan | None, intake: IntakeResult, scope: str) -> R
     (reuse off, or videos alone) gets one of unstored misses, for the scope alone."""
     if plan is None and (intake.images or intake.videos):
         plan = RequestPlan(images=tuple(
-            ImagePlan(key=image.key, strategy=MISS, tokens=image.grid.tokens, grid=(image.grid.rows, image.grid.cols),
+            ImagePlan(key=image.key, kind=MISS, tokens=image.grid.tokens, grid=(image.grid.rows, image.grid.cols),
                       store=False) for image in intake.images))
     return dataclasses.replace(plan, scope=scope) if plan is not None else None
 

@@ -19,7 +19,10 @@ from the aligned one by more than 24 of 255 in any channel, or if the aligned to
 lossy and noisy, so there a token is changed if its mean absolute difference exceeds 12. Re-encoded, brightened and
 cropped photos change nothing that matters: all False. Partial-token scrolls have no whole-token alignment
 (``shift`` and ``changed`` None) but show the same page, so they are labelled True; whether reuse pays for them is
-the benchmark's to measure. Unrelated pairs have no correspondence (``shift`` and ``changed`` None).
+the benchmark's to measure. Unrelated pairs have no correspondence (``shift`` and ``changed`` None). ``motion``
+(dy, dx) says in pixels how far B's content moved where a pair was made by moving it by any number of pixels (a
+partial scroll, a synthetic pan); ``Pair.true_motion()`` adds the whole-token families' shifts (``motion_px`` in
+labels.json).
 
 Sources, all offline:
 

@@ -112,6 +112,7 @@ def write(pairs: Sequence[Pair], out: Path) -> Path:
         entries.append({"name": pair.name, "family": pair.family, "a": f"{pair.family}/{number}-a.png",
                         "b": f"{pair.family}/{number}-b.png", "near_duplicate": pair.near_duplicate,
                         "shift": list(pair.shift) if pair.shift is not None else None,
+                        "motion_px": list(motion) if (motion := pair.true_motion()) is not None else None,
                         "tokens_a": grid(pair.a), "tokens_b": grid(pair.b), "changed": _mask_rows(pair.changed)})
     labels = out / "labels.json"
     labels.write_text(json.dumps({"summary": summary(pairs), "pairs": entries}, indent=1) + "\n")

@@ -16,6 +16,8 @@ TOKEN = CELL  # pixels per token side
 FAMILIES = ("doc_edit", "doc_scroll_whole", "doc_scroll_partial", "form_fill", "video_next", "video_distant",
             "photo_jpeg", "photo_crop", "photo_bright", "unrelated", "unrelated_same_site")
 LOSSLESS_FAMILIES = ("doc_edit", "doc_scroll_whole", "form_fill", "photo_crop")
+# Families whose B shows A's content moved by whole tokens (``shift``) or left in place
+WHOLE_TOKEN_FAMILIES = ("doc_edit", "doc_scroll_whole", "form_fill", "photo_jpeg", "photo_crop", "photo_bright")
 EXACT_THRESHOLD = 24  # lossless rule: a pixel differs if a channel moves by more than this
 VIDEO_THRESHOLD = 12.0  # video rule: a token differs if its mean absolute difference is more than this
 MAX_TOKENS = 4500
@@ -38,6 +40,19 @@ class Pair:
     near_duplicate: bool | None
     changed: np.ndarray | None
     shift: tuple[int, int] | None
+    # Pixels b's content moved against a's (dy, dx), where the pair was made by moving it: a scroll or a pan by
+    # any number of pixels; None where not known (see true_motion).
+    motion: tuple[int, int] | None = None
+
+    def true_motion(self) -> tuple[int, int] | None:
+        """Pixels b's content moved against a's: ``motion``, else, in the families whose content moves by whole
+        tokens or not at all (WHOLE_TOKEN_FAMILIES), ``shift`` in pixels; None where the pair does not say (a real
+        clip's next frame, unrelated pairs)."""
+        if self.motion is not None:
+            return self.motion
+        if self.family in WHOLE_TOKEN_FAMILIES and self.shift is not None:
+            return self.shift[0] * TOKEN, self.shift[1] * TOKEN
+        return None
 
 
 @dataclass(frozen=True)

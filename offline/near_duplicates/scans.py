@@ -183,7 +183,7 @@ def scrolls(rng: random.Random, image: Image.Image, count: int, source: str, tok
                               True, changed_exact(a, b, shift), shift))
         else:
             pairs.append(Pair(f"doc-scroll-partial/{source}/{direction}-{offset}-px-{index}", "doc_scroll_partial",
-                              a, b, True, None, None))
+                              a, b, True, None, None, motion=(-offset if down else offset, 0)))
     return pairs
 
 

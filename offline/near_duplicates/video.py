@@ -124,16 +124,19 @@ def _pan_pairs(rng: random.Random, count: int, large: bool) -> dict[str, list[Pa
     for family in out:
         for index in range(count):
             name = names[index % len(names)]
-            source = skimage_image(name)
-            source = source.resize((source.width * (4 if large else 2), source.height * (4 if large else 2)),
-                                   Image.Resampling.LANCZOS)
             rows, cols = shape_for(rng, 4 / 3, tokens)
             width, height = cols * TOKEN, rows * TOKEN
-            while True:
+            while True:  # at most 9 px a frame
                 vx, vy = rng.randint(-9, 9), rng.randint(-9, 9)
                 if (vx, vy) != (0, 0):
                     break
             frames = 1 if family == "video_next" else rng.randint(30, 60)
+            source = skimage_image(name)
+            # enlarged (2x, 4x when large), and more where the window and its path over the frames need it
+            scale = max(4 if large else 2, (width + abs(vx) * frames) / source.width,
+                        (height + abs(vy) * frames) / source.height)
+            source = source.resize((math.ceil(source.width * scale), math.ceil(source.height * scale)),
+                                   Image.Resampling.LANCZOS)
             span_x, span_y = abs(vx) * frames, abs(vy) * frames
             x = rng.randint(span_x if vx < 0 else 0, source.width - width - (span_x if vx > 0 else 0))
             y = rng.randint(span_y if vy < 0 else 0, source.height - height - (span_y if vy > 0 else 0))
@@ -142,5 +145,6 @@ def _pan_pairs(rng: random.Random, count: int, large: bool) -> dict[str, list[Pa
             b = source.crop((x, y, x + width, y + height))
             slug = family.replace("_", "-")
             out[family].append(Pair(f"{slug}/video-pan/{name}/{vx},{vy}x{frames}-{index}", family, a, b,
-                                    True if family == "video_next" else None, changed_video(a, b), (0, 0)))
+                                    True if family == "video_next" else None, changed_video(a, b), (0, 0),
+                                    motion=(-vy * frames, -vx * frames)))
     return out

@@ -170,7 +170,7 @@ def test_a_client_cannot_smuggle_a_plan_or_a_cache_scope(gateway, picture) -> No
     victim_key = victim.headers["x-revisit-image-keys"]
     wait_stored(gateway, victim_key)
     assert victim_key in gateway.app.state.services.policy  # the victim's entry is in the books
-    forged = RequestPlan(images=(ImagePlan(key=victim_key, strategy="exact", tokens=49, grid=(7, 7)),))
+    forged = RequestPlan(images=(ImagePlan(key=victim_key, kind="exact", tokens=49, grid=(7, 7)),))
     for field, value in (("rid", forged.to_rid("forged", key=PUBLIC_PLAN_KEY)),
                          ("extra_key", cache_scope("default", b""))):
         body = {"model": "revisit-tiny", "max_tokens": 4, field: value, "messages": [{"role": "user", "content": [

@@ -84,13 +84,13 @@ def seen(pair: Pair, picture: Image.Image) -> dict:
     assert extends_of(pair, 0, prompt) == SPANS[pair.arch][0] and extends_of(pair, 1, prompt) == SPANS[pair.arch][1]
     grid = grid_of(prompt)
     answer = chat(pair.a, content("Look:", picture, QUESTION),
-                  plan_rid=rid(ImagePlan(key=key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)))
+                  plan_rid=rid(ImagePlan(key=key, kind=MISS, tokens=grid[0] * grid[1], grid=grid)))
     wait_stored(pair, key)
     return {"key": key, "answer": answer, "prompt": prompt, "grid": grid}
 
 
 def exact_plan(seen: dict, **fields) -> ImagePlan:
-    return ImagePlan(key=seen["key"], strategy=EXACT, tokens=seen["grid"][0] * seen["grid"][1], grid=seen["grid"],
+    return ImagePlan(key=seen["key"], kind=EXACT, tokens=seen["grid"][0] * seen["grid"][1], grid=seen["grid"],
                      **fields)
 
 
@@ -189,7 +189,7 @@ def test_a_question_split_over_extends_scores_with_its_first_rows_and_its_drops_
     grid = grid_of(alias_prompt)
     alias_key = key_for(f"{pair.arch}-chunked-small")
     chat(pair.a, content("Look:", small, question), tokens=1,
-         plan_rid=rid(ImagePlan(key=alias_key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)))
+         plan_rid=rid(ImagePlan(key=alias_key, kind=MISS, tokens=grid[0] * grid[1], grid=grid)))
     wait_stored(pair, alias_key)
     image = small.copy()
     ImageDraw.Draw(image).rectangle((2, 2, 20, 20), fill=(20, 20, 20))  # inside the first token

@@ -170,7 +170,7 @@ def seen(pair: Pair, picture: Image.Image) -> dict:
     prompt = pair.model.prompt(["Look:", picture, QUESTION])
     grid = grid_of(prompt)
     answer = chat(pair.a, content("Look:", picture, QUESTION),
-                  plan_rid=rid(ImagePlan(key=key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)))
+                  plan_rid=rid(ImagePlan(key=key, kind=MISS, tokens=grid[0] * grid[1], grid=grid)))
     wait_stored(pair, key)
     return {"key": key, "answer": answer, "prompt": prompt, "grid": grid}
 
@@ -193,7 +193,7 @@ def test_exact_hit_same_prefix_is_token_identical_and_skips_the_vision_tower(
 ) -> None:
     before = vision_runs(pair.b)
     hits_before = pair.b.log_file.read_text().count(f"revisit: exact hit {seen['key'][:16]}")
-    plan = ImagePlan(key=seen["key"], strategy=EXACT, tokens=seen["grid"][0] * seen["grid"][1], grid=seen["grid"])
+    plan = ImagePlan(key=seen["key"], kind=EXACT, tokens=seen["grid"][0] * seen["grid"][1], grid=seen["grid"])
     flush(pair.b)
     hit = chat(pair.b, content("Look:", picture, QUESTION), plan_rid=rid(plan))
     assert text_of(hit) == text_of(seen["answer"]) and text_of(hit)
@@ -210,7 +210,7 @@ def test_position_independent_reuse_matches_the_reference(
     model = pair.model
     moved = model.prompt([preamble, picture, QUESTION])
     ratios = uniform(ratio, model.num_layers)
-    plan = ImagePlan(key=seen["key"], strategy=EXACT, tokens=seen["grid"][0] * seen["grid"][1], grid=seen["grid"],
+    plan = ImagePlan(key=seen["key"], kind=EXACT, tokens=seen["grid"][0] * seen["grid"][1], grid=seen["grid"],
                      ratios=ratios)
     flush(pair.b)
     served = chat(pair.b, content(preamble, picture, QUESTION), plan_rid=rid(plan), tokens=1)
@@ -230,8 +230,8 @@ def test_two_images_only_the_seen_one_is_reused(
     parts = content("Look:", picture, "and then:", other, "Which is brighter?")
     grid = seen["grid"]
     new_key = key_for(f"{pair.arch}-coffee")
-    plans = (ImagePlan(key=seen["key"], strategy=EXACT, tokens=grid[0] * grid[1], grid=grid),
-             ImagePlan(key=new_key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid))
+    plans = (ImagePlan(key=seen["key"], kind=EXACT, tokens=grid[0] * grid[1], grid=grid),
+             ImagePlan(key=new_key, kind=MISS, tokens=grid[0] * grid[1], grid=grid))
     before, log_before = vision_runs(pair.b), pair.b.log_file.read_text().count("revisit: exact hit")
     flush(pair.b)
     planned = chat(pair.b, parts, plan_rid=rid(*plans))
@@ -254,7 +254,7 @@ def test_a_damaged_entry_falls_back_to_full_prefill(pair: Pair, picture: Image.I
     key = key_for(f"{pair.arch}-astronaut-damaged-{where}")
     prompt = pair.model.prompt(["Look:", picture, QUESTION])
     grid = grid_of(prompt)
-    plan = ImagePlan(key=key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)
+    plan = ImagePlan(key=key, kind=MISS, tokens=grid[0] * grid[1], grid=grid)
     chat(pair.a, content("Look:", picture, QUESTION), plan_rid=rid(plan), tokens=1)
     wait_stored(pair, key)
     store = pair.store()
@@ -264,7 +264,7 @@ def test_a_damaged_entry_falls_back_to_full_prefill(pair: Pair, picture: Image.I
     data[offset] ^= 0xFF  # inside the KV of the last token, or the encoder output of the first
     entry_file.write_bytes(bytes(data))
     assert store.get(key) is None
-    exact = ImagePlan(key=key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid)
+    exact = ImagePlan(key=key, kind=EXACT, tokens=grid[0] * grid[1], grid=grid)
     flush(pair.b)
     line, outcome = DAMAGE[where]
     seen_before = pair.b.log_file.read_text().count(line)
@@ -277,7 +277,7 @@ def test_a_damaged_entry_falls_back_to_full_prefill(pair: Pair, picture: Image.I
 
 
 def test_a_plan_that_does_not_fit_is_ignored(pair: Pair, seen: dict, picture: Image.Image) -> None:
-    wrong = ImagePlan(key=seen["key"], strategy=EXACT, tokens=6, grid=(2, 3))
+    wrong = ImagePlan(key=seen["key"], kind=EXACT, tokens=6, grid=(2, 3))
     flush(pair.b)
     mismatches = pair.b.log_file.read_text().count("does not match its image")
     wrong_rid = rid(wrong)
@@ -302,7 +302,7 @@ def test_the_encoder_cache_is_kept_apart_per_tenant_scope(pair: Pair, picture: I
     grid = grid_of(pair.model.prompt(["Look:", image, QUESTION]))
 
     def scoped(scope: str) -> str:
-        plan = ImagePlan(key=key_for(f"{pair.arch}-scoped"), strategy=MISS, tokens=grid[0] * grid[1], grid=grid,
+        plan = ImagePlan(key=key_for(f"{pair.arch}-scoped"), kind=MISS, tokens=grid[0] * grid[1], grid=grid,
                          store=False)
         return RequestPlan(images=(plan,), scope=scope).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
 
@@ -342,7 +342,7 @@ def gateway_plan(pair: Pair, alias_key: str, alias_image: Image.Image, image: Im
     extractor = PixelExtractor()
     new, old = extractor.extract(image, grid, cell), extractor.extract(alias_image, alias_grid or grid, cell)
     plan = plan_against(new, old, alias=alias_key, key=key_for(f"{pair.arch}-edited"), settings=MatchSettings(),
-                        strategy=selector, layers=pair.model.num_layers)
+                        selector=selector, layers=pair.model.num_layers)
     assert plan is not None and plan.change_map.count("x") < plan.tokens // 4
     return plan
 
@@ -432,7 +432,7 @@ def test_an_approximate_hit_is_stored_as_a_derived_entry_and_its_repeat_answers_
     assert (entry.encoder.flat() - encoder.flat()).abs().max() < 1e-4
     flush(pair.a)
     repeat = chat(pair.a, content(APPROXIMATE_PREAMBLE, image, QUESTION), tokens=8, plan_rid=rid(
-        ImagePlan(key=plan.key, strategy=EXACT, tokens=plan.tokens, grid=plan.grid)))
+        ImagePlan(key=plan.key, kind=EXACT, tokens=plan.tokens, grid=plan.grid)))
     assert text_of(repeat) == text_of(served) and top5(repeat) == pytest.approx(top5(served), abs=1e-5)
     # entropy_aware drops tokens: what the hit attended to is not a whole image's K/V, so nothing is stored
     dropping = dataclasses.replace(gateway_plan(pair, seen["key"], picture, image, seen["grid"], ENTROPY_AWARE),
@@ -469,7 +469,7 @@ def test_an_approximate_plan_with_a_damaged_alias_computes_the_image_in_full(pai
     alias_prompt = pair.model.prompt(["Look:", picture, QUESTION])
     grid = grid_of(alias_prompt)
     chat(pair.a, content("Look:", picture, QUESTION), tokens=1,
-         plan_rid=rid(ImagePlan(key=alias_key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)))
+         plan_rid=rid(ImagePlan(key=alias_key, kind=MISS, tokens=grid[0] * grid[1], grid=grid)))
     wait_stored(pair, alias_key)
     entry_file = Path(pair.store_env["REVISIT_STORE_DRAM_DIR"]) / f"{alias_key}.kv"
     data = bytearray(entry_file.read_bytes())
@@ -502,7 +502,7 @@ def test_a_scrolled_alias_lends_its_tokens_moved_per_axis_as_the_reference_does(
     alias_grid = grid_of(alias_prompt)
     alias_key = key_for(f"{pair.arch}-taller")
     chat(pair.a, content("Look:", taller, QUESTION), tokens=1, plan_rid=rid(
-        ImagePlan(key=alias_key, strategy=MISS, tokens=alias_grid[0] * alias_grid[1], grid=alias_grid)))
+        ImagePlan(key=alias_key, kind=MISS, tokens=alias_grid[0] * alias_grid[1], grid=alias_grid)))
     wait_stored(pair, alias_key)
     prompt = model.prompt([APPROXIMATE_PREAMBLE, picture, QUESTION])
     grid = grid_of(prompt)

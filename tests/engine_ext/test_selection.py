@@ -23,7 +23,7 @@ KEY, ALIAS = "a" * 64, "b" * 64
 
 def plan(selector: str, change_map: str, reuse: list[int], *, share: float = 0.25, warmup: int = 2,
          grid: tuple[int, int] = (2, 4), shift: tuple[int, int] = (0, 0)) -> ImagePlan:
-    return ImagePlan(key=KEY, strategy=APPROXIMATE, tokens=grid[0] * grid[1], grid=grid, alias=ALIAS,
+    return ImagePlan(key=KEY, kind=APPROXIMATE, tokens=grid[0] * grid[1], grid=grid, alias=ALIAS,
                      change_map=change_map, reuse=tuple(reuse), recompute_share=share, warmup_layers=warmup,
                      selector=selector, shift=shift)
 

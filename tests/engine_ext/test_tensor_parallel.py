@@ -64,7 +64,7 @@ def picture(astronaut: Image.Image) -> Image.Image:
 
 
 def miss_plan(key: str, grid: tuple[int, int]) -> ImagePlan:
-    return ImagePlan(key=key, strategy=MISS, tokens=grid[0] * grid[1], grid=grid)
+    return ImagePlan(key=key, kind=MISS, tokens=grid[0] * grid[1], grid=grid)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_an_entry_written_at_one_layout_is_an_exact_hit_at_the_other(pair: Pair,
     hits = f"revisit: exact hit {key[:16]}"
     hits_before, runs_before = target.log_file.read_text().count(hits), vision_runs(target)
     flush(target)
-    plan_rid = rid(ImagePlan(key=key, strategy=EXACT, tokens=grid[0] * grid[1], grid=grid))
+    plan_rid = rid(ImagePlan(key=key, kind=EXACT, tokens=grid[0] * grid[1], grid=grid))
     hit = chat(target, parts, plan_rid=plan_rid)
     assert target.log_file.read_text().count(hits) == hits_before + 1  # logged by the first rank alone
     assert vision_runs(target) == runs_before  # no rank ran its vision tower on the image

@@ -36,6 +36,12 @@ def test_from_env_reads_prefixed_variables(tmp_path):
         ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_MAX_IMAGE_BYTES": "lots"}, "valid int"),
         ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_NAMESPACES": "[1]"}, "JSON object"),
         ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1,http://a:1"}, "distinct"),
+        # renamed settings name their new names rather than being ignored
+        ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_MATCH_STRATEGY": "vlcache"},
+         "REVISIT_MATCH_SELECTOR"),
+        ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_MATCH_ALLOW_STRATEGY_HEADER": "1"},
+         "REVISIT_MATCH_ALLOW_SELECTOR_HEADER"),
+        ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_MATCH_SELECTOR": "magic"}, "selector"),
     ],
 )
 def test_bad_settings_fail_loudly(env, message):

@@ -193,7 +193,7 @@ SHAPE = ModelFacts(layers=28)
 
 
 def test_a_miss_and_plain_sglang_compute_every_layer_and_the_whole_tower() -> None:
-    for plan in (None, ImagePlan(key=KEY, strategy=MISS, tokens=64, grid=(8, 8))):
+    for plan in (None, ImagePlan(key=KEY, kind=MISS, tokens=64, grid=(8, 8))):
         work = image_work(plan, SHAPE, 64)
         # Its rows attend over half the prompt on average: here the image alone, 64 tokens.
         assert work.as_dict() == {"token_layers": 64 * 28, "attention_pairs": 0.057, "vision_patches": 256,
@@ -205,9 +205,9 @@ def test_a_miss_and_plain_sglang_compute_every_layer_and_the_whole_tower() -> No
 
 
 def test_an_exact_hit_reads_every_layer_and_recomputes_its_ratios() -> None:
-    same = image_work(ImagePlan(key=KEY, strategy=EXACT, tokens=64, grid=(8, 8)), SHAPE, 64)
+    same = image_work(ImagePlan(key=KEY, kind=EXACT, tokens=64, grid=(8, 8)), SHAPE, 64)
     assert same.as_dict() == {"read_token_layers": 64 * 28, "planned_images": 1}
-    moved = image_work(ImagePlan(key=KEY, strategy=EXACT, tokens=64, grid=(8, 8), ratios=(0.5,) + (0.05,) * 27),
+    moved = image_work(ImagePlan(key=KEY, kind=EXACT, tokens=64, grid=(8, 8), ratios=(0.5,) + (0.05,) * 27),
                        SHAPE, 64)
     assert moved.planned_token_layers == 32 + 27 * 3 and moved.read_token_layers == 64 * 28
 
@@ -216,7 +216,7 @@ def test_an_approximate_hit_counts_warmup_budget_reads_and_the_partial_pass() ->
     change_map = "=" * 64
     change_map = change_map[:9] + "x" + change_map[10:]  # token (1, 1) changed
     reuse = tuple(i for i in range(64) if i != 9)
-    plan = ImagePlan(key=KEY, strategy=APPROXIMATE, tokens=64, grid=(8, 8), alias=ALIAS, change_map=change_map,
+    plan = ImagePlan(key=KEY, kind=APPROXIMATE, tokens=64, grid=(8, 8), alias=ALIAS, change_map=change_map,
                      warmup_layers=3, reuse=reuse, recompute_share=0.25, selector=ATTENTION_ONLY,
                      vision=PARTIAL_PASS)
     work = image_work(plan, SHAPE, 64)

@@ -54,7 +54,7 @@ def test_every_request_with_images_carries_its_namespace_scope_to_the_worker():
     scope = cache_scope("ns-a", b"k" * 32)
     plan = scoped_plan(None, intake, scope)  # reuse off: no plan was made
     assert plan is not None and plan.scope == scope != cache_scope("ns-b", b"k" * 32)
-    assert [(p.key, p.strategy, p.store) for p in plan.images] == [(image.key, MISS, False)] and not plan.reported
+    assert [(p.key, p.kind, p.store) for p in plan.images] == [(image.key, MISS, False)] and not plan.reported
     body = upstream_body({"messages": []}, scope=scope, rid=plan.to_rid("r1", key=PUBLIC_PLAN_KEY))
     assert body["extra_key"] == plan.scope and RequestPlan.from_rid(body["rid"], key=PUBLIC_PLAN_KEY) == plan
     assert scoped_plan(None, dataclasses.replace(intake, images=()), scope) is None  # text only: no plan
@@ -66,9 +66,9 @@ def test_no_salt_costs_a_planned_request_its_prefix():
     own cache_salt reaches SGLang unchanged."""
     from gateway.routes.openai_api import upstream_body
 
-    body = upstream_body({"messages": [], "rid": "mine", "cache_salt": "c"}, scope="s", rid="rv5.r1.x.y.")
-    assert body["cache_salt"] == "c" and body["extra_key"] == "s" and body["rid"] == "rv5.r1.x.y."
-    assert "cache_salt" not in upstream_body({"messages": []}, scope="s", rid="rv5.r1.x.y.")
+    body = upstream_body({"messages": [], "rid": "mine", "cache_salt": "c"}, scope="s", rid="rv6.r1.x.y.")
+    assert body["cache_salt"] == "c" and body["extra_key"] == "s" and body["rid"] == "rv6.r1.x.y."
+    assert "cache_salt" not in upstream_body({"messages": []}, scope="s", rid="rv6.r1.x.y.")
 
 
 def test_a_namespace_scope_cannot_be_named_without_the_secret():

@@ -171,3 +171,28 @@ def test_without_a_clip_the_video_families_are_synthetic_pans(monkeypatch: pytes
     assert any("synthetic" in note for note in notes)
     for pair in video["video_next"]:
         assert pair.a.size == pair.b.size and pair.near_duplicate is True and pair.changed is not None
+
+
+def test_a_pairs_true_motion_moves_a_onto_b(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partial scrolls and synthetic pans say in pixels how far B's content moved: A moved so lines up with B
+    pixel for pixel where they overlap. The default count of pans builds on every photo (the window fits the
+    photo enlarged as much as its path needs)."""
+    from offline.near_duplicates.build import _rng
+    from offline.near_duplicates.pairs import DEFAULT_COUNTS
+    from offline.near_duplicates.scans import scan_scrolls
+
+    monkeypatch.setattr("offline.near_duplicates.video.find_clips", lambda: [])
+    pans = nd.video_pairs(_rng(0, "video", "clips"), DEFAULT_COUNTS.single, False, [])
+    moved = pans["video_next"] + pans["video_distant"][:4] + scan_scrolls(random.Random(1), 3, False, False)
+    for pair in moved:
+        motion = pair.true_motion()
+        assert motion is not None and pair.motion == motion, pair.name
+        dy, dx = motion
+        a, b = np.asarray(pair.a, dtype=np.int16), np.asarray(pair.b, dtype=np.int16)
+        height, width = b.shape[0] - abs(dy), b.shape[1] - abs(dx)
+        assert height > 0 and width > 0, pair.name
+        b_part = b[max(dy, 0):max(dy, 0) + height, max(dx, 0):max(dx, 0) + width]
+        a_part = a[max(-dy, 0):max(-dy, 0) + height, max(-dx, 0):max(-dx, 0) + width]
+        assert np.array_equal(a_part, b_part), pair.name
+    scrolled = [pair for pair in moved if pair.family == "doc_scroll_partial"]
+    assert scrolled and all(pair.motion[0] % TOKEN for pair in scrolled)  # type: ignore[index]

@@ -217,7 +217,7 @@ def test_a_gateway_plan_that_recomputes_everything_is_a_full_prefill(model: Refe
     _, h, w = prompt.images[0].grid
     full = full_run(model, prompt)
     for selector in (ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE):
-        wire = ImagePlan(key="a" * 64, strategy=APPROXIMATE, tokens=h * w, grid=(h, w), alias="b" * 64,
+        wire = ImagePlan(key="a" * 64, kind=APPROXIMATE, tokens=h * w, grid=(h, w), alias="b" * 64,
                          change_map="=" * (h * w), reuse=tuple(range(h * w)) if selector != ENTROPY_AWARE else (),
                          recompute_share=1.0, warmup_layers=1 if selector == CACHEBLEND else 2, selector=selector)
         approximate, chosen = execute(model, prompt, wire, encoder, alias)
@@ -236,7 +236,7 @@ def test_a_shifted_alias_lends_its_aligned_tokens_keys_moved_per_axis(model: Ref
     prompt = model.prompt(["A longer preamble. Look:", picture, "?"])
     _, h, w = prompt.images[0].grid
     assert alias.grid[1:] == (h + 1, w)
-    wire = ImagePlan(key="a" * 64, strategy=APPROXIMATE, tokens=h * w, grid=(h, w), alias="b" * 64,
+    wire = ImagePlan(key="a" * 64, kind=APPROXIMATE, tokens=h * w, grid=(h, w), alias="b" * 64,
                      alias_grid=(h + 1, w), shift=(-1, 0), change_map="=" * (h * w), reuse=tuple(range(h * w)),
                      selector=FULL_REUSE)
     approximate, chosen = execute(model, prompt, wire, model.encode(prompt)[0], alias)

@@ -29,11 +29,11 @@ A, B = "a" * 64, "b" * 64
 
 def test_request_plan_round_trips_through_json() -> None:
     plan = RequestPlan(images=(
-        ImagePlan(key=A, strategy=MISS, tokens=64, grid=(8, 8)),
-        ImagePlan(key=B, strategy=EXACT, tokens=6, grid=(2, 3), ratios=(0.5, 0.1, 0.0)),
-        ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, warmup_layers=3, reuse=(4, 1),
+        ImagePlan(key=A, kind=MISS, tokens=64, grid=(8, 8)),
+        ImagePlan(key=B, kind=EXACT, tokens=6, grid=(2, 3), ratios=(0.5, 0.1, 0.0)),
+        ImagePlan(key=B, kind=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, warmup_layers=3, reuse=(4, 1),
                   recompute_share=0.3, change_map="=~x=~=", similarity=0.93),
-        ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, alias_grid=(3, 3), shift=(-1, 0),
+        ImagePlan(key=B, kind=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, alias_grid=(3, 3), shift=(-1, 0),
                   change_map="==x===", reuse=(0, 2, 5), selector=VLCACHE, vision=PARTIAL_PASS, derive=True),
     ))
     wire = plan.to_json()
@@ -42,14 +42,14 @@ def test_request_plan_round_trips_through_json() -> None:
     assert back == plan and back.images[2].reuse == (1, 4) and back.images[2].alias_grid == (2, 3)
     scoped = RequestPlan(images=plan.images[:1], scope="revisit-ns-0123abcd")
     assert RequestPlan.from_json(scoped.to_json()) == scoped and scoped.reported
-    assert not RequestPlan(images=(ImagePlan(key=A, strategy=MISS, tokens=64, grid=(8, 8), store=False),)).reported
+    assert not RequestPlan(images=(ImagePlan(key=A, kind=MISS, tokens=64, grid=(8, 8), store=False),)).reported
     assert back.images[3].shift == (-1, 0) and back.images[3].alias_grid == (3, 3)
     assert back.images[3].vision == PARTIAL_PASS and back.images[2].vision == "full"  # change-blind: 2 reused
     assert back.images[3].derive and not back.images[2].derive
 
 
 def test_a_shift_lines_tokens_up_with_the_alias_grid() -> None:
-    scrolled = ImagePlan(key=B, strategy=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, shift=(1, -1),
+    scrolled = ImagePlan(key=B, kind=APPROXIMATE, tokens=6, grid=(2, 3), alias=A, shift=(1, -1),
                          change_map="xxx==x")
     # new (1, 0) shows alias (0, 1); row 0 scrolled in; column 2 of row 1 would come from alias column 3: none
     assert [scrolled.alias_token(i) for i in range(6)] == [None, None, None, 1, 2, None]
@@ -57,34 +57,34 @@ def test_a_shift_lines_tokens_up_with_the_alias_grid() -> None:
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"key": "A" * 64}, "hex"),
-    ({"strategy": "guess"}, "strategy"),
+    ({"kind": "guess"}, "kind"),
     ({"tokens": 5}, "tokens"),
     ({"grid": [0, 6]}, "grid"),
-    ({"strategy": EXACT, "ratios": [0.1, 0.2]}, "non-increasing"),
-    ({"strategy": EXACT, "ratios": [1.5]}, r"\[0, 1\]"),
+    ({"kind": EXACT, "ratios": [0.1, 0.2]}, "non-increasing"),
+    ({"kind": EXACT, "ratios": [1.5]}, r"\[0, 1\]"),
     ({"ratios": [0.1]}, "exact"),
-    ({"strategy": APPROXIMATE}, "alias"),
-    ({"strategy": APPROXIMATE, "alias": A}, "alias"),  # its own key
-    ({"strategy": APPROXIMATE, "alias": B, "reuse": [6], "change_map": "======"}, "reuse"),
-    ({"strategy": APPROXIMATE, "alias": B, "reuse": [1, 1], "change_map": "======"}, "reuse"),
+    ({"kind": APPROXIMATE}, "alias"),
+    ({"kind": APPROXIMATE, "alias": A}, "alias"),  # its own key
+    ({"kind": APPROXIMATE, "alias": B, "reuse": [6], "change_map": "======"}, "reuse"),
+    ({"kind": APPROXIMATE, "alias": B, "reuse": [1, 1], "change_map": "======"}, "reuse"),
     ({"reuse": [1]}, "approximate"),
     ({"shift": [1, 0]}, "approximate"),
     ({"change_map": "======"}, "approximate"),
-    ({"strategy": APPROXIMATE, "alias": B, "change_map": "==="}, "change_map"),
-    ({"strategy": APPROXIMATE, "alias": B, "change_map": "==?==="}, "change_map"),
-    ({"strategy": APPROXIMATE, "alias": B, "change_map": "=x====", "reuse": [1]}, "changed"),
-    ({"strategy": APPROXIMATE, "alias": B, "change_map": "xxx===", "shift": [1, 0], "reuse": [0]}, "aligned"),
-    ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "selector": "magic"}, "selector"),
-    ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "alias_grid": [0, 3]}, "alias_grid"),
+    ({"kind": APPROXIMATE, "alias": B, "change_map": "==="}, "change_map"),
+    ({"kind": APPROXIMATE, "alias": B, "change_map": "==?==="}, "change_map"),
+    ({"kind": APPROXIMATE, "alias": B, "change_map": "=x====", "reuse": [1]}, "changed"),
+    ({"kind": APPROXIMATE, "alias": B, "change_map": "xxx===", "shift": [1, 0], "reuse": [0]}, "aligned"),
+    ({"kind": APPROXIMATE, "alias": B, "change_map": "======", "selector": "magic"}, "selector"),
+    ({"kind": APPROXIMATE, "alias": B, "change_map": "======", "alias_grid": [0, 3]}, "alias_grid"),
     ({"vision": "partial"}, "approximate"),
     ({"derive": True}, "approximate"),
-    ({"strategy": APPROXIMATE, "alias": B, "change_map": "======", "vision": "half"}, "vision"),
-    ({"strategy": APPROXIMATE, "alias": B, "change_map": "=x====", "reuse": [1], "selector": "attention_only"},
+    ({"kind": APPROXIMATE, "alias": B, "change_map": "======", "vision": "half"}, "vision"),
+    ({"kind": APPROXIMATE, "alias": B, "change_map": "=x====", "reuse": [1], "selector": "attention_only"},
      "changed"),
     ({"colour": "blue"}, "unknown"),
 ])
 def test_bad_image_plans_are_refused(change: dict, message: str) -> None:
-    data = {"key": A, "strategy": MISS, "tokens": 6, "grid": [2, 3], **change}
+    data = {"key": A, "kind": MISS, "tokens": 6, "grid": [2, 3], **change}
     with pytest.raises(PlanError, match=message):
         RequestPlan.from_json(json.dumps({"version": PLAN_VERSION, "images": [data]}))
 
@@ -125,7 +125,7 @@ KEY = plan_key(DataPlaneSecret(b"s" * 32))
 
 
 def test_plans_ride_in_the_request_id() -> None:
-    plan = RequestPlan(images=(ImagePlan(key=A, strategy=EXACT, tokens=64, grid=(8, 8), ratios=(0.5,) * 12),))
+    plan = RequestPlan(images=(ImagePlan(key=A, kind=EXACT, tokens=64, grid=(8, 8), ratios=(0.5,) * 12),))
     rid = plan.to_rid("req-1", key=KEY)
     assert rid.startswith(f"{RID_PREFIX}req-1.") and rid.endswith(".")
     assert RequestPlan.from_rid(rid, key=KEY) == plan
@@ -140,10 +140,10 @@ def test_plans_ride_in_the_request_id() -> None:
 
 
 def test_a_plan_is_executed_only_under_the_secret_it_was_made_with() -> None:
-    plan = RequestPlan(images=(ImagePlan(key=A, strategy=EXACT, tokens=64, grid=(8, 8)),), scope="revisit-ns-a")
+    plan = RequestPlan(images=(ImagePlan(key=A, kind=EXACT, tokens=64, grid=(8, 8)),), scope="revisit-ns-a")
     rid = plan.to_rid("req-1", key=KEY)
     request_id, packed, tag = rid.removeprefix(RID_PREFIX).split(".")[:3]
-    other = RequestPlan(images=(ImagePlan(key=B, strategy=EXACT, tokens=64, grid=(8, 8)),), scope="revisit-ns-a")
+    other = RequestPlan(images=(ImagePlan(key=B, kind=EXACT, tokens=64, grid=(8, 8)),), scope="revisit-ns-a")
     other_packed = other.to_rid("req-1", key=KEY).split(".")[2]
     for forged in (plan.to_rid("req-1", key=PUBLIC_PLAN_KEY),  # made without the secret
                    plan.to_rid("req-1", key=plan_key(DataPlaneSecret(b"t" * 32))),  # under another secret

@@ -164,7 +164,7 @@ def test_a_plan_posted_to_a_worker_without_the_secret_is_refused(secure):
     image = picture("coffee.png")
     plain = ask(gateway.url, image, mode="off")
     tokens = 49  # 196 x 196 px on the tiny model: a 7 x 7 grid
-    forged = RequestPlan(images=(ImagePlan(key=victim, strategy=EXACT, tokens=tokens, grid=(7, 7)),))
+    forged = RequestPlan(images=(ImagePlan(key=victim, kind=EXACT, tokens=tokens, grid=(7, 7)),))
     for key in (PUBLIC_PLAN_KEY, plan_key(DataPlaneSecret(b"x" * 32))):
         rid = forged.to_rid(uuid.uuid4().hex, key=key)
         body = {"model": MODEL_ID, "max_tokens": 8, "temperature": 0, "rid": rid, "messages": [

@@ -1,4 +1,4 @@
-"""Approximate plans: the reuse set per strategy and the guard (plans.py), and the planner choosing them over a
+"""Approximate plans: the reuse set per selector and the guard (plans.py), and the planner choosing them over a
 real store (shared-memory files + LMDB) and a real feature store, never across namespaces."""
 
 from __future__ import annotations
@@ -54,17 +54,17 @@ def match_of(a, b, settings: MatchSettings = SETTINGS):
     return found.matches[0], features(b)
 
 
-def plan_for(a, b, strategy: str = ENTROPY_AWARE, settings: MatchSettings = SETTINGS, layers: int | None = 8):
+def plan_for(a, b, selector: str = ENTROPY_AWARE, settings: MatchSettings = SETTINGS, layers: int | None = 8):
     match, fb = match_of(a, b, settings)
     return approximate_plan(match, fb.entropy, key="b" * 64, grid=fb.grid, prefix_digest="p", settings=settings,
-                            strategy=strategy, layers=layers), match
+                            selector=selector, layers=layers), match
 
 
 def test_entropy_aware_reuses_the_lowest_entropy_unchanged_tokens() -> None:
     a = aligned("page.png", 10, 16)
     b = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24))
     plan, match = plan_for(a, b)
-    assert plan is not None and plan.strategy == APPROXIMATE and plan.alias == "a" * 64
+    assert plan is not None and plan.kind == APPROXIMATE and plan.alias == "a" * 64
     assert len(plan.reuse) == int(0.1 * 160) and plan.recompute_share == 0.3 and plan.warmup_layers == 3
     changed = set(np.flatnonzero(match.alignment.changes == CHANGED).tolist())
     assert changed and not changed & set(plan.reuse)
@@ -75,10 +75,10 @@ def test_entropy_aware_reuses_the_lowest_entropy_unchanged_tokens() -> None:
     assert plan.similarity == math.floor(match.alignment.similarity * 1e4) / 1e4 < 1.0  # rounded down
 
 
-def test_each_strategy_names_its_reuse_set() -> None:
+def test_each_selector_names_its_reuse_set() -> None:
     a = aligned("page.png", 10, 16)
     b = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24))
-    plans = {strategy: plan_for(a, b, strategy)[0] for strategy in SELECTORS}
+    plans = {selector: plan_for(a, b, selector)[0] for selector in SELECTORS}
     assert all(p is not None and p.selector == s for s, p in plans.items())
     unchanged = {i for i, c in enumerate(plans[ENTROPY_AWARE].change_map) if c != "x"}
     assert set(plans[ATTENTION_ONLY].reuse) == unchanged != set(range(160))
@@ -91,10 +91,10 @@ def test_each_strategy_names_its_reuse_set() -> None:
 def test_planning_against_a_chosen_alias_gives_the_plan_a_lookup_gives() -> None:
     a = aligned("page.png", 10, 16)
     b = edited(a, (5 * CELL + 3, 4 * CELL + 3, 7 * CELL + 10, 4 * CELL + 24))
-    for strategy in (ENTROPY_AWARE, CACHEBLEND):
-        looked_up, _ = plan_for(a, b, strategy)
+    for selector in (ENTROPY_AWARE, CACHEBLEND):
+        looked_up, _ = plan_for(a, b, selector)
         chosen = plan_against(features(b), features(a), alias="a" * 64, key="b" * 64, settings=SETTINGS,
-                              strategy=strategy, layers=8, prefix_digest="p")
+                              selector=selector, layers=8, prefix_digest="p")
         assert chosen == looked_up and chosen is not None and chosen.alias == "a" * 64
 
 
@@ -274,15 +274,15 @@ def test_matching_can_be_turned_off(cache) -> None:
     assert planner.matcher is None and plan(planner, aligned("camera.png", 4, 4), "ns").kinds == ("miss",)
 
 
-def test_a_requested_strategy_reaches_the_plan(cache) -> None:
+def test_a_requested_selector_reaches_the_plan(cache) -> None:
     manager, matcher = cache
     planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8), matcher)
     a = aligned("astronaut.png", 8, 8)
     store_like_a_worker(manager, plan(planner, a, "ns").plan.images[0].key, (8, 8))  # type: ignore[union-attr]
-    chosen = asyncio.run(planner.plan(intake(jpeg(a), "ns"), strategy=VLCACHE))
+    chosen = asyncio.run(planner.plan(intake(jpeg(a), "ns"), selector=VLCACHE))
     assert chosen.kinds == ("approximate",) and chosen.plan.images[0].selector == VLCACHE  # type: ignore[union-attr]
     default = asyncio.run(planner.plan(intake(jpeg(a, 60), "ns")))
-    assert default.plan.images[0].selector == MatchSettings().strategy == ATTENTION_ONLY  # type: ignore[union-attr]
+    assert default.plan.images[0].selector == MatchSettings().selector == ATTENTION_ONLY  # type: ignore[union-attr]
 
 
 def test_the_vision_pass_setting_reaches_approximate_plans() -> None:
