@@ -40,7 +40,7 @@ from bundled import QWEN2_5_VL, build_model  # noqa: E402
 from bundled.reader.panels import CELL  # noqa: E402
 from bundled.reader.questions import field  # noqa: E402
 from offline.reader_eval import CHANGED, UNCHANGED, Tally, answer_ids, make_pairs  # noqa: E402
-from offline.reference import Fresh, ReferenceModel, capture, prefill  # noqa: E402
+from offline.reference import Approximate, Fresh, ReferenceModel, capture, prefill  # noqa: E402
 from offline.reference.approximate import execute  # noqa: E402
 from plan import APPROXIMATE, ATTENTION_ONLY, ImagePlan  # noqa: E402
 
@@ -99,10 +99,8 @@ def evaluate(model: ReferenceModel, pairs, offsets, progress: bool = True) -> di
                     right, stale = pair.asked.value(key), (pair.cached.value(key) if kind == CHANGED else None)
                     for name, plan in (("full", None),
                                        ("moved", moved_plan(a_moved, b_image, (h, w), direction, offset))):
-                        if plan is None:
-                            image = Fresh(encoder)
-                        else:
-                            image, _ = execute(model, prompt, plan, encoder, entry)
+                        image: Fresh | Approximate = Fresh(encoder) if plan is None else \
+                            execute(model, prompt, plan, encoder, entry)[0]
                         answer = names.get(int(prefill(model, prompt, [image]).logits.argmax()), "?")
                         tallies[(direction, offset, name)][kind].add(answer, right, stale)
         if progress:
