@@ -151,11 +151,9 @@ class WorkerCosts:
     async def _calibrate(self, worker: Worker) -> None:
         url = worker.url
         started = time.monotonic()
-        info = await self._server_info(worker)
-        kv_tokens = info.get("max_total_num_tokens")
-        if isinstance(kv_tokens, int) and kv_tokens > 0 and (caches := self.caches.get(url)) is not None:
-            caches.prompts.capacity = kv_tokens
-        self.padded[url] = padded = info.get("attention_backend") in PADDED_EXTEND_BACKENDS
+        if worker.kv_tokens is not None and (caches := self.caches.get(url)) is not None:
+            caches.prompts.capacity = worker.kv_tokens  # (the pool read /server_info as the worker came up)
+        self.padded[url] = padded = worker.attention_backend in PADDED_EXTEND_BACKENDS
         try:
             samples = await self._probe(worker, padded)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
@@ -202,16 +200,6 @@ class WorkerCosts:
             samples.append((request_work(self.facts, len(_IMAGE_QUESTION), [], cached=[grid.tokens], padded=True),
                             seconds))
         return samples
-
-    async def _server_info(self, worker: Worker) -> dict:
-        """What the worker's SGLang says of itself (/server_info: its KV pool's tokens, its attention backend); {} if
-        it says nothing."""
-        try:
-            response = await self._client.get(worker.url + "/server_info", timeout=30.0)
-            info = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return {}
-        return info if isinstance(info, dict) else {}
 
     async def _timed(self, worker: Worker, content: list[dict]) -> tuple[float, int]:
         """One probe's seconds and prompt tokens, sent once the gateway has nothing else in flight there (and

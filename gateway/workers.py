@@ -63,7 +63,11 @@ class Worker:
     last_checked: float = 0.0
     # What the worker's /v1/models says of its model: {"root": ..., "max_model_len": ...}; read each time it comes up.
     model_card: dict | None = None
-    device: str | None = None  # what its SGLang runs on ("cpu", "cuda", ...: /server_info), once it has said
+    # What its SGLang says of itself in /server_info, read each time it comes up: what it runs on ("cpu", "cuda",
+    # ...), its KV pool's tokens (max_total_num_tokens) and its attention backend; None until it has said.
+    device: str | None = None
+    kv_tokens: int | None = None
+    attention_backend: str | None = None
     _last_used: int = field(default=0, repr=False)
     # The requests waiting for its first answer (WorkerPool.until_taken_out): cancelled when it is taken out.
     _awaited: set[anyio.CancelScope] = field(default_factory=set, repr=False)
@@ -159,11 +163,10 @@ class WorkerPool:
         worker.last_error = None if ok else error if not busy else f"busy with a forward ({error})"
         if ok and (worker.model_card is None or came_back):  # a worker back may have been restarted with another
             worker.model_card = await self._model_card(worker) or worker.model_card  # context length
-            device = await self._device(worker) or worker.device  # (or on another device)
-            if device != worker.device:
-                worker.device = device
-                if self.on_devices is not None:
-                    self.on_devices([w.device for w in self.workers if w.device is not None])
+            device = worker.device
+            await self._read_server_info(worker)  # (or on another device)
+            if worker.device != device and self.on_devices is not None:
+                self.on_devices([w.device for w in self.workers if w.device is not None])
         if ok and came_back and self.on_up is not None:
             self.on_up(worker)
 
@@ -184,10 +187,22 @@ class WorkerPool:
         card = {k: cards[0][k] for k in ("root", "max_model_len") if cards[0].get(k) is not None}
         return card or None
 
-    async def _device(self, worker: Worker) -> str | None:
-        """What the worker's SGLang runs on, from its /server_info (None when it does not say)."""
-        device = await self._field(worker, "/server_info", "device")
-        return device if isinstance(device, str) and device else None
+    async def _read_server_info(self, worker: Worker) -> None:
+        """What the worker's SGLang says of itself (/server_info), onto ``worker``; what it does not say is kept."""
+        try:
+            response = await self._client.get(worker.url + "/server_info", timeout=self._timeout_s)
+            info = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return
+        if not isinstance(info, dict):
+            return
+        device, kv_tokens, backend = info.get("device"), info.get("max_total_num_tokens"), info.get("attention_backend")
+        if isinstance(device, str) and device:
+            worker.device = device
+        if isinstance(kv_tokens, int) and not isinstance(kv_tokens, bool) and kv_tokens > 0:
+            worker.kv_tokens = kv_tokens
+        if isinstance(backend, str) and backend:
+            worker.attention_backend = backend
 
     async def _forward_clock(self, worker: Worker) -> tuple[bool, float | None]:
         """Whether the worker's HTTP process answers /metrics, and when the forward it is running started (None

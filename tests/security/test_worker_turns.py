@@ -102,6 +102,8 @@ def test_unset_a_keys_share_follows_the_workers_device_read_from_sglang(workers,
     try:
         listed = httpx.get(server.url + "/health", timeout=10).json()["workers"][0]
         assert listed["device"] == "cpu"  # from the worker's own /server_info
+        read = server.app.state.services.pool.workers[0]  # and what calibration sizes SGLang's caches by
+        assert read.attention_backend == "torch_native" and read.kv_tokens is not None and read.kv_tokens > 0
         stats = server.app.state.services.turns.stats()
         assert (stats["per_key"], stats["per_key_by"]) == (CPU_PER_KEY, "devices:cpu")
     finally:
