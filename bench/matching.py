@@ -17,7 +17,8 @@ motion    pixel-level motion (gateway/matching/motion.py: phase correlation) on 
           reduced 1x, 2x and 4x: per family the confidence's spread, how often the motion found is within 1 and
           0.5 px of the pair's true motion (scrolls and pans by any number of pixels, whole-token shifts, content
           left in place), and the time per pair; then the highest confidence of an unrelated pair beside the
-          lowest of a near-duplicate whose motion was found
+          lowest of a near-duplicate whose motion was found; and per quarter of the frame (regional motions), how
+          often each region finds its pair's motion
 scale     lookup + plan latency (p50/p99) with 1k, 10k and 100k images indexed (256-token pages: each one's
           per-token record is read from the feature store when it is a candidate), the index's memory per entry
           (a rebuilt index: Python and numpy memory by tracemalloc, plus the HNSW graphs' own count) and the
@@ -49,7 +50,7 @@ from gateway.matching import extractor_for  # noqa: E402
 from gateway.matching.align import CHANGED  # noqa: E402
 from gateway.matching.features import Extractor, TokenFeatures  # noqa: E402
 from gateway.matching.matcher import Matcher  # noqa: E402
-from gateway.matching.motion import find_motion, grey_of  # noqa: E402
+from gateway.matching.motion import find_motion, grey_of, regional_motions  # noqa: E402
 from gateway.matching.plans import approximate_plan  # noqa: E402
 from offline.near_duplicates import FAMILIES, Pair, build_pairs  # noqa: E402
 from plan import ENTROPY_AWARE  # noqa: E402
@@ -238,11 +239,24 @@ def motion_quality(pairs: list[Pair]) -> dict[str, Any]:
                  for c, e, _ in found if e is not None and e <= 1.0]
         result[str(reduce)] = {"families": table, "unrelated_max": max(unrelated, default=None),
                                "found_min": min(moved, default=None)}
+    # Per quarter of the frame (regional_motions, reduced 2x): each pair here moves as a whole, so every region
+    # should find the pair's motion.
+    regions: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for pair in pairs:
+        truth = pair.true_motion()
+        if truth is None or not _label(pair.family):
+            continue
+        for part in regional_motions(grey_of(pair.a, 2), grey_of(pair.b, 2), regions=(2, 2), reduce=2):
+            regions[pair.family][0] += max(abs(part.motion.dy - truth[0]), abs(part.motion.dx - truth[1])) <= 1.0
+            regions[pair.family][1] += 1
+    result["regions"] = {family: {"within_1px": n, "regions": total} for family, (n, total) in sorted(regions.items())}
     return result
 
 
 def print_motion(result: dict[str, Any]) -> None:
     for reduce, part in result.items():
+        if reduce == "regions":
+            continue
         print(f"\n  reduced {reduce}x: {'family':22s} {'pairs':>5s} {'confidence min / median / max':>30s} "
               f"{'within 1 px':>12s} {'0.5 px':>7s} {'ms':>6s}")
         for family, row in part["families"].items():
@@ -253,6 +267,8 @@ def print_motion(result: dict[str, Any]) -> None:
                   f"{row['ms_median']:6.1f}")
         print(f"  unrelated pairs' highest confidence {part['unrelated_max']:.3f}; the near-duplicates' lowest, of "
               f"those found within 1 px of their motion, {part['found_min']:.3f}")
+    print("\n  per quarter of the frame (reduced 2x), regions within 1 px of their pair's motion: "
+          + ", ".join(f"{family} {row['within_1px']} / {row['regions']}" for family, row in result["regions"].items()))
 
 
 def _label(family: str) -> bool | None:

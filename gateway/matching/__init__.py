@@ -7,8 +7,8 @@
 - :mod:`gateway.matching.index`: the coarse stage (2 x 2 regional descriptors per namespace and grid, a scan or an
   HNSW graph) and the digest sketch.
 - :mod:`gateway.matching.align`: the fine stage (whole-token shift, change map, similarity).
-- :mod:`gateway.matching.motion`: motion at pixel level (phase correlation), parts of a token included; measured
-  (bench/matching.py), not yet planned for.
+- :mod:`gateway.matching.motion`: motion at pixel level (phase correlation), parts of a token included, over the
+  whole frame or per region; measured (bench/matching.py), not yet planned for.
 - :mod:`gateway.matching.matcher`: ``Matcher``, coarse to fine, with the features persisted beside the store.
 - :mod:`gateway.matching.plans`: from a match to an approximate ``plan.ImagePlan`` (reuse set, guard).
 """

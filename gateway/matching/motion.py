@@ -7,6 +7,7 @@ finds such a motion from the pixels themselves, by phase correlation: the normal
 images related by a shift is a pure phase ramp whose inverse transform is a single peak at the shift.
 
     motion = find_motion(grey_of(a), grey_of(b))   # b shows a's content moved by (motion.dy, motion.dx) pixels
+    parts = regional_motions(grey_of(a), grey_of(b), regions=(2, 2))   # the same, per quarter of the frame
 
 Both images are taken as the model sees them (the resized image, on the token grid), in grey, reduced by
 ``reduce`` (box filter) for speed and windowed (Hann) so that the content entering and leaving at the borders does
@@ -15,6 +16,11 @@ each axis. ``confidence`` is the peak's height over the correlation surface's sp
 square root of the pixels compared, so that it does not grow with the image): pure shifts score far above
 unrelated images, which score near the noise floor. What threshold separates them is measured, not set here
 (bench/matching.py's ``motion`` section, on the labelled set's scrolls, pans and unrelated pairs).
+
+A video frame may hold more than one motion: the camera's, and a subject's across it. ``regional_motions`` finds
+one per region of a grid over the frame (the same region of both images, so content entering a region from a
+neighbour lowers that region's confidence), each with its own confidence; a region finds motions up to about a
+quarter of its side.
 """
 
 from __future__ import annotations
@@ -72,6 +78,32 @@ def find_motion(a: np.ndarray, b: np.ndarray, *, reduce: int = 1) -> Motion:
     dx = _signed(peak_x + _refine(surface[peak_y, (peak_x - 1) % width], surface[peak_y, peak_x],
                                   surface[peak_y, (peak_x + 1) % width]), width)
     return Motion(dy * reduce, dx * reduce, confidence)
+
+
+@dataclass(frozen=True)
+class RegionMotion:
+    """The motion of the content within one region of the images (``box``: top, left, bottom, right, in the
+    pixels of the images as given to regional_motions)."""
+
+    box: tuple[int, int, int, int]
+    motion: Motion
+
+
+def regional_motions(a: np.ndarray, b: np.ndarray, *, regions: tuple[int, int] = (2, 2),
+                     reduce: int = 1) -> list[RegionMotion]:
+    """find_motion within each region of a ``regions`` (rows, cols) grid over the area a and b share, row by row."""
+    height, width = min(a.shape[0], b.shape[0]), min(a.shape[1], b.shape[1])
+    rows, cols = regions
+    if rows < 1 or cols < 1:
+        raise ValueError(f"regions must be at least 1 x 1, got {regions}")
+    out = []
+    for row in range(rows):
+        top, bottom = row * height // rows, (row + 1) * height // rows
+        for col in range(cols):
+            left, right = col * width // cols, (col + 1) * width // cols
+            motion = find_motion(a[top:bottom, left:right], b[top:bottom, left:right], reduce=reduce)
+            out.append(RegionMotion((top * reduce, left * reduce, bottom * reduce, right * reduce), motion))
+    return out
 
 
 def _refine(before: float, at: float, after: float) -> float:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gateway.matching.motion import Motion, find_motion, grey_of
+from gateway.matching.motion import Motion, find_motion, grey_of, regional_motions
 from offline.near_duplicates.scans import scan_scrolls
 from tests.gateway.matching.pairs import CELL
 from tests.images_lib import load
@@ -60,3 +60,25 @@ def test_blank_or_tiny_images_give_no_motion() -> None:
     blank = np.full((56, 56), 200, np.float32)
     assert find_motion(blank, blank) == Motion(0.0, 0.0, 0.0)
     assert find_motion(np.zeros((2, 9), np.float32), np.zeros((2, 9), np.float32)).confidence == 0.0
+
+
+def test_each_region_of_a_frame_finds_its_own_motion() -> None:
+    """A frame whose left half moved 6 px right and right half 9 px left (a subject and the camera): a motion per
+    region, each within half a pixel, where the whole frame's motion can only be one of them."""
+    photo = load("astronaut.png").resize((1024, 1024), Image.Resampling.LANCZOS)
+    size, top, left = 12 * CELL, 200, 200
+    a = photo.crop((left, top, left + size, top + size))
+    half = size // 2
+    b = Image.new("RGB", (size, size))
+    b.paste(photo.crop((left - 6, top, left - 6 + half, top + size)), (0, 0))  # content moved 6 px right
+    b.paste(photo.crop((left + half + 9, top, left + size + 9, top + size)), (half, 0))  # 9 px left
+    parts = regional_motions(grey_of(a), grey_of(b), regions=(2, 2))
+    assert [part.box for part in parts[:2]] == [(0, 0, half, half), (0, half, half, size)]
+    for part in parts:
+        expected = 6 if part.box[1] == 0 else -9
+        assert (part.motion.dy, part.motion.dx) == (pytest.approx(0, abs=0.5), pytest.approx(expected, abs=0.5))
+        assert part.motion.confidence > 0.3
+    reduced = regional_motions(grey_of(a, 2), grey_of(b, 2), regions=(1, 2), reduce=2)
+    assert [round(part.motion.dx) for part in reduced] == [6, -9] and reduced[1].box == (0, half, size, size)
+    with pytest.raises(ValueError):
+        regional_motions(grey_of(a), grey_of(b), regions=(0, 2))
