@@ -27,7 +27,7 @@ from PIL import Image, ImageDraw
 from offline.reference import Fresh, Reuse, prefill, uniform
 from plan import CACHEBLEND, ENTROPY_AWARE, EXACT, MISS, PARTIAL_PASS, ImagePlan
 from plan.outcome import FULL_PREFILL, PLANNED, Outcome
-from tests.engine_ext.test_reuse_worker import (
+from tests.engine_ext.reuse_lib import (
     APPROXIMATE_PREAMBLE,
     QUESTION,
     Pair,

@@ -21,7 +21,7 @@ from offline.reference import Fresh, prefill
 from plan import ENTROPY_AWARE, EXACT, MISS, PARTIAL_PASS, ImagePlan
 from plan.outcome import PLANNED, Outcome
 from tests.conftest import worker_events
-from tests.engine_ext.test_reuse_worker import (
+from tests.engine_ext.reuse_lib import (
     APPROXIMATE_PREAMBLE,
     QUESTION,
     Pair,
