@@ -8,7 +8,7 @@ in flight, each twice (the faster counts):
                 token and layer, and its attention's growth with the prompt
     image       plain requests with a noise image of 64, 256 and 576 tokens: the vision tower per patch (and per
                 patch pair), the prefill known from the text probes
-    repeat      on a worker whose attention backend pads an extend to the whole prompt (PADDED_EXTEND_BACKENDS),
+    repeat      on a worker whose attention backend pads an extend to the whole prompt (Worker.pads_extends),
                 the largest image once more, which its prefix cache then holds: what attending over it again costs
 
 Every probe is a plain request under a namespace of its own (``CALIBRATION_SCOPE``: SGLang's prefix cache keeps it
@@ -64,11 +64,6 @@ _PROBE_TIMEOUT_S = 600.0
 PREDICTIONS_KEPT = 1024
 RECENT_SHOWN = 64  # predictions shown one by one in /admin/stats
 KV_TOKENS_ASSUMED = 65_536  # a worker's KV pool in tokens until its /server_info says (SGLang's CPU default here)
-# SGLang's CPU attention backend pads an extend's queries to the whole sequence and attends over all of it
-# (sglang/srt/layers/attention/torch_native_backend.py, _run_sdpa_forward_extend, 0.5.23): a prompt whose prefix its
-# cache holds still pays the whole prompt's attention (a 2.3K-token image held: 2.2 s on the deep bench model, where
-# its text alone takes 0.1 s). FlashInfer, FA3 and Triton run the extend's queries alone.
-PADDED_EXTEND_BACKENDS = frozenset({"torch_native"})
 ENCODER_CACHE_BYTES = 100 * 2**20  # SGLang's encoder cache (SGLANG_VLM_CACHE_SIZE_MB, 100 by default in 0.5.23)
 
 
@@ -88,7 +83,6 @@ class WorkerCosts:
         self._calibrating: dict[str, asyncio.Task] = {}
         self.predictions: deque[tuple[str, float, float, Work]] = deque(maxlen=PREDICTIONS_KEPT)
         self.caches: dict[str, SglangCaches] = {}  # what each worker's own caches are taken to hold
-        self.padded: dict[str, bool] = {}  # whether a worker's extends after a cached prefix attend as a whole prompt
 
     def model(self, url: str) -> CostModel | None:
         return self.models.get(url)
@@ -153,9 +147,8 @@ class WorkerCosts:
         started = time.monotonic()
         if worker.kv_tokens is not None and (caches := self.caches.get(url)) is not None:
             caches.prompts.capacity = worker.kv_tokens  # (the pool read /server_info as the worker came up)
-        self.padded[url] = padded = worker.attention_backend in PADDED_EXTEND_BACKENDS
         try:
-            samples = await self._probe(worker, padded)
+            samples = await self._probe(worker, worker.pads_extends)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.warning("worker %s: calibration failed (%s: %s); its costs stay unknown until it comes up again",
                         url, type(exc).__name__, exc)

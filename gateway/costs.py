@@ -19,7 +19,7 @@ of that work costs on that worker (its model, device and parallel layout). The u
     planned_images        once per image run under a plan: the plan's checks, the entry's header probe
     padded_pairs          the attention pairs of prompt rows SGLang's prefix cache held, in millions, which an
                           attention backend that pads an extend to the whole sequence computes again (SGLang's CPU
-                          backend, torch_native: gateway.calibration.PADDED_EXTEND_BACKENDS); its own unit, as that
+                          backend, torch_native: gateway.workers.PADDED_EXTEND_BACKENDS); its own unit, as that
                           backend's masked attention over the whole sequence costs per pair what prefill's does not
 
 ``Costs`` holds seconds per unit. ``CostModel`` fits them to measured samples (the time from sending a request to
@@ -359,7 +359,7 @@ def request_work(model: ModelFacts, text_chars: int, images: Sequence[tuple[int,
     """A chat request's work: its text (``text_chars``) and each image (its tokens, and the plan it ran under: None
     for plain SGLang or a fallback to a full prefill); ``cached``: the tokens of its images SGLang's prefix cache
     served (no vision pass, no prefill: they only lengthen the context the rest attends over, unless the worker's
-    attention is ``padded``: then their rows' attention is computed again, gateway.calibration.PADDED_EXTEND_BACKENDS);
+    attention is ``padded``: then their rows' attention is computed again, gateway.workers.PADDED_EXTEND_BACKENDS);
     ``embedded``: those of its images SGLang's encoder cache served (prefilled, with no vision pass)."""
     text = text_tokens(text_chars)
     context = text + sum(tokens for tokens, _ in images) + sum(cached) + sum(embedded)

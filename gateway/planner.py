@@ -43,7 +43,6 @@ may still hold it), unless it is busier than the least-loaded worker by more tha
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from gateway.config import ReuseSettings
 from gateway.costs import CostModel, pays, text_tokens
 from gateway.images import CanonicalImage
 from gateway.intake import IntakeResult
+from gateway.matching.align import reported
 from gateway.matching.matcher import Match, Matcher
 from gateway.matching.plans import approximate_plan
 from gateway.videos import FrameBook, FramesSeen
@@ -94,7 +94,7 @@ class Refusal:
     nearest: float
 
     def header(self) -> str:
-        return f"nearest={math.floor(self.nearest * 1e4) / 1e4:.4f};refused={self.reason}"
+        return f"nearest={reported(self.nearest):.4f};refused={self.reason}"
 
 
 @dataclass(frozen=True)

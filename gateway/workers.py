@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 
 # How many more requests in flight a preferred worker (one that holds the request's images) may have than the
 # least-loaded one and still be chosen.
+# SGLang's CPU attention backend pads an extend's queries to the whole sequence and attends over all of it
+# (sglang/srt/layers/attention/torch_native_backend.py, _run_sdpa_forward_extend, 0.5.23): a prompt whose prefix its
+# cache holds still pays the whole prompt's attention (a 2.3K-token image held: 2.2 s on the deep bench model, where
+# its text alone takes 0.1 s). FlashInfer, FA3 and Triton run the extend's queries alone.
+PADDED_EXTEND_BACKENDS = frozenset({"torch_native"})
 AFFINITY_SLACK = 2
 
 @dataclass(slots=True)
@@ -68,6 +73,12 @@ class Worker:
     device: str | None = None
     kv_tokens: int | None = None
     attention_backend: str | None = None
+
+    @property
+    def pads_extends(self) -> bool:
+        """Whether its attention backend pads an extend after a cached prefix to the whole prompt, attending over
+        the held rows again (PADDED_EXTEND_BACKENDS)."""
+        return self.attention_backend in PADDED_EXTEND_BACKENDS
     _last_used: int = field(default=0, repr=False)
     # The requests waiting for its first answer (WorkerPool.until_taken_out): cancelled when it is taken out.
     _awaited: set[anyio.CancelScope] = field(default_factory=set, repr=False)
@@ -170,18 +181,18 @@ class WorkerPool:
         if ok and came_back and self.on_up is not None:
             self.on_up(worker)
 
-    async def _field(self, worker: Worker, path: str, name: str) -> object:
-        """Field ``name`` of the JSON object the worker answers ``path`` with (None when it gives none)."""
+    async def _object(self, worker: Worker, path: str) -> dict:
+        """The JSON object the worker answers ``path`` with ({} when it gives none)."""
         try:
             response = await self._client.get(worker.url + path, timeout=self._timeout_s)
             found = response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
-            return None
-        return found.get(name) if isinstance(found, dict) else None
+            return {}
+        return found if isinstance(found, dict) else {}
 
     async def _model_card(self, worker: Worker) -> dict | None:
         """The fields of the worker's model card that clients size prompts by (None when it gives none)."""
-        cards = await self._field(worker, "/v1/models", "data")
+        cards = (await self._object(worker, "/v1/models")).get("data")
         if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict):
             return None
         card = {k: cards[0][k] for k in ("root", "max_model_len") if cards[0].get(k) is not None}
@@ -189,13 +200,7 @@ class WorkerPool:
 
     async def _read_server_info(self, worker: Worker) -> None:
         """What the worker's SGLang says of itself (/server_info), onto ``worker``; what it does not say is kept."""
-        try:
-            response = await self._client.get(worker.url + "/server_info", timeout=self._timeout_s)
-            info = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return
-        if not isinstance(info, dict):
-            return
+        info = await self._object(worker, "/server_info")
         device, kv_tokens, backend = info.get("device"), info.get("max_total_num_tokens"), info.get("attention_backend")
         if isinstance(device, str) and device:
             worker.device = device

@@ -23,6 +23,7 @@ similarity: they are changed, and how many changed is the planner's guard's to j
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,11 @@ class Alignment:
 
     def count(self, kind: int) -> int:
         return int((self.changes == kind).sum())
+
+
+def reported(similarity: float) -> float:
+    """A similarity as plans and headers report it: four places, rounded down (a near-duplicate never reads as 1)."""
+    return math.floor(similarity * 1e4) / 1e4
 
 
 def find_shift(new: TokenFeatures, alias: TokenFeatures, *, min_votes: int = 4, min_share: float = 0.05) -> \

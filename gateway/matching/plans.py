@@ -16,12 +16,10 @@ recomputing that much costs about what a miss does.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from gateway.config import MatchSettings
-from gateway.matching.align import CHANGED
+from gateway.matching.align import CHANGED, reported
 from gateway.matching.features import TokenFeatures
 from gateway.matching.matcher import Match, compare
 from plan import APPROXIMATE, CACHEBLEND, CHANGE_BLIND, ENTROPY_AWARE, FULL_REUSE, ImagePlan
@@ -55,7 +53,7 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
         warmup = min(warmup, max(0, layers - 1))
     return ImagePlan(key=key, kind=APPROXIMATE, tokens=n, grid=grid, prefix_digest=prefix_digest,
                      alias=match.alias, alias_grid=match.alias_features.grid, shift=alignment.shift,
-                     change_map=alignment.change_map, similarity=math.floor(alignment.similarity * 1e4) / 1e4,
+                     change_map=alignment.change_map, similarity=reported(alignment.similarity),
                      reuse=tuple(int(i) for i in reuse), warmup_layers=warmup, recompute_share=round(share, 4),
                      selector=selector, vision=settings.vision_pass, derive=settings.derive)
 

@@ -141,7 +141,7 @@ async def chat_completions(request: Request) -> Any:
         if first and costs is not None:  # a sample of the worker's costs
             worker, seconds, held = first[0]
             work, kind = _work_that_ran(costs.facts, intake, plan, planned.kinds, ran, held,
-                                        padded=costs.padded.get(worker.url, False))
+                                        padded=worker.pads_extends)
             costs.observe(worker.url, work, seconds, kind=kind)
 
     return await _answer(request, services, upstream, route, stream=intake.params.stream, headers=headers,

@@ -57,7 +57,7 @@ def test_every_worker_is_measured_when_it_comes_up(measuring) -> None:
         # What the probes cannot exercise starts from the prefill: the executor's loop no cheaper than SGLang's.
         assert measured["planned_token_layers"] >= measured["token_layers"]
     # the tests' CPU workers attend with torch_native: an extend after a cached prefix attends as the whole prompt
-    assert measuring.app.state.services.costs.padded == {url: True for url in measuring.config.workers}
+    assert [w.pads_extends for w in measuring.app.state.services.pool.workers] == [True] * len(measuring.config.workers)
 
 
 def test_the_admin_stats_show_the_costs(measuring) -> None:
