@@ -38,7 +38,11 @@ VIDEO_URL_FIELDS = ("url",)
 # image within the caller's namespace (the gateway still keys the image by its content); sent alone (image_url null
 # or without a url), it stands for the image it named (gateway/image_memo.py). It passes to the worker, which ignores
 # it.
-PART_FIELDS = {"text": ("type", "text"), "image_url": ("type", "image_url", "uuid"), "video_url": ("type", "video_url")}
+# SGLang's own `modalities` of an image part (its vision tests send "multi-images") passes to the worker too: the
+# Qwen-VL processors never read it (it picks LLaVA's anyres tiling), so no value of it changes the grid planned here.
+PART_FIELDS = {"text": ("type", "text"), "image_url": ("type", "image_url", "uuid", "modalities"),
+               "video_url": ("type", "video_url")}
+IMAGE_MODALITIES = ("image", "multi-images", "video")
 MAX_UUID_CHARS = 256
 
 # --- top-level request fields: honoured by the workers, owned by the gateway, or refused ---
@@ -331,6 +335,10 @@ def _check_part(i: int, j: int, role: str, part: Any) -> Iterator[MediaPartRef]:
     if kind == "video_url":
         yield _video_part(i, j, part)
         return
+    modalities = part.get("modalities")
+    if modalities is not None and modalities not in IMAGE_MODALITIES:
+        raise InvalidRequest(f"{where}.modalities must be one of {', '.join(IMAGE_MODALITIES)}",
+                             param=f"{where}.modalities")
     image_url = part.get("image_url")
     uuid = part.get("uuid")
     if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):

@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -21,6 +22,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings, TenantSettings
 from store import StoreConfig
+from tests.waiting import wait_until
 
 WORKER_READY_TIMEOUT_S = 600
 MODEL_ID = "revisit-tiny"
@@ -120,33 +122,40 @@ def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory):
         yield cluster
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real Redis server on loopback (Debian's redis-server), for books shared by gateways; its URL."""
-    import subprocess
-
+def start_redis(folder: Path) -> tuple[subprocess.Popen, str]:
+    """A real Redis server on loopback (Debian's redis-server), answering PING: its process and URL."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed (make test installs Debian's)")
-    port, folder = free_port(), tmp_path_factory.mktemp("redis")
+    port = free_port()
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
                                 "no", "--dir", str(folder)], stdout=open(folder / "redis.log", "wb"),  # noqa: SIM115
                                stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 20
-    while True:
+
+    def answers() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"redis-server exited; see {folder / 'redis.log'}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
                 sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith(b"+PONG"):
-                    break
+                return sock.recv(16).startswith(b"+PONG")
         except OSError:
-            pass
-        if time.monotonic() > deadline or process.poll() is not None:
-            process.kill()
-            raise RuntimeError(f"redis-server did not start; see {folder / 'redis.log'}")
-        time.sleep(0.05)
+            return False
+
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        wait_until(answers, f"redis-server to answer (see {folder / 'redis.log'})", timeout=20)
+    except BaseException:
+        process.kill()
+        raise
+    return process, f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis server for books shared by gateways; its URL."""
+    process, url = start_redis(tmp_path_factory.mktemp("redis"))
+    try:
+        yield url
     finally:
         terminate(process)
 

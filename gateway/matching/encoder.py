@@ -3,7 +3,8 @@
 Each token's vector is the vision tower's merged output for it: what the language model reads, so two tokens the
 model sees alike score alike. The cost is a vision-tower pass in the gateway before the plan is chosen, which is
 why it is not the default: it suits small towers on CPU, or a gateway with an accelerator of its own. The weights
-come from the model folder named by ``REVISIT_MATCH_MODEL_DIR`` (the served model's folder, never downloaded);
+come from the model folder named by ``REVISIT_MATCH_EXTRACTOR_PATH`` (default ``REVISIT_MODEL_DIR``, the served
+model's folder; never downloaded);
 torch and transformers must be installed where the gateway runs.
 
 An entry's stored encoder output is the same tower's output for the same pixels, so these vectors are what the

@@ -100,6 +100,14 @@ def test_two_images(client, gateway, image_a, image_b):
     )
     assert both.choices[0].message.content
     assert both.usage.prompt_tokens - one.usage.prompt_tokens == image_tokens(gateway, (140, 84))
+    # As SGLang's own vision tests send them: each image part marked "multi-images", which changes nothing here.
+    marked = user(image_a, image_b, "Compare.")
+    for part in marked["content"][:2]:
+        part["modalities"] = "multi-images"
+    again = client.chat.completions.create(model=gateway.config.model, messages=[marked], max_completion_tokens=4,
+                                           temperature=0)
+    assert again.usage.prompt_tokens == both.usage.prompt_tokens
+    assert again.choices[0].message.content == both.choices[0].message.content
 
 
 def test_multi_turn_repeating_an_image(client, gateway, image_a):

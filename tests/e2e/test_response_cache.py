@@ -239,7 +239,14 @@ def test_admin_counts_reports_and_flushes(cached_gateway):
     stats = _admin(cached_gateway, "GET", "/admin/stats").json()["response_cache"]
     assert stats["enabled"] and stats["entries"] >= 1 and stats["bytes"] > 0
     assert stats["levels"]["exact"]["hits"] == before["levels"]["exact"]["hits"] + 1
-    assert stats["levels"]["paraphrase"]["misses"] >= 1 and stats["skipped"].get("sampling", 0) >= 0
+    assert stats["levels"]["paraphrase"]["misses"] >= 1
+    # A sampled request is counted as skipped, under its reason.
+    raw = client.chat.completions.with_raw_response.create(
+        model=cached_gateway.config.model, messages=messages, max_tokens=4, temperature=0.7,
+        extra_headers={HEADER: "exact"})
+    assert raw.headers[HEADER] == "skipped;reason=sampling"
+    skipped = _admin(cached_gateway, "GET", "/admin/stats").json()["response_cache"]["skipped"]
+    assert skipped["sampling"] == before["skipped"].get("sampling", 0) + 1
 
     # The client says the hit was wrong: counted under its level, and the answer is dropped.
     reported = _admin(cached_gateway, "POST", "/admin/response-cache/false-hits", json={"id": hit.id})

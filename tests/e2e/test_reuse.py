@@ -14,6 +14,7 @@ from gateway.tenancy import cache_scope
 from plan import PUBLIC_PLAN_KEY, RID_PREFIX, ImagePlan, RequestPlan
 from tests.conftest import worker_events
 from tests.images_lib import data_url, encode, small
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.sglang
 
@@ -39,10 +40,7 @@ def ask(gateway, preamble: str, picture: str, *, key: str = "sk-tenant-a", token
 
 def wait_stored(gateway, key: str) -> None:
     store = gateway.app.state.services.cache.store  # LMDB allows one open environment per process: the gateway's
-    deadline = time.monotonic() + 60
-    while not store.contains(key):
-        assert time.monotonic() < deadline, "the worker never stored the entry"
-        time.sleep(0.2)
+    wait_until(lambda: store.contains(key), f"the worker to store {key[:16]}")
 
 
 def executed(gateway, before: Counter, **expected: int) -> Counter:

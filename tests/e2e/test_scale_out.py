@@ -34,6 +34,7 @@ from tests.conftest import (
     worker_events,
 )
 from tests.images_lib import data_url, encode, noise_image, png_data_url, small
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.sglang
 
@@ -139,14 +140,6 @@ def ask(host: Host, picture: str, *, tokens: int = 10) -> tuple[str, dict[str, s
         return raw.parse().choices[0].message.content or "", dict(raw.headers)
 
 
-def wait_until(check, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return found
-
-
 def booked(host: Host) -> set[str]:
     return {entry["key"] for entry in host.admin("/admin/entries?limit=1000")["data"]}
 
@@ -207,12 +200,11 @@ def test_killing_a_gateway_mid_run_loses_no_entry(scale_out, model_path, redis_s
     # Every entry the workers stored is in gateway 2's books (it reconciles the shared store every second), those
     # of the requests the kill cut off included ...
     tier = open_tier("mooncake", StoreConfig.from_env(two.env))
-    try:
-        time.sleep(2.0)  # the requests cut off may still be finishing on worker A, and storing
-        stored = set(tier.keys())
+    try:  # the requests answered stored their entries; those cut off may still be finishing on worker A
+        stored = wait_until(lambda: (keys := set(tier.keys())) >= set(answers) and keys,
+                            "worker A to store every answered request's entry")
     finally:
         tier.close()
-    assert set(answers) <= stored
     wait_until(lambda: stored <= booked(two), "gateway 2 to book every entry stored through gateway 1")
     # ... and an exact hit through host 2, with the answer host 1 gave.
     for picture in pictures:

@@ -4,7 +4,6 @@ sent in the request id, and what the workers answered, stored and reported."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from plan.outcome import Outcome, OutcomeBox
 from store import StoreConfig, open_store
 from tests.conftest import free_port
 from tests.images_lib import data_url, encode
+from tests.waiting import wait_until
 
 QUESTION = "What is in the picture?"
 VISION_LOG = "revisit: vision tower encoded"
@@ -111,10 +111,7 @@ def vision_runs(worker: WorkerProcess) -> int:
 
 def wait_stored(pair: Pair, key: str, timeout: float = 60) -> None:
     store = pair.store()
-    deadline = time.monotonic() + timeout
-    while not store.contains(key):
-        assert time.monotonic() < deadline, f"entry {key} never stored"
-        time.sleep(0.2)
+    wait_until(lambda: store.contains(key), f"entry {key} to be stored", timeout)
 
 
 def stored_as_reference(pair: Pair, key: str, prompt) -> ImageKV:

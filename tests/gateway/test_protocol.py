@@ -82,7 +82,16 @@ def test_a_parts_own_fields():
                  {"type": "image_url", "image_url": None, "uuid": "u-2"}, {"type": "text", "text": "hi"}]
     refs = list(iter_media_parts([{"role": "user", "content": with_uuid}]))
     assert [(r.url, r.uuid) for r in refs] == [(image["url"], "u-1"), ("", "u-2")]
+    # SGLang's own vision tests mark images "multi-images": every value SGLang takes is taken (none changes a Qwen-VL
+    # grid), anything else named.
+    for modality in ("image", "multi-images", "video"):
+        part = {"type": "image_url", "image_url": image, "modalities": modality}
+        assert [r.url for r in iter_media_parts([{"role": "user", "content": [part]}])] == [image["url"]]
     for part, param in (({"type": "image_url", "image_url": None, "uuid": 7}, "messages[0].content[0].uuid"),
+                        ({"type": "image_url", "image_url": image, "modalities": "audio"},
+                         "messages[0].content[0].modalities"),
+                        ({"type": "image_url", "image_url": image, "modalities": ["image"]},
+                         "messages[0].content[0].modalities"),
                         ({"type": "text", "text": "hi", "cache_control": {}}, "messages[0].content[0].cache_control")):
         with pytest.raises(InvalidRequest) as raised:
             list(iter_media_parts([{"role": "user", "content": [part]}]))

@@ -14,6 +14,7 @@ from gateway.config import PolicySettings
 from gateway.policy import CachePolicy, EntryPinned, PresetPriors, Tier, UnknownEntry
 from tests.conftest import free_port
 from tests.policy.helpers import key
+from tests.waiting import wait_until
 
 SETTINGS = PolicySettings(dram_capacity_bytes=100, lmdb_capacity_bytes=300, preset_fraction=0.2,
                           preset_min_score=0.5, preset_reuse_weight=0.5)
@@ -150,20 +151,13 @@ def test_an_unreachable_server_is_books_unavailable(name):
 def test_a_gateway_joins_the_books_at_start_and_answers_503_when_their_server_goes(tmp_path, model_path, name):
     """A real gateway app over a DRAM store with shared books: a second replica sees the first one's entry; with
     the server gone, an admin change is a 503 and the gateway stays up; a gateway cannot start without it."""
-    import subprocess
-    import time
-
     import httpx
 
     from gateway.config import GatewayConfig
     from store import StoreConfig
-    from tests.conftest import gateway_config, run_gateway, terminate
+    from tests.conftest import gateway_config, run_gateway, start_redis, terminate
 
-    port = free_port()
-    redis_process = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
-                                      "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, start_new_session=True)
-    time.sleep(0.5)
-    url = f"redis://127.0.0.1:{port}/0"
+    redis_process, url = start_redis(tmp_path)
     store = StoreConfig(name=name, tiers=("dram",), dram_dir=tmp_path / "dram", pin_host_memory=False)
 
     def replica(books_url: str) -> GatewayConfig:
@@ -175,10 +169,8 @@ def test_a_gateway_joins_the_books_at_start_and_answers_503_when_their_server_go
     try:
         cache = one.app.state.services.cache  # an entry taken in as the planner does: on one replica's cache thread
         cache._thread.submit(cache.policy.insert, key(1), 100).result()
-        deadline = time.monotonic() + 10
-        while httpx.get(two.url + "/admin/entries", headers=auth).json()["data"] == []:
-            assert time.monotonic() < deadline, "the second replica never saw the entry"
-            time.sleep(0.05)
+        wait_until(lambda: httpx.get(two.url + "/admin/entries", headers=auth).json()["data"],
+                   "the second replica to see the entry", timeout=10)
         stats = httpx.get(two.url + "/admin/stats", headers=auth).json()
         assert stats["books"]["shared"] is True and stats["tiers"]["dram"]["entries"] == 1
         terminate(redis_process)
