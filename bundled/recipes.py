@@ -36,6 +36,9 @@ ORACLE = "oracle"
 # real model's, while a miss of a 1K-token image takes seconds on two cores (the reuse benches and the replay).
 DEEP = "deep"
 SIZES = (TINY, BENCH, READER, ORACLE, DEEP)
+# Committed weights for the oracle's recipe fine-tuned on panels moved off the token grid (bundled.reader.train
+# --moved): the judge of reusing moved content (bench/moved_quality.py). The recipe itself keeps the grid's oracle.
+MOVED_ORACLE = "qwen2_5_vl-oracle-moved"
 DEFAULT_SIZE = TINY
 
 # Bumped whenever the build code changes what it writes for an unchanged recipe.

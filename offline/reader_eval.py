@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bundled.reader.panels import KEYS, Panel, changed, random_panel
+from bundled.reader.panels import KEYS, MAX_SIDE, Panel, changed, random_panel
 from bundled.reader.questions import FIELD, Question, field, random_question
 
 if TYPE_CHECKING:  # at run time, offline.reference is imported only in the functions that use it
@@ -69,11 +69,12 @@ class Pair:
         return (CHANGED, self.changed[0]), (UNCHANGED, self.unchanged)
 
 
-def make_pairs(count: int, *, seed: int = 0, changes: int = 1, max_fields: int = len(KEYS)) -> list[Pair]:
+def make_pairs(count: int, *, seed: int = 0, changes: int = 1, max_fields: int = len(KEYS),
+               max_side: int = MAX_SIDE) -> list[Pair]:
     rng = random.Random(f"{PAIR_SEED}:{seed}:{changes}")
     pairs: list[Pair] = []
     while len(pairs) < count:
-        a = random_panel(rng, min_fields=changes + 1, max_fields=max_fields)
+        a = random_panel(rng, min_fields=changes + 1, max_fields=max_fields, max_side=max_side)
         b, keys = changed(a, rng, changes)
         unchanged = rng.choice([key for key in a.keys if key not in keys])
         pairs.append(Pair(cached=a, asked=b, changed=tuple(keys), unchanged=unchanged))

@@ -9,6 +9,9 @@ on a light background, in dark ink; styles and font sizes vary per panel, grids 
 The questions asked of panels, and their one-token answers, are in bundled.reader.questions. Changing one field's
 value changes the pixels of its one or two tokens only, which is what judging reuse needs: stale tokens give the
 old answer.
+
+A ``Placement`` draws a panel moved inside a larger image (a page scrolled, a frame panned, by any number of pixels):
+its content then straddles tokens, and a field's key and value may fall in different tokens.
 """
 
 from __future__ import annotations
@@ -128,6 +131,52 @@ class Panel:
         return image
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a panel's content sits in the image that shows it: ``top`` / ``left`` pixels into a canvas ``pad``
+    (rows, cols) cells larger than the panel, the rest the panel's background. ``Placement()`` is the panel as drawn;
+    ``Placement(top=28 - k, pad=(1, 0))`` its content ``k`` pixels above where one blank row would put it (a page
+    scrolled by k). Both tokens and glyphs stay whole only where top and left are multiples of CELL."""
+
+    top: int = 0
+    left: int = 0
+    pad: tuple[int, int] = (0, 0)
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.top <= self.pad[0] * CELL and 0 <= self.left <= self.pad[1] * CELL):
+            raise ValueError(f"content at ({self.top}, {self.left}) px does not fit a pad of {self.pad} cells")
+
+    def grid(self, panel: Panel) -> tuple[int, int]:
+        """(rows, cols) of tokens of the image."""
+        return panel.rows + self.pad[0], panel.cols + self.pad[1]
+
+    def render(self, panel: Panel) -> Image.Image:
+        if self == Placement():
+            return panel.render()
+        rows, cols = self.grid(panel)
+        image = Image.new("RGB", (cols * CELL, rows * CELL), panel.background)
+        image.paste(panel.render(), (self.left, self.top))
+        return image
+
+    def token_labels(self, panel: Panel) -> tuple[dict[int, str], dict[int, str]]:
+        """Which image token (raster order) shows each field's key, and which its value: the token holding the key
+        glyph's centre, and the value glyph's (a word's: two points along it, so both its tokens). As drawn, a
+        field's first token shows both, and a word's second token its value."""
+        _, cols = self.grid(panel)
+        keys: dict[int, str] = {}
+        values: dict[int, str] = {}
+
+        def token(x: float, y: float) -> int:
+            return int((y + self.top) // CELL) * cols + int((x + self.left) // CELL)
+
+        for (row, col), (key, value) in panel.fields.items():
+            x, y = col * CELL, row * CELL + CELL / 2
+            keys[token(x + 7, y)] = key
+            for dx in ((22, 40) if value in WORDS else (20,)):
+                values[token(x + dx, y)] = value
+        return keys, values
+
+
 def _glyph(draw: ImageDraw.ImageDraw, font, text: str, left: int, top: int, ink) -> None:
     """One character centred in a 13 x 28 box."""
     x0, y0, x1, y1 = font.getbbox(text)
@@ -155,6 +204,8 @@ def random_panel(rng: random.Random, *, max_fields: int = len(KEYS), min_fields:
     count = rng.randint(min_fields, max(min_fields, min(max_fields, len(KEYS))))
     kind_weights = rng.choice(((1, 1, 1, 1), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (2, 1, 1, 1)))
     kinds = rng.choices(KINDS, weights=kind_weights, k=count)
+    while count + kinds.count("word") > max_side * max_side and "word" in kinds:  # words that cannot all fit
+        kinds[kinds.index("word")] = "letter"
     for attempt in range(1000):
         if attempt and attempt % 50 == 0 and "word" in kinds:  # too many words to place: one becomes a letter
             kinds[kinds.index("word")] = "letter"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from bundled.reader.panels import (
     KEYS,
+    MAX_SIDE,
     Panel,
     kind_of,
     random_panel,
@@ -81,15 +82,17 @@ def two_images(first: Panel, second: Panel, key: str, which: int) -> Question:
     return ask(TWO_IMAGES, (first, second), f"{key}{which}?")
 
 
-def random_question(rng: random.Random, kind: str, *, max_fields: int = len(KEYS)) -> Question:
-    """A question of ``kind`` over fresh panels of at most ``max_fields`` fields each; ``equal`` is "y" half the
-    time, and its two fields are always of one kind (else the kinds alone would answer it)."""
+def random_question(rng: random.Random, kind: str, *, max_fields: int = len(KEYS),
+                    max_side: int = MAX_SIDE) -> Question:
+    """A question of ``kind`` over fresh panels of at most ``max_fields`` fields and ``max_side`` cells a side each;
+    ``equal`` is "y" half the time, and its two fields are always of one kind (else the kinds alone would answer
+    it)."""
     if kind == FIELD:
-        panel = random_panel(rng, max_fields=max_fields)
+        panel = random_panel(rng, max_fields=max_fields, max_side=max_side)
         return field(panel, rng.choice(panel.keys))
     if kind == EQUAL:
         while True:
-            panel = random_panel(rng, min_fields=2, max_fields=max(2, max_fields))
+            panel = random_panel(rng, min_fields=2, max_fields=max(2, max_fields), max_side=max_side)
             key = rng.choice(panel.keys)
             kind_ = kind_of(panel.value(key))
             others = [k for k in panel.keys if k != key and kind_of(panel.value(k)) == kind_]
@@ -102,9 +105,9 @@ def random_question(rng: random.Random, kind: str, *, max_fields: int = len(KEYS
             panel = with_values(panel, {other: _another(rng, panel.value(key))})
         return equal(panel, key, other)
     if kind == TWO_IMAGES:
-        first = random_panel(rng, max_fields=max_fields)
+        first = random_panel(rng, max_fields=max_fields, max_side=max_side)
         key = rng.choice(first.keys)
-        second = with_key(random_panel(rng, max_fields=max_fields), key, rng)
+        second = with_key(random_panel(rng, max_fields=max_fields, max_side=max_side), key, rng)
         return two_images(first, second, key, rng.choice((1, 2)))
     raise ValueError(f"unknown question kind {kind!r}; expected one of {QUESTION_KINDS}")
 

@@ -15,6 +15,13 @@ its sibling, whose image K/V its text rows see below layer 3 (bundled.reader.swa
     values but not to pick the field whose key was asked, and answered with a random field's value); so is each
     question token that can name a value (``Question.hops``).
 
+``--moved SHARE`` draws that share of the oracle's questions over moved panels (bundled.reader.panels.Placement:
+the content off the token grid by up to 14 pixels either way, down, right or both, inside one more row or column of
+cells, the way a scrolled page or a panned frame shows it; a question and its sibling moved alike); each image
+token is then labelled with the key and the value whose glyphs' centres it holds. Its own curriculum starts at 1-2
+pixels off the grid and widens by 2 each time the running accuracy on moved panels passes 85%. ``--fine-tune``
+starts every weight from committed ones (and the field curriculum at full difficulty).
+
 A curriculum starts with panels of at most 2 fields and raises the cap by 2 each time the running accuracy passes
 90%, up to 26. Batches are drawn from a generator seeded by (seed, step), so a resumed run sees the same data.
 Progress goes to stdout; every ``--eval-every`` steps the held-out accuracy (a fixed set of full-difficulty
@@ -40,7 +47,7 @@ from safetensors.torch import save_file
 
 from bundled.build import build_recipe
 from bundled.reader import artifacts, swap
-from bundled.reader.panels import KEYS, VALUES, Panel
+from bundled.reader.panels import CELL, KEYS, MAX_SIDE, VALUES, Placement
 from bundled.reader.questions import FIELD, QUESTION_KINDS, Question, random_question, sibling
 from bundled.recipes import ORACLE, QWEN2_5_VL, READER, get_recipe
 from bundled.weights import checkpoint_name
@@ -48,6 +55,7 @@ from bundled.weights import checkpoint_name
 DEFAULT_SEED = 20261129
 HELD_OUT_SEED = 7
 EMPTY = "-"  # the auxiliary class of an image token that shows no field
+REACH_STEP = 2  # pixels: how far the moved panels' curriculum widens at a time
 
 
 class Batcher:
@@ -66,9 +74,13 @@ class Batcher:
         messages = [{"role": "user", "content": [*content, {"type": "text", "text": question.text}]}]
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def __call__(self, questions: list[Question], with_answers: bool = True) -> dict:
+    def __call__(self, questions: list[Question], with_answers: bool = True,
+                 placements: list[Placement] | None = None) -> dict:
+        """Model inputs for ``questions``, each question's panels drawn at its placement (default: as drawn)."""
+        placements = placements or [Placement()] * len(questions)
+        shown = [(panel, placement) for q, placement in zip(questions, placements, strict=True) for panel in q.panels]
         texts = [self.prompt(q) + (q.answer + "<|im_end|>" if with_answers else "") for q in questions]
-        images = [panel.render() for q in questions for panel in q.panels]
+        images = [placement.render(panel) for panel, placement in shown]
         inputs = self.processor(text=texts, images=images, padding=True, return_tensors="pt")
         lengths = inputs["attention_mask"].sum(1)
         answers = torch.tensor([self.value_ids[q.answer] for q in questions])
@@ -89,24 +101,14 @@ class Batcher:
             labels[rows, lengths - 1] = self.im_end
             inputs["labels"] = labels
         keys, values = [], []
-        for panel in (panel for q in questions for panel in q.panels):
-            shown = token_labels(panel)
-            for token in range(panel.rows * panel.cols):
-                key, value = shown.get(token, (EMPTY, EMPTY))
-                keys.append(KEY_CLASSES.index(key))
-                values.append(VALUE_CLASSES.index(value))
+        for panel, placement in shown:
+            key_at, value_at = placement.token_labels(panel)
+            grid_rows, grid_cols = placement.grid(panel)
+            for token in range(grid_rows * grid_cols):
+                keys.append(KEY_CLASSES.index(key_at.get(token, EMPTY)))
+                values.append(VALUE_CLASSES.index(value_at.get(token, EMPTY)))
         inputs["token_keys"], inputs["token_values"] = torch.tensor(keys), torch.tensor(values)
         return inputs
-
-
-def token_labels(panel: Panel) -> dict[int, tuple[str, str]]:
-    """What each image token shows: a field's first token its key and value; a word's second token the word."""
-    labels = {}
-    for key in panel.keys:
-        first, *rest = panel.token_indices(key)
-        labels[first] = (key, panel.value(key))
-        labels.update((token, (EMPTY, panel.value(key))) for token in rest)
-    return labels
 
 
 KEY_CLASSES = (EMPTY, *KEYS)
@@ -134,6 +136,7 @@ class Task:
     # The alternative to the swap, for measurement: until this step the question's rows see no image below
     # swap_layers (bundled.reader.swap's withhold), then the whole image as usual. 0: swap instead.
     withhold_until: int = 0
+    moved: float = 0.0  # the share of questions over moved panels (random_placement; --moved)
 
 
 TASKS = {
@@ -143,17 +146,39 @@ TASKS = {
 }
 
 
+def random_placement(rng: random.Random, reach: int = CELL // 2) -> Placement:
+    """Content moved off the token grid down, right or both, by at most ``reach`` pixels either way (inside one more
+    row or column of cells: ``reach`` of CELL // 2 covers every offset)."""
+    pad = rng.choice(((1, 0), (0, 1), (1, 1)))
+
+    def offset(padded: int) -> int:
+        if not padded:
+            return 0
+        moved = rng.randint(1, reach)
+        return moved if rng.random() < 0.5 else CELL - moved
+
+    return Placement(top=offset(pad[0]), left=offset(pad[1]), pad=pad)
+
+
 def examples(rng: random.Random, count: int, max_fields: int) -> list[Question]:
     """The reader's questions: ``field`` only."""
     return [random_question(rng, FIELD, max_fields=max_fields) for _ in range(count)]
 
 
-def draw(rng: random.Random, task: Task, count: int, max_fields: int) -> list[Question]:
-    """A batch of ``count`` questions; with a swap, ``count // 2`` questions followed by their siblings."""
+def draw(rng: random.Random, task: Task, count: int, max_fields: int,
+         reach: int = CELL // 2) -> tuple[list[Question], list[Placement]]:
+    """A batch of ``count`` questions and where each one's panels are drawn (moved by at most ``reach`` pixels); with
+    a swap, ``count // 2`` questions followed by their siblings (each placed as its question)."""
     if not task.swap_layers:
-        return examples(rng, count, max_fields)
-    questions = [random_question(rng, rng.choice(task.kinds), max_fields=max_fields) for _ in range(count // 2)]
-    return questions + [sibling(q, rng) for q in questions]
+        return examples(rng, count, max_fields), [Placement()] * count
+    questions, placements = [], []
+    for _ in range(count // 2):
+        placement = random_placement(rng, reach) if task.moved and rng.random() < task.moved else Placement()
+        # A moved panel's image has one more row or column of cells: at most MAX_SIDE with it.
+        side = MAX_SIDE - 1 if placement.pad != (0, 0) else MAX_SIDE
+        questions.append(random_question(rng, rng.choice(task.kinds), max_fields=max_fields, max_side=side))
+        placements.append(placement)
+    return questions + [sibling(q, rng) for q in questions], placements + placements
 
 
 def held_out(count: int, task: Task | None = None, seed: int = HELD_OUT_SEED) -> list[Question]:
@@ -162,6 +187,14 @@ def held_out(count: int, task: Task | None = None, seed: int = HELD_OUT_SEED) ->
     if task is None or task.kinds == (FIELD,):
         return examples(rng, count, len(KEYS))
     return [random_question(rng, kind) for kind in task.kinds for _ in range(count)]
+
+
+def held_out_moved(count: int, task: Task, seed: int = HELD_OUT_SEED) -> tuple[list[Question], list[Placement]]:
+    """Full-difficulty questions over moved panels (``count`` per kind), for a task that trains on them."""
+    rng = random.Random(f"held-out-moved:{seed}")
+    placements = [random_placement(rng) for _ in range(count * len(task.kinds))]
+    questions = [random_question(rng, kind, max_side=MAX_SIDE - 1) for kind in task.kinds for _ in range(count)]
+    return questions, placements
 
 
 class Trainer:
@@ -180,6 +213,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
         self.seed, self.batch, self.lr, self.steps = seed, batch, lr, steps
         self.step, self.level, self.running = 0, 2, 0.0
+        # Moved panels' curriculum: offsets up to ``reach`` px off the grid, widened by REACH_STEP each time the
+        # running accuracy on them passes 85%, up to every offset.
+        self.reach, self.running_moved = REACH_STEP, 0.0
         self.elapsed = 0.0
         self._vision_out: list[torch.Tensor] = []
         model.model.visual.register_forward_hook(lambda _m, _i, out: self._vision_out.append(out.pooler_output))
@@ -193,8 +229,8 @@ class Trainer:
 
     def train_step(self) -> dict:
         rng = random.Random(f"{self.seed}:{self.step}")
-        questions = draw(rng, self.task, self.batch, self.level)
-        inputs = self.batcher(questions)
+        questions, placements = draw(rng, self.task, self.batch, self.level, self.reach)
+        inputs = self.batcher(questions, placements=placements)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
         self.model.train()
@@ -221,6 +257,13 @@ class Trainer:
         predicted = out.logits[torch.arange(len(questions)), inputs["answer_at"]].argmax(-1)
         accuracy = (predicted == inputs["answers"]).float().mean().item()
         self.running = accuracy if self.step == 0 else 0.95 * self.running + 0.05 * accuracy
+        moved = torch.tensor([placement != Placement() for placement in placements])
+        if moved.any():
+            right = (predicted == inputs["answers"])[moved].float().mean().item()
+            self.running_moved = 0.95 * self.running_moved + 0.05 * right
+            if self.running_moved >= 0.85 and self.reach < CELL // 2:
+                self.reach = min(CELL // 2, self.reach + REACH_STEP)
+                self.running_moved = 0.0
         self.step += 1
         if self.running >= 0.9 and self.level < len(KEYS):
             self.level = min(len(KEYS), self.level + 2)
@@ -240,7 +283,8 @@ class Trainer:
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "no_field": self.no_field.detach().clone(),
                 "optimizer": self.optimizer.state_dict(),
-                "step": self.step, "level": self.level, "running": self.running, "elapsed": self.elapsed}
+                "step": self.step, "level": self.level, "running": self.running, "elapsed": self.elapsed,
+                "reach": self.reach, "running_moved": self.running_moved}
 
     def load(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -248,13 +292,15 @@ class Trainer:
             self.no_field.copy_(state["no_field"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.level, self.running = state["step"], state["level"], state["running"]
+        self.reach, self.running_moved = state.get("reach", REACH_STEP), state.get("running_moved", 0.0)
         self.elapsed = state["elapsed"]
 
 
 @torch.no_grad()
-def accuracy(model, batcher: Batcher, questions: list[Question], batch: int = 64) -> float:
+def accuracy(model, batcher: Batcher, questions: list[Question], batch: int = 64,
+             placements: list[Placement] | None = None) -> float:
     """Greedy first-token accuracy of full-prefill answers."""
-    return overall(accuracy_by_kind(model, batcher, questions, batch), questions)
+    return overall(accuracy_by_kind(model, batcher, questions, batch, placements), questions)
 
 
 def overall(by_kind: dict[str, float], questions: list[Question]) -> float:
@@ -264,13 +310,16 @@ def overall(by_kind: dict[str, float], questions: list[Question]) -> float:
 
 
 @torch.no_grad()
-def accuracy_by_kind(model, batcher: Batcher, questions: list[Question], batch: int = 64) -> dict[str, float]:
-    """Greedy first-token accuracy of full-prefill answers, per question kind."""
+def accuracy_by_kind(model, batcher: Batcher, questions: list[Question], batch: int = 64,
+                     placements: list[Placement] | None = None) -> dict[str, float]:
+    """Greedy first-token accuracy of full-prefill answers, per question kind (each question's panels drawn at its
+    placement, default as drawn)."""
     model.eval()
+    placements = placements or [Placement()] * len(questions)
     right: Counter[str] = Counter()
     for start in range(0, len(questions), batch):
         chunk = questions[start : start + batch]
-        inputs = batcher(chunk, with_answers=False)
+        inputs = batcher(chunk, with_answers=False, placements=placements[start : start + batch])
         logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                        pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]).logits
         predicted = logits[torch.arange(len(chunk)), inputs["answer_at"]].argmax(-1)
@@ -298,13 +347,31 @@ def warm_start(model, arch: str, trained: str) -> int:
     return copied
 
 
-def held_out_record(model, batcher: Batcher, questions: list[Question]) -> dict:
-    """The held-out accuracy for the log: overall, and per kind when there are several."""
+def held_out_record(model, batcher: Batcher, questions: list[Question],
+                    moved: tuple[list[Question], list[Placement]] | None = None) -> dict:
+    """The held-out accuracy for the log: overall, and per kind when there are several; over moved panels too
+    (``held_out_moved_*``) where the task trains on them."""
     by_kind = accuracy_by_kind(model, batcher, questions)
     record: dict = {"held_out_accuracy": round(overall(by_kind, questions), 4)}
     if len(by_kind) > 1:
         record["held_out_by_kind"] = {kind: round(value, 4) for kind, value in by_kind.items()}
+    if moved:
+        by_kind = accuracy_by_kind(model, batcher, moved[0], placements=moved[1])
+        record["held_out_moved_accuracy"] = round(overall(by_kind, moved[0]), 4)
+        record["held_out_moved_by_kind"] = {kind: round(value, 4) for kind, value in by_kind.items()}
     return record
+
+
+def fine_tune_start(model, arch: str, trained: str) -> int:
+    """Copy every weight of committed ``trained`` weights into ``model``; returns how many tensors were copied."""
+    weights = artifacts.load_trained(trained, torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            stored = checkpoint_name(arch, name)
+            if stored not in weights or weights[stored].shape != param.shape:
+                raise ValueError(f"{trained} has no {stored} of shape {tuple(param.shape)}")
+            param.copy_(weights[stored])
+    return len(weights)
 
 
 def export(model, recipe, out_dir: Path, summary: dict, log_path: Path, config_path: Path) -> Path:
@@ -339,9 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-from", default=None, metavar="TRAINED",
                         help="start the vision tower and token embeddings from committed weights "
                              "(e.g. qwen2_5_vl-reader); the language model's layers start from the recipe's")
+    parser.add_argument("--fine-tune", default=None, metavar="TRAINED",
+                        help="start every weight from committed weights (e.g. qwen2_5_vl-oracle); the curriculum "
+                             "starts at full difficulty")
     parser.add_argument("--withhold-until", type=int, default=0, metavar="STEP",
                         help="oracle, for measurement: instead of the sibling swap, hide the image from the "
                              "question below the swap layer until STEP, then show it")
+    parser.add_argument("--moved", type=float, default=0.0, metavar="SHARE",
+                        help="oracle: this share of the questions over panels moved off the token grid (a curriculum "
+                             "from 2 px), so that it reads content moved by part of a token")
     parser.add_argument("--export", type=Path, default=None,
                         help="when done, write the committed artifacts here (e.g. bundled/reader/trained/"
                              "qwen2_5_vl-<size>)")
@@ -358,13 +431,21 @@ def main(argv: list[str] | None = None) -> int:
         if not task.swap_layers:
             parser.error(f"--withhold-until needs a reader trained with a swap layer (not {args.size})")
         task = dataclasses.replace(task, withhold_until=args.withhold_until)
+    if args.moved:
+        if not task.swap_layers:
+            parser.error(f"--moved is for the oracle's task (not {args.size})")
+        task = dataclasses.replace(task, moved=args.moved)
     start = build_recipe(dataclasses.replace(recipe, trained=""), on_progress=print)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(start, dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(start)
     if args.init_from:
         print(f"vision tower and embeddings from {args.init_from}: {warm_start(model, recipe.arch, args.init_from)} "
               f"tensors")
+    if args.fine_tune:
+        print(f"every weight from {args.fine_tune}: {fine_tune_start(model, recipe.arch, args.fine_tune)} tensors")
     trainer = Trainer(model, processor, task=task, seed=args.seed, batch=args.batch, lr=args.lr, steps=args.steps)
+    if args.fine_tune:
+        trainer.level = len(KEYS)
     args.work.mkdir(parents=True, exist_ok=True)
     checkpoint, log_path = args.work / "checkpoint.pt", args.work / artifacts.LOG
     if checkpoint.is_file():
@@ -373,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log_path.write_text("")
     questions = held_out(args.eval_questions, task)
+    moved = held_out_moved(args.eval_questions, task) if task.moved else None
     params = sum(p.numel() for p in model.parameters())
     print(f"training {recipe.name}: {params / 1e6:.2f}M parameters, {args.steps} steps of {args.batch}")
     window: list[dict] = []
@@ -386,16 +468,17 @@ def main(argv: list[str] | None = None) -> int:
             mean = {key: sum(r[key] for r in window) / len(window) for key in window[0]}
             window.clear()
             record = {"step": trainer.step, "minutes": round(trainer.elapsed / 60, 2), "level": trainer.level,
+                      **({"reach": trainer.reach} if task.moved else {}),
                       "lr": round(trainer.learning_rate(), 6), **{k: round(v, 4) for k, v in mean.items()}}
             if trainer.step % args.eval_every == 0 or last:
-                record.update(held_out_record(model, trainer.batcher, questions))
+                record.update(held_out_record(model, trainer.batcher, questions, moved))
                 torch.save(trainer.state(), checkpoint.with_suffix(".tmp"))
                 checkpoint.with_suffix(".tmp").replace(checkpoint)
             with log_path.open("a") as handle:
                 handle.write(json.dumps(record) + "\n")
             print(json.dumps(record), flush=True)
     if args.export and trainer.step == args.steps:
-        final = held_out_record(model, trainer.batcher, questions)
+        final = held_out_record(model, trainer.batcher, questions, moved)
         summary = {**final, "recipe": recipe.name, "seed": args.seed, "steps": args.steps, "batch": args.batch,
                    "lr": args.lr, "minutes": round(trainer.elapsed / 60, 1), "parameters": params,
                    "command": " ".join(["python -m bundled.reader.train",

@@ -5,27 +5,49 @@ from __future__ import annotations
 
 import random
 
-from bench.moved_quality import moved, moved_plan
-from bundled.reader.panels import changed, random_panel
+import pytest
+
+from bench.moved_quality import BAND, moved_plan, placement
+from bundled.reader.panels import CELL, MAX_SIDE, Placement, changed, random_panel
 
 
 def test_the_moved_plan_lines_tokens_up_with_where_their_pixels_mostly_come_from() -> None:
     rng = random.Random(4)
-    a = random_panel(rng, min_fields=4, max_fields=8)
+    a = random_panel(rng, min_fields=4, max_fields=8, max_side=MAX_SIDE - BAND)
     b, keys = changed(a, rng, 1)
-    grid = (a.rows, a.cols)
-    field_tokens = set(b.token_indices(keys[0]))
     for direction, offset, shift in (("scroll", 0, (0, 0)), ("scroll", 13, (0, 0)), ("scroll", 15, (-1, 0)),
-                                     ("pan", 33, (0, -1))):
-        a_moved = moved(a.render(), direction, offset, a.background)
-        b_moved = moved(b.render(), direction, offset, b.background)
+                                     ("pan", 33, (0, -1)), ("pan", 56, (0, -2))):
+        where = placement(direction, offset)
+        grid = where.grid(a)
+        a_moved, b_moved = where.render(a), where.render(b)
         plan = moved_plan(a_moved, b_moved, grid, direction, offset)
         assert plan.shift == shift and plan.alias_grid == grid
         unaligned = {i for i in range(plan.tokens) if plan.alias_token(i) is None}
-        assert len(unaligned) == (0 if shift == (0, 0) else a.cols if direction == "scroll" else a.rows)
+        assert len(unaligned) == -sum(shift) * (grid[1] if direction == "scroll" else grid[0])
         changed_tokens = {i for i, c in enumerate(plan.change_map) if c == "x"}
         assert unaligned <= changed_tokens and set(plan.reuse) == set(range(plan.tokens)) - changed_tokens
         assert plan.recompute_share >= len(changed_tokens) / plan.tokens
         if offset == 0:  # nothing moved: exactly the revalued field's tokens changed, the rest the same pixels
-            assert changed_tokens == field_tokens and set(plan.change_map) <= {"=", "x"}
+            band = BAND * (grid[1] if direction == "scroll" else 1)
+            assert {i - band for i in changed_tokens} == set(b.token_indices(keys[0]))
+            assert set(plan.change_map) <= {"=", "x"}
         assert changed_tokens  # the revalued field shows somewhere
+
+
+def test_a_placement_keeps_the_panel_in_view_and_labels_where_its_glyphs_fell() -> None:
+    panel = random_panel(random.Random(9), min_fields=3, max_fields=3, max_side=4)
+    assert Placement().render(panel).tobytes() == panel.render().tobytes()
+    assert Placement().token_labels(panel)[0] == {panel.token_index(key): key for key in panel.keys}
+    scrolled = placement("scroll", 10)  # content 2 cells - 10 px down: its rows straddle tokens 1 and 2 below
+    keys, _ = scrolled.token_labels(panel)
+    cols = panel.cols
+    for key in panel.keys:
+        row, col = panel.cell_of(key)
+        # the key glyph's centre, 14 px into its cell, is drawn 46 + 14 = 60 px below the cell's top: 2 token rows down
+        assert keys[(row + 2) * cols + col] == key
+    image = scrolled.render(panel)
+    assert image.size == (cols * CELL, (panel.rows + BAND) * CELL)
+    with pytest.raises(ValueError, match="does not fit"):
+        Placement(top=CELL + 1, pad=(1, 0))
+    with pytest.raises(ValueError, match="keep the panel in view"):
+        placement("pan", BAND * CELL + 1)

@@ -110,11 +110,11 @@ def test_the_reader_tells_stale_kv_from_fresh(reference) -> None:
     assert tallies["recompute_changed"][UNCHANGED].right >= 36
 
 
-@pytest.mark.parametrize("size", [READER, ORACLE])
-def test_training_logs_checkpoints_resumes_and_exports(size, tmp_path, capsys) -> None:
-    common = ["--size", size, "--batch", "4", "--eval-every", "2", "--eval-questions", "3", "--threads", "1"]
-    if size == ORACLE:
-        common += ["--init-from", "qwen2_5_vl-reader"]
+@pytest.mark.parametrize(("size", "start"), [(READER, []), (ORACLE, ["--init-from", "qwen2_5_vl-reader"]),
+                                             (ORACLE, ["--fine-tune", "qwen2_5_vl-oracle", "--moved", "0.5"])],
+                         ids=["reader", "oracle", "oracle-moved"])
+def test_training_logs_checkpoints_resumes_and_exports(size, start, tmp_path, capsys) -> None:
+    common = ["--size", size, "--batch", "4", "--eval-every", "2", "--eval-questions", "3", "--threads", "1", *start]
     assert main(["--work", str(tmp_path / "straight"), "--steps", "4", *common]) == 0
     assert main(["--work", str(tmp_path / "resumed"), "--steps", "4", "--stop-at", "2", *common]) == 0
     out = tmp_path / "export"
@@ -128,6 +128,7 @@ def test_training_logs_checkpoints_resumes_and_exports(size, tmp_path, capsys) -
     log = (tmp_path / "resumed" / artifacts.LOG).read_text().splitlines()
     assert [line.split(",")[0] for line in log] == ['{"step": 2', '{"step": 4']
     assert '"held_out_accuracy"' in log[-1]
+    assert ('"held_out_moved_accuracy"' in log[-1]) == ("--moved" in start)
     for name, digest in artifacts.read_sums(out).items():
         assert artifacts.file_sha256(out / name) == digest
     assert set(artifacts.read_sums(out)) == {artifacts.WEIGHTS, artifacts.CONFIG, artifacts.LOG, artifacts.SUMMARY}
