@@ -1,7 +1,7 @@
 """Approximate matching, measured: descriptor cost per image, matching quality on the labelled set, and lookup
 latency and memory as the index grows.
 
-    .venv/bin/python bench/matching.py [--render-dir DIR] [--large] [--sections cost quality scale]
+    .venv/bin/python bench/matching.py [--render-dir DIR] [--large] [--sections cost quality motion tune scale]
                                        [--scales 1000 10000 100000] [--json FILE]
 
 cost      the extractor's time per image at about 1K and 4K tokens, token-aligned and needing a resize, beside
@@ -19,6 +19,11 @@ motion    pixel-level motion (gateway/matching/motion.py: phase correlation) on 
           left in place), and the time per pair; then the highest confidence of an unrelated pair beside the
           lowest of a near-duplicate whose motion was found; and per quarter of the frame (regional motions), how
           often each region finds its pair's motion
+tune      the match threshold and the guard (max_changed_share) chosen on one half of the labelled pairs (every
+          other pair of each family): the most near-duplicates matched with no unrelated pair matched, counting
+          only the near-duplicates in reach (content moved by whole tokens, or at most max_subtoken_px off the grid:
+          the oracle's verdict, bench/moved_quality.py); then matched per family on the other half, at the chosen
+          and the current values
 scale     lookup + plan latency (p50/p99) with 1k, 10k and 100k images indexed (256-token pages: each one's
           per-token record is read from the feature store when it is a candidate), the index's memory per entry
           (a rebuilt index: Python and numpy memory by tracemalloc, plus the HNSW graphs' own count) and the
@@ -28,6 +33,7 @@ scale     lookup + plan latency (p50/p99) with 1k, 10k and 100k images indexed (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import statistics
@@ -48,9 +54,10 @@ sys.path.insert(0, str(ROOT))
 from gateway.config import MatchSettings  # noqa: E402
 from gateway.matching import extractor_for  # noqa: E402
 from gateway.matching.align import CHANGED  # noqa: E402
-from gateway.matching.features import Extractor, TokenFeatures  # noqa: E402
+from gateway.matching.features import Extractor, TokenFeatures, resized  # noqa: E402
 from gateway.matching.matcher import Matcher  # noqa: E402
 from gateway.matching.motion import find_motion, grey_of, regional_motions  # noqa: E402
+from gateway.matching.moved import MovedImage  # noqa: E402
 from gateway.matching.plans import approximate_plan  # noqa: E402
 from offline.near_duplicates import FAMILIES, Pair, build_pairs  # noqa: E402
 from plan import ENTROPY_AWARE  # noqa: E402
@@ -105,9 +112,11 @@ def cost(extractor: Extractor, repeats: int) -> list[dict[str, Any]]:
 # --- quality ---------------------------------------------------------------------------------------------------
 
 
-def planned(matcher: Matcher, settings: MatchSettings, b_key: str, fb: TokenFeatures):
-    """(the best match or None, the approximate plan or None) for B, as the planner decides it."""
-    found = matcher.lookup("ns", b_key, fb)
+def planned(matcher: Matcher, settings: MatchSettings, b_key: str, fb: TokenFeatures,
+            moved: MovedImage | None = None):
+    """(the best match or None, the approximate plan or None) for B, as the planner decides it (``moved``: B's
+    pixels, to line up content moved by part of a token, as the planner has them)."""
+    found = matcher.lookup("ns", b_key, fb, moved)
     if not found.matches:
         return None, None, found
     match = found.matches[0]
@@ -116,13 +125,37 @@ def planned(matcher: Matcher, settings: MatchSettings, b_key: str, fb: TokenFeat
     return match, plan, found
 
 
+def moved_of(extractor: Extractor, settings: MatchSettings, image: Image.Image) -> MovedImage:
+    grid = (image.height // CELL, image.width // CELL)
+    return MovedImage(lambda: resized(image, grid, CELL), extractor, grid=grid, factor=CELL,
+                      max_px=settings.max_subtoken_px, min_confidence=settings.min_motion_confidence)
+
+
+def off_grid(pair: Pair) -> int | None:
+    """How many pixels off the token grid the pair's content moved (the larger axis), where the pair says."""
+    motion = pair.true_motion()
+    if motion is None:
+        return None
+    return max(abs(m - round(m / CELL) * CELL) for m in motion)
+
+
+def near_grid_row(family: str, settings: MatchSettings) -> str:
+    return f"{family} <={settings.max_subtoken_px}px"
+
+
 def quality(extractor: Extractor, settings: MatchSettings, pairs: list[Pair], scratch: Path) -> dict[str, Any]:
     features = [(extract(extractor, p.a), extract(extractor, p.b)) for p in pairs]
     per: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(float))
     for i, (pair, (fa, fb)) in enumerate(zip(pairs, features, strict=True)):
         matcher = Matcher(settings, scope="bench", features=None)
         matcher.add(key(("a", i)), "ns", fa)
-        match, plan, found = planned(matcher, settings, key(("b", i)), fb)
+        match, plan, found = planned(matcher, settings, key(("b", i)), fb, moved_of(extractor, settings, pair.b))
+        off = off_grid(pair)
+        if off is not None and 0 < off <= settings.max_subtoken_px:  # where the oracle says such reuse holds
+            near = per[near_grid_row(pair.family, settings)]
+            near["pairs"] += 1
+            near["similar"] += match is not None
+            near["matched"] += plan is not None
         row = per[pair.family]
         row["pairs"] += 1
         row["labelled_match"] += pair.near_duplicate is True
@@ -146,11 +179,12 @@ def quality(extractor: Extractor, settings: MatchSettings, pairs: list[Pair], sc
             row["changed_truth"] += int(truth.sum())
             row["changed_found"] += int((truth & said).sum())
             row["changed_said"] += int(said.sum())
-    crowd = crowd_quality(settings, pairs, features, scratch)
+    crowd = crowd_quality(extractor, settings, pairs, features, scratch)
     return {"families": {family: dict(row) for family, row in per.items()}, "crowd": crowd}
 
 
-def crowd_quality(settings: MatchSettings, pairs: list[Pair], features, scratch: Path) -> dict[str, int]:
+def crowd_quality(extractor: Extractor, settings: MatchSettings, pairs: list[Pair], features,
+                  scratch: Path) -> dict[str, int]:
     with FeatureStore(scratch / "crowd-features", sync=False) as store:
         matcher = Matcher(settings, scope="bench", features=store)
         digests: dict[bytes, str] = {}
@@ -160,7 +194,7 @@ def crowd_quality(settings: MatchSettings, pairs: list[Pair], features, scratch:
             matcher.add(digests[content], "ns", fa)
         counts: defaultdict[str, int] = defaultdict(int)
         for i, (pair, (fa, fb)) in enumerate(zip(pairs, features, strict=True)):
-            _, plan, _ = planned(matcher, settings, key(("b", i)), fb)
+            _, plan, _ = planned(matcher, settings, key(("b", i)), fb, moved_of(extractor, settings, pair.b))
             own = digests[fa.digests.tobytes()]
             if plan is None:
                 counts["unmatched"] += 1
@@ -175,7 +209,7 @@ def crowd_quality(settings: MatchSettings, pairs: list[Pair], features, scratch:
         return dict(counts)
 
 
-def print_quality(name: str, result: dict[str, Any]) -> None:
+def print_quality(name: str, result: dict[str, Any], settings: MatchSettings) -> None:
     print(f"\n  extractor {name}: matched = an approximate plan after the guard (similar = above the match "
           "threshold before it)")
     print(f"  {'family':22s} {'pairs':>5s} {'label':>6s} {'similar':>8s} {'matched':>8s} {'mean sim':>8s} "
@@ -198,6 +232,11 @@ def print_quality(name: str, result: dict[str, Any]) -> None:
               f"{pct(row.get('tokens_right', 0), row.get('tokens', 0)):>9s} "
               f"{pct(row.get('changed_found', 0), row.get('changed_truth', 0)):>10s} "
               f"{pct(row.get('changed_found', 0), row.get('changed_said', 0)):>9s}")
+        near = result["families"].get(near_grid_row(family, settings))
+        if near:  # the pairs whose content sits within max_subtoken_px of the grid: where reuse was measured to hold
+            print(f"    {'of which ' + str(settings.max_subtoken_px) + ' px or less off the grid':36s} "
+                  f"{int(near['pairs']):5d} {pct(near['similar'], near['pairs']):>8s} "
+                  f"{pct(near['matched'], near['pairs']):>8s}")
         bucket = label
         totals[f"{bucket}_pairs"] += row["pairs"]
         totals[f"{bucket}_matched"] += row["matched"]
@@ -275,6 +314,99 @@ def _label(family: str) -> bool | None:
     if family.startswith("unrelated"):
         return False
     return None if family == "video_distant" else True
+
+
+# --- tune ------------------------------------------------------------------------------------------------------
+
+TUNE_MATCH_THRESHOLDS = (0.8, 0.85, 0.875, 0.9, 0.925, 0.95)
+TUNE_MAX_CHANGED_SHARES = (0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
+
+
+def halves(pairs: list[Pair]) -> list[str]:
+    """Which half of the labelled set each pair is in, "tune" or "eval": alternately within each family, in the
+    set's order (so each half holds about half of every family, the same every run)."""
+    seen: defaultdict[str, int] = defaultdict(int)
+    out = []
+    for pair in pairs:
+        out.append("tune" if seen[pair.family] % 2 == 0 else "eval")
+        seen[pair.family] += 1
+    return out
+
+
+def in_reach(pair: Pair, settings: MatchSettings) -> bool:
+    """Whether a plan may be made for the pair at all: its content moved by whole tokens, or no more than
+    max_subtoken_px off the grid, or the pair does not say how it moved."""
+    off = off_grid(pair)
+    return off is None or off <= settings.max_subtoken_px
+
+
+def tune(extractor: Extractor, settings: MatchSettings, pairs: list[Pair]) -> dict[str, Any]:
+    """The match threshold and the guard (max_changed_share) chosen on one half of the labelled set (the most
+    near-duplicates in reach matched with no unrelated pair matched; on a tie the current values, else the stricter
+    ones), and both
+    the chosen and the current values reported on the other half, per family."""
+    features = [(extract(extractor, p.a), extract(extractor, p.b)) for p in pairs]
+    moved = [moved_of(extractor, settings, p.b) for p in pairs]  # its pixels and realignments kept across settings
+    half_of = halves(pairs)
+
+    def outcome(candidate: MatchSettings, half: str) -> dict[str, list[int]]:
+        per: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # family -> [matched, pairs]
+        for i, pair in enumerate(pairs):
+            if half_of[i] != half or (_label(pair.family) and not in_reach(pair, candidate)):
+                continue
+            matcher = Matcher(candidate, scope="bench", features=None)
+            matcher.add(key(("a", i)), "ns", features[i][0])
+            _, plan, _ = planned(matcher, candidate, key(("b", i)), features[i][1], moved[i])
+            per[pair.family][0] += plan is not None
+            per[pair.family][1] += 1
+        return dict(per)
+
+    def score(per: dict[str, list[int]]) -> tuple[int, int]:
+        near = sum(m for family, (m, _) in per.items() if _label(family))
+        unrelated = sum(m for family, (m, _) in per.items() if _label(family) is False)
+        return near, unrelated
+
+    grid = []
+    for threshold in TUNE_MATCH_THRESHOLDS:
+        for share in TUNE_MAX_CHANGED_SHARES:
+            candidate = dataclasses.replace(settings, match_threshold=threshold, max_changed_share=share)
+            near, unrelated = score(outcome(candidate, "tune"))
+            grid.append({"match_threshold": threshold, "max_changed_share": share, "near_matched": near,
+                         "unrelated_matched": unrelated})
+    clean = [row for row in grid if row["unrelated_matched"] == 0]
+    most = max(row["near_matched"] for row in clean)
+    tied = [row for row in clean if row["near_matched"] == most]
+    # Values move only on evidence: the current ones stay where they are among the best, else the strictest best.
+    best = next((row for row in tied if (row["match_threshold"], row["max_changed_share"]) ==
+                 (settings.match_threshold, settings.max_changed_share)), None) or \
+        max(tied, key=lambda r: (r["match_threshold"], -r["max_changed_share"]))
+    chosen = dataclasses.replace(settings, match_threshold=best["match_threshold"],
+                                 max_changed_share=best["max_changed_share"])
+    return {"halves": {half: half_of.count(half) for half in ("tune", "eval")}, "grid": grid, "chosen": best,
+            "current": {"match_threshold": settings.match_threshold,
+                        "max_changed_share": settings.max_changed_share},
+            "eval_chosen": outcome(chosen, "eval"), "eval_current": outcome(settings, "eval")}
+
+
+def print_tune(result: dict[str, Any]) -> None:
+    chosen, current = result["chosen"], result["current"]
+    print(f"  halves: {result['halves']}; grid: match threshold x guard, near-duplicates in reach matched on the "
+          "tune half (unrelated matched)")
+    for row in result["grid"]:
+        if row["max_changed_share"] == TUNE_MAX_CHANGED_SHARES[0]:
+            print(f"    {row['match_threshold']:6.3f}:", end="")
+        print(f" {row['max_changed_share']:.2f} {row['near_matched']:3d} ({row['unrelated_matched']})", end="")
+        if row["max_changed_share"] == TUNE_MAX_CHANGED_SHARES[-1]:
+            print()
+    print(f"  chosen on the tune half: match threshold {chosen['match_threshold']}, guard "
+          f"{chosen['max_changed_share']} (current: {current['match_threshold']}, {current['max_changed_share']})")
+    print(f"  evaluation half, matched / pairs (near-duplicates in reach: content moved by whole tokens or at most "
+          f"max_subtoken_px off the grid):\n  {'family':22s} {'chosen':>9s} {'current':>9s}")
+    for family in FAMILIES:
+        a, b = result["eval_chosen"].get(family), result["eval_current"].get(family)
+        if a or b:
+            print(f"  {family:22s} {a[0] if a else 0:4d} / {a[1] if a else 0:<3d} {b[0] if b else 0:4d} / "
+                  f"{b[1] if b else 0:<3d}")
 
 
 # --- scale -----------------------------------------------------------------------------------------------------
@@ -375,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render-dir", type=Path, help="render documentation pages with Chromium, cached here")
     parser.add_argument("--large", action="store_true", help="the labelled set at about 4,000 tokens a pair")
     parser.add_argument("--sections", nargs="+", default=["cost", "quality", "motion", "scale"],
-                        choices=["cost", "quality", "motion", "scale"])
+                        choices=["cost", "quality", "motion", "tune", "scale"])
     parser.add_argument("--scales", nargs="+", type=int, default=[1000, 10_000, 100_000])
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=9)
@@ -414,7 +546,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\nmatching quality ({name}) on {len(pairs)} labelled pairs; {'; '.join(notes) or ''}",
                       flush=True)
                 part["quality"] = quality(extractor, settings, pairs, scratch)
-                print_quality(name, part["quality"])
+                print_quality(name, part["quality"], settings)
+            if "tune" in args.sections:
+                pairs = build_pairs(render_dir=args.render_dir, large=args.large, per_family=args.per_family)
+                print(f"\nthresholds tuned on half of {len(pairs)} labelled pairs, reported on the other ({name}):",
+                      flush=True)
+                part["tune"] = tune(extractor, settings, pairs)
+                print_tune(part["tune"])
             if "motion" in args.sections and name == args.extractors[0]:  # pixels: the same for every extractor
                 pairs = build_pairs(render_dir=args.render_dir, large=args.large, per_family=args.per_family)
                 print(f"\npixel motion (phase correlation) on {len(pairs)} labelled pairs:", flush=True)

@@ -11,7 +11,8 @@ settings and the tenant's namespace (so no plan ever names another tenant's entr
     not stored, but a near-duplicate  approximate: the matcher (gateway/matching) found a stored image of the same
     of a stored image                 namespace that it nearly duplicates; the plan names it as the alias, with the
                                       change map and the reuse set of the selector (gateway/matching/plans.py), or
-                                      is a miss when the guard finds too much changed
+                                      is a miss when the guard finds too much changed; content moved by part of a
+                                      token is lined up again first (gateway/matching/moved.py)
     anything else                     miss
 
 A plan is a prediction that it pays: with the workers' costs measured (gateway/calibration.py), an exact or
@@ -56,6 +57,7 @@ from gateway.images import CanonicalImage
 from gateway.intake import IntakeResult
 from gateway.matching.align import reported
 from gateway.matching.matcher import Match, Matcher
+from gateway.matching.moved import MovedImages
 from gateway.matching.plans import approximate_plan
 from gateway.videos import FrameBook, FramesSeen
 from plan import APPROXIMATE, EXACT, MISS, ImagePlan, RequestPlan
@@ -162,10 +164,11 @@ def outcome_of(ran: Mapping[int, Outcome] | None, index: int) -> Outcome | None:
 
 class Planner:
     def __init__(self, cache: CacheManager, settings: ReuseSettings, matcher: Matcher | None = None,
-                 costs: WorkerCosts | None = None) -> None:
+                 costs: WorkerCosts | None = None, moved: MovedImages | None = None) -> None:
         self.cache = cache
         self.settings = settings
         self.matcher = matcher if settings.match.enabled else None
+        self.moved = moved  # lines up content moved by part of a token (gateway/matching/moved.py); None: never
         self.costs = costs
         self._holder: OrderedDict[str, str] = OrderedDict()  # image or video key -> worker URL that last served it
         self.counts: Counter[str] = Counter()
@@ -284,7 +287,8 @@ class Planner:
         if not approximate:
             self.matcher.add(image.key, namespace, image.features)
             return miss, None
-        lookup = self.matcher.lookup(namespace, image.key, image.features)
+        moved = self.moved.of(image.payload, grid) if self.moved is not None else None
+        lookup = self.matcher.lookup(namespace, image.key, image.features, moved)
         alias = self._usable_alias(lookup.matches)
         plan = None if alias is None else approximate_plan(
             alias, image.features.entropy, key=image.key, grid=grid, prefix_digest=prefix_digest,

@@ -22,6 +22,7 @@ from gateway.intake import Intake
 from gateway.loop_lag import LoopLag
 from gateway.matching import extractor_for, scope
 from gateway.matching.matcher import FeatureRecords, Matcher
+from gateway.matching.moved import MovedImages
 from gateway.memory import MemoryTrim
 from gateway.metrics import RequestMetrics, ResponseCacheMetrics, build_registry
 from gateway.planner import Planner
@@ -127,7 +128,9 @@ class Services:
             if config.model_facts is not None and config.calibrate else None
         if costs is not None:
             pool.on_up = costs.came_up
-        planner = Planner(cache, reuse, matcher, costs if config.plan_by_cost else None)
+        moved = MovedImages(extractor, config.processor.factor, max_px=reuse.match.max_subtoken_px,
+                            min_confidence=reuse.match.min_motion_confidence) if extractor is not None else None
+        planner = Planner(cache, reuse, matcher, costs if config.plan_by_cost else None, moved)
         registry = build_registry(policy, planner)
         response_metrics = ResponseCacheMetrics(registry)  # exported, at zero, when the response cache is off
         responses = None

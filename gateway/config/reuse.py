@@ -37,6 +37,8 @@ class MatchSettings:
     ``coarse_threshold``; the fine stage matches when the mean per-token cosine over the aligned grid reaches
     ``match_threshold``; a token is similar at ``patch_threshold`` when none of its shades (4 x 4-pixel grey
     levels) moved by more than ``max_shade_change``; tokens under ``blank_entropy`` bits are blank.
+    A candidate that falls short in place is aligned again when the content moved by part of a token, at most
+    ``max_subtoken_px`` off the grid, with a motion of at least ``min_motion_confidence``.
     Plans: B = the lowest-entropy ``reuse_share`` of the tokens, R = ``recompute_share`` of them, ``warmup_layers``
     layers on every token first; the guard plans a miss when more than ``max_changed_share`` of the tokens changed.
     ``selector`` is the default selector (plan.SELECTORS); a request may name another in the ``x-revisit-selector``
@@ -64,6 +66,14 @@ class MatchSettings:
     recompute_share: float = 0.3
     warmup_layers: int = 3
     max_changed_share: float = 0.35  # measured: near-duplicates changed <= 0.29, a form with every value redrawn 0.41
+    # Content moved by part of a token (gateway/matching/moved.py) is planned only this many pixels off the token
+    # grid (0: never): measured by the oracle fine-tuned on moved panels (bench/moved_quality.py), reuse holds within
+    # 2 points of a full prefill up to 2 px off the grid, and nothing says it holds from 3 px on.
+    max_subtoken_px: int = 2
+    # The motion's confidence (motion.find_motion on the two images' shades) under which no sub-token move is tried:
+    # on the moved panels the right move scored 0.29 and more; a move tried wrongly costs a decode and an extraction,
+    # not a wrong plan (the realigned tokens must still match).
+    min_motion_confidence: float = 0.15
     # The default selector, measured (bench/approximate_quality.py, the oracle reader): entropy_aware drops the
     # tokens outside R and B, and answered 75% of unchanged-field questions right where attention_only (nothing
     # dropped) and a full prefill answered 100%; both answered every changed-field question right.
@@ -97,6 +107,9 @@ class MatchSettings:
                 raise ConfigError(f"match {name} must be in [0, 1], got {getattr(self, name)}")
         if not 0 <= self.max_shade_change <= 255:
             raise ConfigError(f"match max_shade_change must be a grey level in [0, 255], got {self.max_shade_change}")
+        if not 0 <= self.max_subtoken_px <= 13 or self.min_motion_confidence < 0:
+            raise ConfigError("match max_subtoken_px must be in [0, 13] (half a token) and min_motion_confidence "
+                              f"not negative, got {self.max_subtoken_px} and {self.min_motion_confidence}")
         if self.candidates < 1 or self.scan_limit < 1 or self.warmup_layers < 0:
             raise ConfigError("match candidates and scan_limit must be positive, warmup_layers not negative")
         if self.blank_entropy < 0 or self.feature_cache_bytes < 0 or self.pending_grace_s < 0:

@@ -24,7 +24,7 @@ similarity: they are changed, and how many changed is the planner's guard's to j
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -43,6 +43,9 @@ class Alignment:
     cosine: np.ndarray  # (n,) float32; 0 where there is no aligned token
     changes: np.ndarray  # (n,) uint8: SAME, SIMILAR or CHANGED
     similarity: float  # the image-level score (see the module docstring)
+    # Pixels the content moved beyond the shift (dy, dx), when it moved by part of a token (gateway/matching/moved.py):
+    # the new image's features were then taken with its content moved back by this much.
+    offset: tuple[int, int] = (0, 0)
 
     @property
     def change_map(self) -> str:
@@ -50,6 +53,14 @@ class Alignment:
 
     def count(self, kind: int) -> int:
         return int((self.changes == kind).sum())
+
+
+def moved_by(alignment: Alignment, offset: tuple[int, int]) -> Alignment:
+    """An alignment of features taken with the content moved back by ``offset`` pixels: no token is the same (the
+    model sees other pixels there), those that were are similar."""
+    changes = alignment.changes.copy()
+    changes[changes == SAME] = SIMILAR
+    return replace(alignment, changes=changes, offset=offset)
 
 
 def reported(similarity: float) -> float:

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.config import MatchSettings
-from gateway.matching.align import Alignment, align, find_shift
+from gateway.matching.align import Alignment, align, find_shift, moved_by
 from gateway.matching.features import TokenFeatures
 from gateway.matching.index import IndexRecord, MatchIndex
+from gateway.matching.moved import MovedImage
 from store import StoreError
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,9 @@ class Matcher:
         if record is not None and record.scope == self.scope:
             self.index.add(record)
 
-    def lookup(self, namespace: str, key: str, features: TokenFeatures) -> Lookup:
+    def lookup(self, namespace: str, key: str, features: TokenFeatures, moved: MovedImage | None = None) -> Lookup:
+        """The indexed images of ``namespace`` the new image nearly duplicates; ``moved``: the new image, for
+        candidates its content moved against by part of a token (see compare)."""
         query = self.record(key, namespace, features)
         candidates = self.index.lookup(namespace, query)
         matches, best, compared = [], None, 0
@@ -133,7 +136,7 @@ class Matcher:
             if alias_features is None:
                 continue
             compared += 1
-            alignment = compare(features, alias_features, self.settings)
+            alignment = compare(features, alias_features, self.settings, moved)
             best = alignment.similarity if best is None else max(best, alignment.similarity)
             if alignment.similarity >= self.settings.match_threshold:
                 matches.append(Match(alias=alias, alignment=alignment, alias_features=alias_features))
@@ -211,8 +214,20 @@ class Matcher:
             self._cache_bytes -= evicted.nbytes
 
 
-def compare(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings) -> Alignment:
-    """The fine stage for one candidate: the whole-token shift that best lines the alias up, then the alignment."""
-    return align(features, alias_features, shift=find_shift(features, alias_features),
-                 patch_threshold=settings.patch_threshold, max_shade_change=settings.max_shade_change,
-                 blank_entropy=settings.blank_entropy)
+def compare(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings,
+            moved: MovedImage | None = None) -> Alignment:
+    """The fine stage for one candidate: the whole-token shift that best lines the alias up, then the alignment.
+    Where that falls short of the match threshold and the new image is given as ``moved``, its content may have
+    moved by part of a token (gateway/matching/moved.py): aligned again once moved back, the better one kept."""
+    alignment = align(features, alias_features, shift=find_shift(features, alias_features),
+                      patch_threshold=settings.patch_threshold, max_shade_change=settings.max_shade_change,
+                      blank_entropy=settings.blank_entropy)
+    if moved is None or alignment.similarity >= settings.match_threshold:
+        return alignment
+    move = moved.find(features, alias_features)
+    if move is None:
+        return alignment
+    again = moved_by(align(moved.realigned(move.offset), alias_features, shift=move.shift,
+                           patch_threshold=settings.patch_threshold, max_shade_change=settings.max_shade_change,
+                           blank_entropy=settings.blank_entropy), move.offset)
+    return again if again.similarity > alignment.similarity else alignment

@@ -22,7 +22,8 @@ from gateway.config import MatchSettings
 from gateway.matching.align import CHANGED, reported
 from gateway.matching.features import TokenFeatures
 from gateway.matching.matcher import Match, compare
-from plan import APPROXIMATE, CACHEBLEND, CHANGE_BLIND, ENTROPY_AWARE, FULL_REUSE, ImagePlan
+from gateway.matching.moved import MovedImage
+from plan import APPROXIMATE, CACHEBLEND, CHANGE_BLIND, ENTROPY_AWARE, FULL_PASS, FULL_REUSE, ImagePlan
 
 
 def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: tuple[int, int], prefix_digest: str,
@@ -51,18 +52,22 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
         share = min(1.0, max(settings.recompute_share, changed_share))
     if layers is not None:
         warmup = min(warmup, max(0, layers - 1))
+    # Content moved by part of a token: the alias' encoder output is of the content where it was, so the vision pass
+    # runs over the whole new image (what bench/moved_quality.py measured).
+    vision = settings.vision_pass if alignment.offset == (0, 0) else FULL_PASS
     return ImagePlan(key=key, kind=APPROXIMATE, tokens=n, grid=grid, prefix_digest=prefix_digest,
                      alias=match.alias, alias_grid=match.alias_features.grid, shift=alignment.shift,
                      change_map=alignment.change_map, similarity=reported(alignment.similarity),
                      reuse=tuple(int(i) for i in reuse), warmup_layers=warmup, recompute_share=round(share, 4),
-                     selector=selector, vision=settings.vision_pass, derive=settings.derive)
+                     selector=selector, vision=vision, derive=settings.derive)
 
 
 def plan_against(features: TokenFeatures, alias_features: TokenFeatures, *, alias: str, key: str,
                  settings: MatchSettings, selector: str, layers: int | None,
-                 prefix_digest: str = "") -> ImagePlan | None:
+                 prefix_digest: str = "", moved: MovedImage | None = None) -> ImagePlan | None:
     """The plan the gateway makes for an image known to match ``alias`` (the fine stage and approximate_plan, with
     no index lookup: for benches and tests that pick the alias themselves)."""
-    match = Match(alias=alias, alignment=compare(features, alias_features, settings), alias_features=alias_features)
+    match = Match(alias=alias, alignment=compare(features, alias_features, settings, moved),
+                  alias_features=alias_features)
     return approximate_plan(match, features.entropy, key=key, grid=features.grid, prefix_digest=prefix_digest,
                             settings=settings, selector=selector, layers=layers)

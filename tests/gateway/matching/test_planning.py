@@ -360,3 +360,27 @@ def test_a_near_duplicate_predicted_not_to_pay_is_planned_as_a_storing_miss(cach
     costs.models["http://worker"] = CostModel(Costs.of(token_layers=1e-3, vision_patches=1e-3,
                                                        planned_token_layers=1e-3, read_token_layers=1e-9))
     assert plan(planner, near, "ns").kinds == ("approximate",) and planner.refused["cost"] == 1
+
+
+def test_the_planner_plans_a_page_scrolled_by_a_token_and_a_pixel_against_the_page_before(cache) -> None:
+    """A scroll of 29 px (one token and one pixel) moves every token's content within it; the planner lines it up
+    again from the bytes it forwards (gateway/matching/moved.py) and plans it with the whole-token shift and a full
+    vision pass. Off (max_subtoken_px 0) or 5 px off the grid, it is a miss."""
+    from gateway.matching.moved import MovedImages
+    from tests.images_lib import load
+
+    manager, matcher = cache
+    page = load("page.png").convert("RGB")  # text at its own resolution: crisp, as a screenshot's
+    a, b = page.crop((0, 0, 13 * CELL, 5 * CELL)), page.crop((0, 29, 13 * CELL, 29 + 5 * CELL))
+    for max_px, kinds in ((0, ("miss",)), (2, ("approximate",))):
+        settings = ReuseSettings(store=StoreConfig(), layers=8, match=MatchSettings(max_subtoken_px=max_px))
+        planner = Planner(manager, settings, matcher,
+                          moved=MovedImages(EXTRACTOR, CELL, max_px=max_px, min_confidence=0.15))
+        store_like_a_worker(manager, plan(planner, a, "ns").plan.images[0].key, (5, 13))  # type: ignore[union-attr]
+        planned = plan(planner, b, "ns")
+        assert planned.kinds == kinds
+    image_plan = planned.plan.images[0]  # type: ignore[union-attr]
+    assert image_plan.shift == (-1, 0) and image_plan.vision == FULL_PASS
+    assert set(image_plan.change_map[-13:]) == {"x"}  # the row scrolled in
+    farther = page.crop((0, 33, 13 * CELL, 33 + 5 * CELL))
+    assert plan(planner, farther, "ns").kinds == ("miss",)

@@ -1,0 +1,35 @@
+"""bench/matching.py's split of the labelled set for tuning, and which pairs a plan may be made for at all."""
+
+from __future__ import annotations
+
+from PIL import Image
+
+from bench.matching import halves, in_reach, off_grid
+from gateway.config import MatchSettings
+from offline.near_duplicates import Pair
+
+BLANK = Image.new("RGB", (56, 56))
+
+
+def pair(name: str, family: str = "doc_scroll_partial", motion: tuple[int, int] | None = None,
+         shift: tuple[int, int] | None = None) -> Pair:
+    return Pair(name, family, BLANK, BLANK, True, None, shift, motion=motion)
+
+
+def test_each_half_holds_every_other_pair_of_each_family() -> None:
+    pairs = [pair(f"{family}/{i}", family) for i in range(7) for family in ("doc_edit", "photo_jpeg", "unrelated")]
+    split = halves(pairs)
+    assert split == halves(pairs)  # the same split every run
+    for family in ("doc_edit", "photo_jpeg", "unrelated"):
+        mine = [half for p, half in zip(pairs, split, strict=True) if p.family == family]
+        assert mine == ["tune", "eval"] * 3 + ["tune"]
+
+
+def test_only_content_moved_by_whole_tokens_or_near_them_is_in_reach() -> None:
+    settings = MatchSettings()  # max_subtoken_px 2
+    assert off_grid(pair("a", motion=(-83, 0))) == 1 and in_reach(pair("a", motion=(-83, 0)), settings)
+    assert off_grid(pair("b", motion=(26, 0))) == 2 and in_reach(pair("b", motion=(26, 0)), settings)
+    assert not in_reach(pair("c", motion=(7, -2)), settings)  # 7 px off the grid: nothing says reuse holds
+    assert in_reach(pair("d", "doc_scroll_whole", shift=(-2, 0)), settings)  # 56 px: whole tokens
+    assert in_reach(pair("e", "doc_edit"), settings)  # the pair does not say how it moved
+    assert not in_reach(pair("a", motion=(-83, 0)), MatchSettings(max_subtoken_px=0))
