@@ -15,10 +15,11 @@ makes SGLang abort the request.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +95,23 @@ def _sse(payload: dict | str) -> bytes:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient):
+    """Sends completions to the pool's workers. ``clients``: one, or several taken in turn (each its own connection
+    pool: httpcore's pool work per request grows with the connections and requests it holds)."""
+
+    def __init__(self, pool: WorkerPool, clients: httpx.AsyncClient | Sequence[httpx.AsyncClient]):
         self._pool = pool
-        self._client = client
+        self._clients = [clients] if isinstance(clients, httpx.AsyncClient) else list(clients)
+        if not self._clients:
+            raise ValueError("a dispatcher needs at least one client")
+        self._turn = itertools.cycle(self._clients)
+
+    def _next_client(self) -> httpx.AsyncClient:
+        """The client the next request goes out on."""
+        return next(self._turn)
+
+    async def aclose(self) -> None:
+        for client in self._clients:
+            await client.aclose()
 
     def _next(self, tried: list[Worker], last_error: str | None, prefer: str | None = None) -> Worker:
         try:
@@ -118,8 +133,8 @@ class Dispatcher:
                 alone, sent = worker.inflight == 1, time.perf_counter()
                 with self._pool.until_taken_out(worker) as waiting:
                     try:
-                        response = await self._client.post(worker.url + request.path, content=request.payload,
-                                                           headers=_JSON)
+                        response = await self._next_client().post(worker.url + request.path,
+                                                                  content=request.payload, headers=_JSON)
                         alone, took = alone and worker.inflight == 1, time.perf_counter() - sent
                     except httpx.TimeoutException as exc:
                         raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
@@ -161,10 +176,11 @@ class Dispatcher:
             response: httpx.Response | None = None
             try:
                 with self._pool.until_taken_out(worker) as waiting:
-                    built = self._client.build_request("POST", worker.url + request.path,
-                                                       content=request.payload, headers=_JSON)
+                    client = self._next_client()
+                    built = client.build_request("POST", worker.url + request.path, content=request.payload,
+                                                 headers=_JSON)
                     alone, sent = worker.inflight == 1, time.perf_counter()
-                    response = await self._client.send(built, stream=True)
+                    response = await client.send(built, stream=True)
                     if response.status_code != 200:
                         payload = await response.aread()
                         if 400 <= response.status_code < 500:

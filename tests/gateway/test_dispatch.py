@@ -109,3 +109,35 @@ async def test_a_stream_at_a_worker_that_hangs_before_its_first_event_is_answere
     assert answered_by == "B"
     assert seconds < UPSTREAM_TIMEOUT_S / 2
     assert pool.workers[0].inflight == 0 and not pool.workers[0]._awaited
+
+
+async def test_completions_go_out_on_the_dispatchers_clients_in_turn():
+    """Several clients (each its own connection pool): every request, plain or streamed, takes the next one."""
+    seen: list[str] = []
+
+    class Recording(worker("A")):  # type: ignore[misc, valid-type]
+        def do_POST(self) -> None:  # noqa: N802
+            seen.append(self.headers["x-pool"])
+            super().do_POST()
+
+    with serve_handler(Recording) as url:
+        clients = [httpx.AsyncClient(headers={"x-pool": str(i)}, timeout=10) for i in range(3)]
+        async with httpx.AsyncClient(timeout=10) as health:
+            pool = WorkerPool([url], health, interval_s=0.1, timeout_s=1.0)
+            await pool.start()
+            dispatcher = Dispatcher(pool, clients)
+            try:
+                for n in range(6):
+                    body = {"rid": f"r{n}", "model": "m", "stream": n % 2 == 1,
+                            "messages": [{"role": "user", "content": "hi"}]}
+                    request = UpstreamRequest(payload=json.dumps(body).encode(), rid=f"r{n}")
+                    if body["stream"]:
+                        events = await dispatcher.open_stream(request)
+                        assert b"[DONE]" in b"".join([event async for event in events])
+                    else:
+                        assert (await dispatcher.complete(request))["choices"][0]["message"]["content"] == "A"
+            finally:
+                await pool.stop()
+                await dispatcher.aclose()
+    assert seen == ["0", "1", "2", "0", "1", "2"]
+    assert all(client.is_closed for client in clients)
