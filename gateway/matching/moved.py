@@ -29,6 +29,7 @@ the worker is sent), the shade search (nine candidate moves at most) and one mor
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ from PIL import Image
 
 from gateway.matching.features import SHADE_SIDE, Extractor, TokenFeatures, cell_means, grey, resized
 from gateway.matching.motion import find_motion
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,8 @@ class MovedImage:
         motion = find_motion(shade_image(alias_features), shade_image(features))
         if motion.confidence < self.min_confidence:
             return None
+        if not self._decoded():
+            return None
         best: tuple[float, int, int] | None = None
         around_y, around_x = round(motion.dy * cell), round(motion.dx * cell)
         for total_y in (around_y - 1, around_y, around_y + 1):
@@ -137,6 +142,17 @@ class MovedImage:
         if offset == (0, 0) or max(abs(offset[0]), abs(offset[1])) > self.max_px:
             return None
         return SubTokenMove(shift=shift, offset=offset, confidence=motion.confidence)
+
+    def _decoded(self) -> bool:
+        """Whether the new image's pixels are at hand: decoded once, from bytes intake decoded already; should that
+        ever fail, the image is planned as it would be without a sub-token move."""
+        try:
+            if self._pixels is None:
+                self._pixels = self._pixels_of()
+        except (OSError, ValueError) as exc:
+            log.warning("could not decode an image again to line it up: %s", exc)
+            return False
+        return True
 
     def realigned(self, offset: tuple[int, int]) -> TokenFeatures:
         """The new image's features with its content moved back by ``offset`` pixels."""

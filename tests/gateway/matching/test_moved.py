@@ -103,3 +103,10 @@ def test_the_planner_decodes_the_image_it_forwards() -> None:
     assert moved is not None and (moved.pixels == np.asarray(b)).all()
     move = moved.find(features(b), features(a))
     assert move is not None and (move.shift, move.offset) == ((-1, 0), (1, 0))
+
+
+def test_an_image_that_cannot_be_decoded_again_is_planned_as_without_a_move() -> None:
+    a, b = scrolled(1)
+    broken = MovedImages(EXTRACTOR, CELL, max_px=2, min_confidence=0.15).of(b"not an image", (ROWS, COLS))
+    assert broken is not None and broken.find(features(b), features(a)) is None
+    assert compare(features(b), features(a), SETTINGS, broken).offset == (0, 0)
