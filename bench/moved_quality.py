@@ -54,7 +54,6 @@ from bundled.reader.panels import CELL, MAX_SIDE, Placement  # noqa: E402
 from bundled.reader.questions import field  # noqa: E402
 from bundled.recipes import MOVED_ORACLE, get_recipe  # noqa: E402
 from gateway.config import MatchSettings  # noqa: E402
-from gateway.matching.features import resized  # noqa: E402
 from gateway.matching.matcher import Matcher  # noqa: E402
 from gateway.matching.moved import MovedImage  # noqa: E402
 from gateway.matching.pixel import PixelExtractor  # noqa: E402
@@ -109,8 +108,7 @@ def gateway_plan(a_image: Image.Image, b_image: Image.Image, grid: tuple[int, in
     a_features, b_features = extractor.extract(a_image, grid, CELL), extractor.extract(b_image, grid, CELL)
     matcher = Matcher(settings, scope="bench", features=None)
     matcher.add("0" * 64, "bench", a_features)
-    moved = MovedImage(lambda: resized(b_image, grid, CELL), extractor, grid=grid, factor=CELL,
-                       max_px=settings.max_subtoken_px, min_confidence=settings.min_motion_confidence)
+    moved = MovedImage.of_image(b_image, extractor, grid=grid, factor=CELL, settings=settings)
     lookup = matcher.lookup("bench", "1" * 64, b_features, moved)
     if not lookup.matches:
         return None

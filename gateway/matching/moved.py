@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from gateway.config import MatchSettings
 from gateway.matching.features import SHADE_SIDE, Extractor, TokenFeatures, cell_means, grey, resized
 from gateway.matching.motion import find_motion
 
@@ -110,6 +111,13 @@ class MovedImage:
                 return resized(image, grid, factor)
         return cls(pixels_of, extractor, grid=grid, factor=factor, max_px=max_px, min_confidence=min_confidence)
 
+    @classmethod
+    def of_image(cls, image: Image.Image, extractor: Extractor, *, grid: tuple[int, int], factor: int,
+                 settings: MatchSettings) -> MovedImage:
+        """From an image at hand (benches, tests), within ``settings``' bounds."""
+        return cls(lambda: resized(image, grid, factor), extractor, grid=grid, factor=factor,
+                   max_px=settings.max_subtoken_px, min_confidence=settings.min_motion_confidence)
+
     @property
     def pixels(self) -> np.ndarray:
         if self._pixels is None:
@@ -128,10 +136,11 @@ class MovedImage:
         if not self._decoded():
             return None
         best: tuple[float, int, int] | None = None
+        alias = shade_image(alias_features)
         around_y, around_x = round(motion.dy * cell), round(motion.dx * cell)
         for total_y in (around_y - 1, around_y, around_y + 1):
             for total_x in (around_x - 1, around_x, around_x + 1):
-                distance = self._shade_distance(alias_features, total_y, total_x)
+                distance = self._shade_distance(alias, total_y, total_x)
                 if distance is not None and (best is None or distance < best[0]):
                     best = (distance, total_y, total_x)
         if best is None:
@@ -147,8 +156,7 @@ class MovedImage:
         """Whether the new image's pixels are at hand: decoded once, from bytes intake decoded already; should that
         ever fail, the image is planned as it would be without a sub-token move."""
         try:
-            if self._pixels is None:
-                self._pixels = self._pixels_of()
+            self.pixels  # noqa: B018 (decoded here, once)
         except (OSError, ValueError) as exc:
             log.warning("could not decode an image again to line it up: %s", exc)
             return False
@@ -162,16 +170,16 @@ class MovedImage:
             found = self._realigned[offset] = self.extractor.extract(image, self.grid, self.factor)
         return found
 
-    def _shade_distance(self, alias_features: TokenFeatures, total_y: int, total_x: int) -> float | None:
+    def _shade_distance(self, alias: np.ndarray, total_y: int, total_x: int) -> float | None:
         """Mean absolute difference of grey levels (cells of the shades' size) between the new image moved back by
-        (total_y, total_x) pixels and the cached one where both have content; None where they share none."""
+        (total_y, total_x) pixels and the cached one (``alias``: its shade_image) where both have content; None
+        where they share none."""
         if self._grey is None:
             self._grey = grey(self.pixels.astype(np.float32)) * 255.0
         rows, cols = self.grid
         side = SHADE_SIDE
         back = moved_back(self._grey, (total_y % self.factor, total_x % self.factor))
         shades = cell_means(back[:, :, None], rows * side, cols * side)[:, :, 0]
-        alias = shade_image(alias_features)
         # New cell (y, x) now shows the alias' cell (y - whole_y, x - whole_x), whole tokens of shades.
         whole_y, whole_x = total_y // self.factor * side, total_x // self.factor * side
         height, width = min(shades.shape[0], alias.shape[0] + whole_y), min(shades.shape[1], alias.shape[1] + whole_x)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from PIL import Image
 
-from bench.matching import halves, in_reach, off_grid
+from bench.matching import off_grid
+from bench.matching_tune import halves, in_reach
 from gateway.config import MatchSettings
 from offline.near_duplicates import Pair
 

@@ -11,7 +11,6 @@ from PIL import Image
 
 from gateway.config import MatchSettings
 from gateway.matching.align import SAME, SIMILAR
-from gateway.matching.features import resized
 from gateway.matching.matcher import compare
 from gateway.matching.moved import MovedImage, MovedImages, moved_back
 from gateway.matching.plans import plan_against
@@ -31,8 +30,7 @@ def scrolled(offset: int) -> tuple[Image.Image, Image.Image]:
 
 
 def moved_image(image: Image.Image, settings: MatchSettings = SETTINGS) -> MovedImage:
-    return MovedImage(lambda: resized(image, (ROWS, COLS), CELL), EXTRACTOR, grid=(ROWS, COLS), factor=CELL,
-                      max_px=settings.max_subtoken_px, min_confidence=settings.min_motion_confidence)
+    return MovedImage.of_image(image, EXTRACTOR, grid=(ROWS, COLS), factor=CELL, settings=settings)
 
 
 def test_moving_back_undoes_a_move_and_repeats_the_edge() -> None:
