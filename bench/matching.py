@@ -1,7 +1,7 @@
 """Approximate matching, measured: descriptor cost per image, matching quality on the labelled set, and lookup
 latency and memory as the index grows.
 
-    .venv/bin/python bench/matching.py [--render-dir DIR] [--large] [--sections cost quality motion tune scale]
+    .venv/bin/python bench/matching.py [--render-dir DIR] [--large] [--sections cost quality crowd motion tune scale]
                                        [--scales 1000 10000 100000] [--json FILE]
 
 cost      the extractor's time per image at about 1K and 4K tokens, token-aligned and needing a resize, beside
@@ -13,6 +13,8 @@ quality   offline.near_duplicates' labelled pairs (rendered documentation pages 
           identical picture that the set uses as another pair's A). Per family: matched share, mean
           similarity, the shift found, and per-token change-map accuracy against the pixel truth (a changed token
           taken for unchanged is the costly error: recall of changed tokens is printed on its own)
+crowd     every labelled image indexed at once, each moved by 1, 2 and 29 px and looked up among them: how often
+          its own image is found, and the lookup's time (bench/matching_crowd.py)
 motion    pixel-level motion (gateway/matching/motion.py: phase correlation) on every labelled pair, with the images
           reduced 1x, 2x and 4x: per family the confidence's spread, how often the motion found is within 1 and
           0.5 px of the pair's true motion (scrolls and pans by any number of pixels, whole-token shifts, content
@@ -320,8 +322,8 @@ def _label(family: str) -> bool | None:
 def scale(extractor: Extractor, settings: MatchSettings, scales: list[int], scratch: Path,
           queries: int) -> list[dict[str, Any]]:
     """Pages of 16 x 16 tokens: a pool of real ones, each indexed many times with its digests salted (so no two
-    entries share a digest) and its vectors jittered, so that the coarse stage passes several candidates per
-    query as real look-alike pages do and the fine stage reads their records from the store."""
+    entries share a digest) and its vectors and shades jittered, so that the coarse stage passes several candidates
+    per query as real look-alike pages do and the fine stage reads their records from the store."""
     pool = [p for p in build_pairs(seed=1, per_family=6) if p.family in ("doc_edit", "form_fill", "photo_jpeg")]
     bases = [extract(extractor, p.a.resize((16 * CELL, 16 * CELL))) for p in pool]
     rng = np.random.default_rng(0)
@@ -336,8 +338,9 @@ def scale(extractor: Extractor, settings: MatchSettings, scales: list[int], scra
                 jitter = base.vectors.astype(np.float32) + rng.normal(0, 0.08, base.vectors.shape)
                 salted = TokenFeatures(grid=base.grid, digests=base.digests ^ np.uint64(i * 0x9E3779B97F4A7C15 % 2**64),
                                        vectors=(jitter / np.linalg.norm(jitter, axis=1, keepdims=True)).astype(
-                                           np.float16), entropy=base.entropy, shades=base.shades,
-                                           chroma=base.chroma)
+                                           np.float16), entropy=base.entropy,
+                                       shades=np.clip(base.shades + rng.integers(-2, 3, base.shades.shape), 0,
+                                                      255).astype(np.uint8), chroma=base.chroma)
                 matcher.add(key(("entry", i)), "ns", salted)
             add_s = time.perf_counter() - started
             del matcher
@@ -374,24 +377,24 @@ def scale(extractor: Extractor, settings: MatchSettings, scales: list[int], scra
 
 def coarse_search(scales: list[int], queries: int) -> list[dict[str, Any]]:
     """The coarse stage alone, a plain scan against the HNSW graph over the same descriptors: what decides the
-    scan limit. Random unit regional descriptors (4 x 64, the projected width), queries near stored ones."""
-    from gateway.matching.features import COARSE_DIM
+    scan limit. Random unit regional descriptors (4 x LAYOUT_DIM), queries near stored ones."""
+    from gateway.matching.features import LAYOUT_DIM
     from gateway.matching.index import CoarseTable
 
     rng = np.random.default_rng(0)
     rows = []
     for count in scales:
-        regional = rng.standard_normal((count, 4, COARSE_DIM)).astype(np.float32)
+        regional = rng.standard_normal((count, 4, LAYOUT_DIM)).astype(np.float32)
         regional /= np.linalg.norm(regional, axis=2, keepdims=True)
         keys = [key(("coarse", i)) for i in range(count)]
-        tables = {"scan": CoarseTable(COARSE_DIM, scan_limit=count + 1), "graph": CoarseTable(COARSE_DIM, scan_limit=0)}
+        tables = {"scan": CoarseTable(LAYOUT_DIM, scan_limit=count + 1), "graph": CoarseTable(LAYOUT_DIM, scan_limit=0)}
         row: dict[str, Any] = {"entries": count}
         for name, table in tables.items():
             table.add_many(keys, regional)
             times, found = [], 0
             for _ in range(queries):
                 target = int(rng.integers(count))
-                query = regional[target] + 0.05 * rng.standard_normal((4, COARSE_DIM)).astype(np.float32)
+                query = regional[target] + 0.05 * rng.standard_normal((4, LAYOUT_DIM)).astype(np.float32)
                 query /= np.linalg.norm(query, axis=1, keepdims=True)
                 started = time.perf_counter()
                 best = table.search(query, threshold=0.8, count=5)
@@ -411,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--render-dir", type=Path, help="render documentation pages with Chromium, cached here")
     parser.add_argument("--large", action="store_true", help="the labelled set at about 4,000 tokens a pair")
-    parser.add_argument("--sections", nargs="+", default=["cost", "quality", "motion", "scale"],
-                        choices=["cost", "quality", "motion", "tune", "scale"])
+    parser.add_argument("--sections", nargs="+", default=["cost", "quality", "crowd", "motion", "scale"],
+                        choices=["cost", "quality", "crowd", "motion", "tune", "scale"])
     parser.add_argument("--scales", nargs="+", type=int, default=[1000, 10_000, 100_000])
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=9)
@@ -452,6 +455,13 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 part["quality"] = quality(extractor, settings, pairs, scratch)
                 print_quality(name, part["quality"], settings)
+            if "crowd" in args.sections:
+                from bench.matching_crowd import moved_crowd, print_moved_crowd
+
+                pairs = build_pairs(render_dir=args.render_dir, large=args.large, per_family=args.per_family)
+                print(f"\ncontent moved by a pixel or two, among look-alikes ({name}):", flush=True)
+                part["crowd"] = moved_crowd(extractor, settings, pairs)
+                print_moved_crowd(part["crowd"])
             if "tune" in args.sections:
                 from bench.matching_tune import print_tune, tune
 

@@ -137,8 +137,7 @@ class Services:
             if config.model_facts is not None and config.calibrate else None
         if costs is not None:
             pool.on_up = costs.came_up
-        moved = MovedImages(extractor, config.processor.factor, max_px=reuse.match.max_subtoken_px,
-                            min_confidence=reuse.match.min_motion_confidence) if extractor is not None else None
+        moved = MovedImages(extractor, config.processor.factor, reuse.match) if extractor is not None else None
         planner = Planner(cache, reuse, matcher, costs if config.plan_by_cost else None, moved)
         registry = build_registry(policy, planner)
         response_metrics = ResponseCacheMetrics(registry)  # exported, at zero, when the response cache is off

@@ -54,6 +54,11 @@ class Alignment:
     def count(self, kind: int) -> int:
         return int((self.changes == kind).sum())
 
+    @property
+    def changed_share(self) -> float:
+        """The share of the new image's tokens that changed (what the planner's guard judges)."""
+        return float((self.changes == CHANGED).mean()) if len(self.changes) else 0.0
+
 
 def moved_by(alignment: Alignment, offset: tuple[int, int]) -> Alignment:
     """An alignment of features taken with the content moved back by ``offset`` pixels: no token is the same (the

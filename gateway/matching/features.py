@@ -22,12 +22,12 @@ kernel's reach), so equal digests mean the resize produced the same pixels; when
 rectangle is the token's own 28 x 28 pixels. Vectors and entropy are computed on the resized image the model sees.
 
 Extractors implement :class:`Extractor`; the default, :class:`gateway.matching.pixel.PixelExtractor`, needs no
-weights. ``TokenFeatures.regional`` gives the coarse stage's 2 x 2 regional descriptors.
+weights. ``TokenFeatures.regional`` gives the coarse stage's 2 x 2 regional descriptors, from the shades and
+chroma.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -38,7 +38,17 @@ import xxhash
 from PIL import Image
 
 HISTOGRAM_BINS = 32  # grey levels per entropy histogram: log2(32) = 5 bits at most
-COARSE_DIM = 64  # width of the coarse stage's regional descriptors
+# The coarse stage's per-token layout (token_layout): where the ink is, pooled to LAYOUT_CELLS x LAYOUT_CELLS cells of
+# half a token, weighted LAYOUT_STRUCTURE against the token's tone. Measured on the labelled set's images moved by 1, 2
+# and 29 px, looked up among all of them (what bench/matching.py's crowd section does, then with moves tried for
+# every candidate short of a match): the own image matched for 87-89% of the moves at weights 0 to 1, 76-79% at 3,
+# and 75-76% with the means of the extractor's vectors (14 x 14 cells a token) that this replaced. On the reader's
+# panels (bench/moved_quality.py's), 1-2 px moves among 300: 136-142 of 150 at weight 1, 144-145 at 0 to 0.3 (the
+# panels differ in colour); 1 keeps pages of one colour scheme apart by where their ink is.
+LAYOUT_CELLS = 2
+LAYOUT_STRUCTURE = 1.0
+LAYOUT_CONTRAST_FLOOR = 42.0  # a token's shades' spread (L2, grey levels) below which its structure is not amplified
+LAYOUT_DIM = LAYOUT_CELLS * LAYOUT_CELLS + 4
 _RECORD = struct.Struct("<4sHHHH")  # magic, version, rows, cols, dim
 # Versions 1 (no shades) and 2 (no chroma) are read as damaged and dropped: their images cannot be aliases until seen
 # again.
@@ -92,20 +102,15 @@ class TokenFeatures:
             self.chroma.nbytes
 
     def regional(self) -> np.ndarray:
-        """(4, min(dim, COARSE_DIM)) float32: the mean of the token vectors in each quadrant of the grid (top-left,
-        top-right, bottom-left, bottom-right), each L2-normalised. A one-token-wide grid splits its one side only.
-
-        Wider vectors are first projected to COARSE_DIM by a fixed random matrix (the same for every image of one
-        width): a random projection keeps cosines near 1 nearly exact and others within a few hundredths, which
-        is all a coarse filter needs, at a fraction of the memory and graph-building time (bench/matching.py)."""
+        """(4, LAYOUT_DIM) float32: the coarse stage's descriptors, the mean over each quadrant of the grid (top-left,
+        top-right, bottom-left, bottom-right) of each token's layout (:func:`token_layout`), each L2-normalised. A
+        one-token-wide grid splits its one side only. Taken from the shades and chroma, whatever the extractor."""
         rows, cols = self.grid
-        grid = self.vectors.astype(np.float32).reshape(rows, cols, -1)  # (rows, cols, dim)
+        grid = token_layout(self.shades, self.chroma).reshape(rows, cols, LAYOUT_DIM)
         # A side of one token is not split: both halves are that one row (or column).
         top, left = (slice(0, max(1, rows // 2)), slice(rows // 2, rows)), (slice(0, max(1, cols // 2)),
                                                                              slice(cols // 2, cols))
-        means = np.stack([grid[r, c].reshape(-1, grid.shape[2]).mean(axis=0) for r in top for c in left])  # (4, dim)
-        if self.dim > COARSE_DIM:
-            means = means @ _projection(self.dim)  # (4, COARSE_DIM)
+        means = np.stack([grid[r, c].reshape(-1, LAYOUT_DIM).mean(axis=0) for r in top for c in left])
         return normalise(means)
 
     def to_bytes(self) -> bytes:
@@ -139,12 +144,6 @@ class TokenFeatures:
         chroma = np.frombuffer(data, "<i2", n * 2, at).reshape(n, 2).astype(np.int16)
         return cls(grid=(rows, cols), digests=digests, vectors=vectors, entropy=entropy, shades=shades,
                    chroma=chroma)
-
-
-@functools.cache
-def _projection(dim: int) -> np.ndarray:
-    """(dim, COARSE_DIM) float32, fixed for a width (seeded by it): Gaussian entries scaled to keep norms."""
-    return (np.random.default_rng(dim).standard_normal((dim, COARSE_DIM)) / np.sqrt(COARSE_DIM)).astype(np.float32)
 
 
 class Extractor(Protocol):
@@ -223,6 +222,22 @@ def token_chroma(pixels: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
     means = cell_means(pixels, rows, cols).reshape(rows * cols, 3)
     opponent = np.stack([means[:, 0] - means[:, 1], (means[:, 0] + means[:, 1]) / 2 - means[:, 2]], axis=1)
     return np.rint(opponent).astype(np.int16)
+
+
+def token_layout(shades: np.ndarray, chroma: np.ndarray) -> np.ndarray:
+    """(n, LAYOUT_DIM) float32: per token, what a move of a pixel or two leaves nearly in place (the coarse stage's
+    ingredient, TokenFeatures.regional): its grey levels pooled to LAYOUT_CELLS x LAYOUT_CELLS cells minus their
+    mean, over the spread of its shades (at least LAYOUT_CONTRAST_FLOOR), weighted LAYOUT_STRUCTURE; and its tone,
+    the mean grey level, the chroma and a constant, normalised to the norm sqrt(0.2)."""
+    levels = shades.astype(np.float32)  # (n, SHADE_SIDE * SHADE_SIDE)
+    n = len(levels)
+    mean = levels.mean(axis=1)
+    spread = np.maximum(np.linalg.norm(levels - mean[:, None], axis=1), LAYOUT_CONTRAST_FLOOR)
+    cells = cell_means(levels.reshape(n, SHADE_SIDE, SHADE_SIDE).transpose(1, 2, 0), LAYOUT_CELLS, LAYOUT_CELLS)
+    structure = (cells.reshape(LAYOUT_CELLS * LAYOUT_CELLS, n).T - mean[:, None]) / spread[:, None]
+    tone = np.stack([mean / 255.0 - 0.5, chroma[:, 0] / 255.0, chroma[:, 1] / 255.0,
+                     np.full(n, 0.25, np.float32)], axis=1)
+    return np.concatenate([LAYOUT_STRUCTURE * structure, np.sqrt(0.2) * normalise(tone)], axis=1).astype(np.float32)
 
 
 def chroma_change(new: np.ndarray, old: np.ndarray) -> np.ndarray:

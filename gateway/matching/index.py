@@ -31,7 +31,18 @@ SKETCH = 32  # digests per entry in the sketch
 SKETCH_VOTES = 3  # shared digests that make an entry a candidate (all of a shorter sketch)
 _TAIL = 4096  # sketch postings kept unsorted before a merge
 _RECORD = struct.Struct("<BHHHHHHd")  # version, namespace and scope lengths, grid, dim, sketch length, added_at
-_RECORD_VERSION = 1
+# Version 2: the regional descriptors are of the token layouts (features.token_layout); a version 1 record's, of the
+# extractor's vectors, is outdated: its image is indexed again from its token features (Matcher.persisted).
+_RECORD_VERSION = 2
+
+
+class OutdatedRecord(ValueError):
+    """An index record of an earlier version (``record``: what it says, its regional descriptors aside), whose image
+    can be indexed again from its token features."""
+
+    def __init__(self, record: IndexRecord) -> None:
+        super().__init__("index record of an earlier version")
+        self.record = record
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,10 +74,10 @@ class IndexRecord:
 
     @classmethod
     def from_bytes(cls, key: str, data: bytes) -> IndexRecord:
-        """Raises ValueError for a damaged record."""
+        """Raises ValueError for a damaged record, OutdatedRecord (a ValueError) for one of an earlier version."""
         try:
             version, ns_len, scope_len, rows, cols, dim, sketch_len, added_at = _RECORD.unpack_from(data)
-            if version != _RECORD_VERSION:
+            if version not in (1, _RECORD_VERSION):
                 raise ValueError(f"version {version}")
             at = _RECORD.size
             namespace = data[at:at + ns_len].decode()
@@ -80,8 +91,11 @@ class IndexRecord:
             raise ValueError(f"damaged index record: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"damaged index record: {exc}") from None
-        return cls(key=key, namespace=namespace, scope=scope, grid=(rows, cols), regional=regional, sketch=sketch,
-                   added_at=added_at)
+        record = cls(key=key, namespace=namespace, scope=scope, grid=(rows, cols), regional=regional, sketch=sketch,
+                     added_at=added_at)
+        if version != _RECORD_VERSION:
+            raise OutdatedRecord(record)
+        return record
 
 
 class CoarseTable:

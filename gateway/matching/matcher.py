@@ -3,7 +3,9 @@
 ``Matcher.lookup`` asks the index (gateway.matching.index) for a handful of candidates of the caller's namespace,
 reads each one's per-token features from the feature store (a small in-memory LRU in front), aligns it with the
 new image (gateway.matching.align: a whole-token shift from the digests, then a change map) and keeps those whose
-similarity reaches ``match_threshold``, best first. A lookup whose candidates all fall short is a near miss.
+similarity reaches ``match_threshold``, those the planner's guard would plan first, then best first; when none in
+place is within the guard, content moved by part of a token is looked for (gateway.matching.moved). A lookup whose
+candidates all fall short is a near miss.
 
 ``Matcher.add`` indexes a new image and persists its features beside the store, so ``Matcher.rebuild`` can restore
 the index after a restart from the records whose KV entry the store still holds. With books shared by several
@@ -15,6 +17,7 @@ Threading: the cache thread's (called from the planner and from CacheManager's r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -25,7 +28,7 @@ from typing import Protocol
 from gateway.config import MatchSettings
 from gateway.matching.align import Alignment, align, find_shift, moved_by
 from gateway.matching.features import TokenFeatures
-from gateway.matching.index import IndexRecord, MatchIndex
+from gateway.matching.index import IndexRecord, MatchIndex, OutdatedRecord
 from gateway.matching.moved import MovedImage
 from store import StoreError
 
@@ -118,7 +121,7 @@ class Matcher:
             return
         try:
             data = self.features.index_record(key)
-            record = IndexRecord.from_bytes(key, data) if data is not None else None
+            record = self._read_record(key, data) if data is not None else None
         except (StoreError, ValueError) as exc:
             log.warning("could not learn the features of %s: %s", key[:16], exc)
             return
@@ -126,22 +129,44 @@ class Matcher:
             self.index.add(record)
 
     def lookup(self, namespace: str, key: str, features: TokenFeatures, moved: MovedImage | None = None) -> Lookup:
-        """The indexed images of ``namespace`` the new image nearly duplicates; ``moved``: the new image, for
-        candidates its content moved against by part of a token (see compare)."""
+        """The indexed images of ``namespace`` the new image nearly duplicates, those the planner's guard would plan
+        (no more than ``max_changed_share`` of the tokens changed) first, then by similarity; ``moved``: the new
+        image, for candidates its content moved against by part of a token.
+
+        Every candidate is aligned in place first (a whole-token shift at most); only when none of them matches
+        within the guard is the content looked for moved by part of a token (moved_alignment), candidate by
+        candidate in the coarse stage's order, up to the first that does: each such search costs a phase
+        correlation at least, and the coarse stage offers look-alike pages that a move of a pixel leaves as alike
+        as the page itself. (A photo moved by a pixel may still match in place, with most of its tokens changed.)"""
+        settings = self.settings
         query = self.record(key, namespace, features)
         candidates = self.index.lookup(namespace, query)
-        matches, best, compared = [], None, 0
+        matches, best, compared = [], None, []
         for alias in candidates:
             alias_features = self._tokens(alias)
             if alias_features is None:
                 continue
-            compared += 1
-            alignment = compare(features, alias_features, self.settings, moved)
+            alignment = in_place(features, alias_features, settings)
+            compared.append((alias, alias_features))
             best = alignment.similarity if best is None else max(best, alignment.similarity)
-            if alignment.similarity >= self.settings.match_threshold:
+            if alignment.similarity >= settings.match_threshold:
                 matches.append(Match(alias=alias, alignment=alignment, alias_features=alias_features))
-        matches.sort(key=lambda m: -m.alignment.similarity)
-        return Lookup(matches=tuple(matches), candidates=compared, best_similarity=best, query=query)
+        if moved is not None and not any(self.within_guard(m) for m in matches):
+            for alias, alias_features in compared:
+                again = moved_alignment(features, alias_features, settings, moved)
+                if again is None:
+                    continue
+                best = again.similarity if best is None else max(best, again.similarity)
+                if again.similarity >= settings.match_threshold:
+                    matches.append(Match(alias=alias, alignment=again, alias_features=alias_features))
+                    if self.within_guard(matches[-1]):
+                        break
+        matches.sort(key=lambda m: (not self.within_guard(m), -m.alignment.similarity))
+        return Lookup(matches=tuple(matches), candidates=len(compared), best_similarity=best, query=query)
+
+    def within_guard(self, match: Match) -> bool:
+        """Whether the planner's guard would plan the match: no more than max_changed_share of its tokens changed."""
+        return match.alignment.changed_share <= self.settings.max_changed_share
 
     def is_pending(self, key: str) -> bool:
         """Whether key was indexed recently enough that its entry may still be on its way into the store."""
@@ -164,8 +189,8 @@ class Matcher:
         now, records = time.time(), []
         for key, data in self.features.index_records():
             try:
-                record = IndexRecord.from_bytes(key, data)
-            except ValueError:
+                record = self._read_record(key, data)
+            except (StoreError, ValueError):
                 self.damaged_records += 1
                 self.features.remove(key)
                 continue
@@ -176,6 +201,23 @@ class Matcher:
                 continue
             records.append(record)
         return records
+
+    def _read_record(self, key: str, data: bytes) -> IndexRecord:
+        """A persisted index record; one of an earlier version is made again from the image's token features (and
+        persisted so). Raises ValueError for a damaged record, StoreError when the store cannot be read."""
+        try:
+            return IndexRecord.from_bytes(key, data)
+        except OutdatedRecord as outdated:
+            old = outdated.record
+            if old.scope != self.scope or self.features is None:
+                return old  # another model or extractor's: not ours to judge, nor to rewrite
+            tokens = self.features.tokens(key)
+            if tokens is None:
+                raise ValueError("an outdated index record without token features") from None
+            record = dataclasses.replace(self.record(key, old.namespace, TokenFeatures.from_bytes(tokens)),
+                                         added_at=old.added_at)
+            self.features.put(key, record.to_bytes(), tokens)
+            return record
 
     def restore(self, records: list[IndexRecord]) -> None:
         """Index persisted records, leaving alone any key indexed since (its record is newer)."""
@@ -216,18 +258,29 @@ class Matcher:
 
 def compare(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings,
             moved: MovedImage | None = None) -> Alignment:
-    """The fine stage for one candidate: the whole-token shift that best lines the alias up, then the alignment.
-    Where that falls short of the match threshold and the new image is given as ``moved``, its content may have
-    moved by part of a token (gateway/matching/moved.py): aligned again once moved back, the better one kept."""
-    alignment = align(features, alias_features, shift=find_shift(features, alias_features),
-                      patch_threshold=settings.patch_threshold, max_shade_change=settings.max_shade_change,
-                      blank_entropy=settings.blank_entropy)
+    """The fine stage for one candidate: aligned in place, and where that falls short of the match threshold and
+    the new image is given as ``moved``, moved back by part of a token if its content moved so; the better one."""
+    alignment = in_place(features, alias_features, settings)
     if moved is None or alignment.similarity >= settings.match_threshold:
         return alignment
+    again = moved_alignment(features, alias_features, settings, moved)
+    return again if again is not None and again.similarity > alignment.similarity else alignment
+
+
+def in_place(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings) -> Alignment:
+    """The whole-token shift that best lines the alias up, then the alignment at it."""
+    return align(features, alias_features, shift=find_shift(features, alias_features),
+                 patch_threshold=settings.patch_threshold, max_shade_change=settings.max_shade_change,
+                 blank_entropy=settings.blank_entropy)
+
+
+def moved_alignment(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings,
+                    moved: MovedImage) -> Alignment | None:
+    """The alignment of the new image's content moved back by part of a token (gateway/matching/moved.py), when it
+    moved so; None otherwise."""
     move = moved.find(features, alias_features)
     if move is None:
-        return alignment
-    again = moved_by(align(moved.realigned(move.offset), alias_features, shift=move.shift,
-                           patch_threshold=settings.patch_threshold, max_shade_change=settings.max_shade_change,
-                           blank_entropy=settings.blank_entropy), move.offset)
-    return again if again.similarity > alignment.similarity else alignment
+        return None
+    return moved_by(align(moved.realigned(move.offset), alias_features, shift=move.shift,
+                          patch_threshold=settings.patch_threshold, max_shade_change=settings.max_shade_change,
+                          blank_entropy=settings.blank_entropy), move.offset)

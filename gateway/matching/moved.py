@@ -7,14 +7,18 @@ points of a full prefill where the content sits up to 2 px off the token grid (a
 none), each B token reusing the K/V of the cached token its pixels mostly came from; from 3 px on nothing says it
 holds. So ``MatchSettings.max_subtoken_px`` (2) bounds what is planned.
 
-For one candidate the fine stage found too unlike, ``MovedImage.find`` asks how far the content moved:
+When no candidate matches in place within the guard, the matcher (matcher.Matcher.lookup) asks of each, in the
+coarse stage's order up to the first that matches so, how far the content moved (``MovedImage.find``):
 
     1. phase correlation (motion.find_motion) between the two images' shades (each token's 7 x 7 grey levels, which
        the features keep for both: the cached image's pixels are not kept), which is within about a pixel;
     2. the exact pixel count, among the motion found rounded and its two neighbours on each axis: the one whose new
        image, moved back by it, has shades closest to the cached image's at the whole-token shift;
     3. the move as whole tokens (the plan's shift) and what is left over (``offset``, in pixels, each axis in
-       (-token / 2, token / 2]); planned only when the offset is not zero and within ``max_subtoken_px``.
+       (-token / 2, token / 2]); planned only when the offset is not zero and within ``max_subtoken_px``;
+    4. not even then when the move leaves more of the tokens changed than the guard plans (``max_changed_share``:
+       no cached token under the move, or a shade moved by more than ``max_shade_change``), counted from the
+       shades before any extraction: look-alike pages of one layout line up as well as the page itself does.
 
 ``MovedImage.realigned(offset)`` is then the new image's features computed on its pixels moved back by the offset
 (edges repeated), which line up with the cached tokens at the shift; the matcher aligns those (matcher.compare). A
@@ -23,7 +27,8 @@ plan runs the vision pass over the whole new image (gateway/matching/plans.py): 
 the content where it was, and what was measured was B's own encoder output.
 
 Cost, only for a candidate that fell short in place: the new image decoded again (once per request, from the bytes
-the worker is sent), the shade search (nine candidate moves at most) and one more extraction.
+the worker is sent), the shade search (nine candidate moves at most: sums over shifted windows of the image, one
+pass over it per vertical offset) and one more extraction.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import numpy as np
 from PIL import Image
 
 from gateway.config import MatchSettings
-from gateway.matching.features import SHADE_SIDE, Extractor, TokenFeatures, cell_means, grey, resized
+from gateway.matching.features import SHADE_SIDE, Extractor, TokenFeatures, grey, resized, shade_change
 from gateway.matching.motion import find_motion
 
 log = logging.getLogger(__name__)
@@ -74,49 +79,47 @@ def moved_back(pixels: np.ndarray, offset: tuple[int, int]) -> np.ndarray:
 @dataclass(frozen=True)
 class MovedImages:
     """What the planner needs to line new images up again: the extractor intake used, the pixels per token, and the
-    bounds (MatchSettings.max_subtoken_px, min_motion_confidence)."""
+    match settings (their bounds: max_subtoken_px, min_motion_confidence, and the guard's)."""
 
     extractor: Extractor
     factor: int
-    max_px: int
-    min_confidence: float
+    settings: MatchSettings
 
     def of(self, payload: bytes, grid: tuple[int, int]) -> MovedImage | None:
-        """The new image sent as ``payload``; None when no sub-token move is planned (max_px 0)."""
-        if self.max_px <= 0:
+        """The new image sent as ``payload``; None when no sub-token move is planned (max_subtoken_px 0)."""
+        if self.settings.max_subtoken_px <= 0:
             return None
-        return MovedImage.of_payload(payload, self.extractor, grid=grid, factor=self.factor, max_px=self.max_px,
-                                     min_confidence=self.min_confidence)
+        return MovedImage.of_payload(payload, self.extractor, grid=grid, factor=self.factor, settings=self.settings)
 
 
 class MovedImage:
     """A new image, ready to be lined up with cached images its content moved against by part of a token."""
 
     def __init__(self, pixels_of: Callable[[], np.ndarray], extractor: Extractor, *, grid: tuple[int, int],
-                 factor: int, max_px: int, min_confidence: float) -> None:
+                 factor: int, settings: MatchSettings) -> None:
         self._pixels_of = pixels_of  # () -> (rows * factor, cols * factor, 3) uint8, what the model sees
         self._pixels: np.ndarray | None = None
-        self._grey: np.ndarray | None = None
+        self._padded: np.ndarray | None = None  # grey levels, the edges repeated by a token all round
+        self._bands: dict[int, np.ndarray] = {}  # vertical offset -> sums over each row of shade cells
         self.extractor = extractor
         self.grid, self.factor = grid, factor
-        self.max_px, self.min_confidence = max_px, min_confidence
+        self.settings = settings
         self._realigned: dict[tuple[int, int], TokenFeatures] = {}
 
     @classmethod
-    def of_payload(cls, payload: bytes, extractor: Extractor, *, grid: tuple[int, int], factor: int, max_px: int,
-                   min_confidence: float) -> MovedImage:
+    def of_payload(cls, payload: bytes, extractor: Extractor, *, grid: tuple[int, int], factor: int,
+                   settings: MatchSettings) -> MovedImage:
         """From the bytes the worker is sent (images.CanonicalImage.payload: they decode to the keyed pixels)."""
         def pixels_of() -> np.ndarray:
             with Image.open(io.BytesIO(payload)) as image:
                 return resized(image, grid, factor)
-        return cls(pixels_of, extractor, grid=grid, factor=factor, max_px=max_px, min_confidence=min_confidence)
+        return cls(pixels_of, extractor, grid=grid, factor=factor, settings=settings)
 
     @classmethod
     def of_image(cls, image: Image.Image, extractor: Extractor, *, grid: tuple[int, int], factor: int,
                  settings: MatchSettings) -> MovedImage:
         """From an image at hand (benches, tests), within ``settings``' bounds."""
-        return cls(lambda: resized(image, grid, factor), extractor, grid=grid, factor=factor,
-                   max_px=settings.max_subtoken_px, min_confidence=settings.min_motion_confidence)
+        return cls(lambda: resized(image, grid, factor), extractor, grid=grid, factor=factor, settings=settings)
 
     @property
     def pixels(self) -> np.ndarray:
@@ -126,30 +129,37 @@ class MovedImage:
 
     def find(self, features: TokenFeatures, alias_features: TokenFeatures) -> SubTokenMove | None:
         """How the new image (its ``features``) moved against the cached one, when by part of a token within
-        ``max_px`` of the grid and surely enough (``min_confidence``); None otherwise."""
-        if self.max_px <= 0 or features.grid != self.grid:
+        ``max_subtoken_px`` of the grid, surely enough (``min_motion_confidence``) and with few enough tokens changed
+        under the move for the guard to plan it; None otherwise."""
+        settings = self.settings
+        if settings.max_subtoken_px <= 0 or features.grid != self.grid:
             return None
         cell = self.factor / SHADE_SIDE  # pixels per shade
-        motion = find_motion(shade_image(alias_features), shade_image(features))
-        if motion.confidence < self.min_confidence:
+        alias = shade_image(alias_features)
+        motion = find_motion(alias, shade_image(features))
+        if motion.confidence < settings.min_motion_confidence:
             return None
         if not self._decoded():
             return None
-        best: tuple[float, int, int] | None = None
-        alias = shade_image(alias_features)
+        best: tuple[float, tuple[int, int], tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
         around_y, around_x = round(motion.dy * cell), round(motion.dx * cell)
         for total_y in (around_y - 1, around_y, around_y + 1):
             for total_x in (around_x - 1, around_x, around_x + 1):
-                distance = self._shade_distance(alias, total_y, total_x)
-                if distance is not None and (best is None or distance < best[0]):
-                    best = (distance, total_y, total_x)
+                shift = (round(total_y / self.factor), round(total_x / self.factor))
+                offset = (total_y - shift[0] * self.factor, total_x - shift[1] * self.factor)
+                compared = self._moved_shades(alias, shift, offset)
+                if compared is None:
+                    continue
+                distance = float(np.abs(compared[0] - compared[1]).mean())
+                if best is None or distance < best[0]:
+                    best = (distance, shift, offset, compared)
         if best is None:
             return None
-        _, total_y, total_x = best
-        shift = (round(total_y / self.factor), round(total_x / self.factor))
-        offset = (total_y - shift[0] * self.factor, total_x - shift[1] * self.factor)
-        if offset == (0, 0) or max(abs(offset[0]), abs(offset[1])) > self.max_px:
+        _, shift, offset, compared = best
+        if offset == (0, 0) or max(abs(offset[0]), abs(offset[1])) > settings.max_subtoken_px:
             return None
+        if self._changed_share(*compared) > settings.max_changed_share:
+            return None  # the guard would plan a miss: not worth an extraction (look-alike pages of one layout)
         return SubTokenMove(shift=shift, offset=offset, confidence=motion.confidence)
 
     def _decoded(self) -> bool:
@@ -170,24 +180,51 @@ class MovedImage:
             found = self._realigned[offset] = self.extractor.extract(image, self.grid, self.factor)
         return found
 
-    def _shade_distance(self, alias: np.ndarray, total_y: int, total_x: int) -> float | None:
-        """Mean absolute difference of grey levels (cells of the shades' size) between the new image moved back by
-        (total_y, total_x) pixels and the cached one (``alias``: its shade_image) where both have content; None
-        where they share none."""
-        if self._grey is None:
-            self._grey = grey(self.pixels.astype(np.float32)) * 255.0
-        rows, cols = self.grid
+    def _moved_shades(self, alias: np.ndarray, shift: tuple[int, int], offset: tuple[int, int]) -> \
+            tuple[np.ndarray, np.ndarray] | None:
+        """The grey levels (cells of the shades' size) of the new image moved back by ``offset`` pixels, and of the
+        cached one (``alias``: its shade_image), lined up at ``shift`` whole tokens and cut to the tokens both have;
+        None where they share none."""
+        shades = self._shades_moved_back(offset)
         side = SHADE_SIDE
-        back = moved_back(self._grey, (total_y % self.factor, total_x % self.factor))
-        shades = cell_means(back[:, :, None], rows * side, cols * side)[:, :, 0]
         # New cell (y, x) now shows the alias' cell (y - whole_y, x - whole_x), whole tokens of shades.
-        whole_y, whole_x = total_y // self.factor * side, total_x // self.factor * side
+        whole_y, whole_x = shift[0] * side, shift[1] * side
         height, width = min(shades.shape[0], alias.shape[0] + whole_y), min(shades.shape[1], alias.shape[1] + whole_x)
         top, left = max(0, whole_y), max(0, whole_x)
         if height - top <= 0 or width - left <= 0:
             return None
-        new_part = shades[top:height, left:width]
-        alias_part = alias[top - whole_y:height - whole_y, left - whole_x:width - whole_x]
-        if new_part.shape != alias_part.shape or new_part.size == 0:
-            return None
-        return float(np.abs(new_part - alias_part).mean())
+        return shades[top:height, left:width], alias[top - whole_y:height - whole_y, left - whole_x:width - whole_x]
+
+    def _shades_moved_back(self, offset: tuple[int, int]) -> np.ndarray:
+        """(rows * SHADE_SIDE, cols * SHADE_SIDE) float32: the grey levels over the cells of the shades (as
+        features.cell_means cuts them) of the new image moved back by ``offset`` pixels (|offset| within a token),
+        the edges repeated. Sums over shifted windows of the padded image, rows of cells first (one pass over the
+        image per vertical offset, kept for the other horizontal ones), instead of a moved copy per offset."""
+        rows, cols = self.grid
+        factor, side = self.factor, SHADE_SIDE
+        if self._padded is None:
+            self._padded = np.pad(grey(self.pixels.astype(np.float32)) * 255.0, factor, mode="edge")
+        height, width = self._padded.shape[0] - 2 * factor, self._padded.shape[1] - 2 * factor
+        top = np.round(np.linspace(0, height, rows * side + 1)).astype(np.int64)
+        left = np.round(np.linspace(0, width, cols * side + 1)).astype(np.int64)
+        dy, dx = offset
+        band = self._bands.get(dy)
+        if band is None:
+            band = self._bands[dy] = np.add.reduceat(self._padded[factor + dy:factor + dy + height], top[:-1], axis=0)
+        sums = np.add.reduceat(band[:, factor + dx:factor + dx + width], left[:-1], axis=1)
+        return sums / np.outer(np.diff(top), np.diff(left)).astype(np.float32)
+
+    def _changed_share(self, new: np.ndarray, alias: np.ndarray) -> float:
+        """The share of the new image's tokens a move leaves changed, as the fine stage would count them from the
+        shades (``new`` and ``alias`` as _moved_shades gives them): those with no cached token under the move, and
+        those one of whose shades moved by more than max_shade_change (features.shade_change)."""
+        side = SHADE_SIDE
+
+        def tokens(cells: np.ndarray) -> np.ndarray:  # (h * side, w * side) -> (h * w, side * side)
+            h, w = cells.shape[0] // side, cells.shape[1] // side
+            return cells.reshape(h, side, w, side).transpose(0, 2, 1, 3).reshape(h * w, side * side)
+
+        new_tokens = tokens(new)
+        changed = int((shade_change(new_tokens, tokens(alias)) > self.settings.max_shade_change).sum())
+        n = self.grid[0] * self.grid[1]
+        return (changed + n - len(new_tokens)) / n

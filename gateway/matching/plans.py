@@ -32,7 +32,7 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
     alignment = match.alignment
     n = grid[0] * grid[1]
     changed = alignment.changes == CHANGED
-    changed_share = float(changed.mean())
+    changed_share = alignment.changed_share
     if changed_share > settings.max_changed_share:
         return None
     aligned = alignment.alias_index >= 0

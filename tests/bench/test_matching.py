@@ -34,3 +34,24 @@ def test_only_content_moved_by_whole_tokens_or_near_them_is_in_reach() -> None:
     assert in_reach(pair("d", "doc_scroll_whole", shift=(-2, 0)), settings)  # 56 px: whole tokens
     assert in_reach(pair("e", "doc_edit"), settings)  # the pair does not say how it moved
     assert not in_reach(pair("a", motion=(-83, 0)), MatchSettings(max_subtoken_px=0))
+
+
+def test_the_crowd_section_finds_each_image_moved_by_a_pixel_or_two_among_the_others() -> None:
+    from bench.matching_crowd import MOVES, moved_crowd
+    from gateway.matching.pixel import PixelExtractor
+    from tests.gateway.matching.pairs import aligned
+    from tests.images_lib import load
+
+    page = load("page.png").convert("RGB").crop((0, 0, 13 * 28, 5 * 28))  # text as crisp as a screenshot's
+    photo, other, unrelated = aligned("astronaut.png", 8, 8), aligned("coffee.png", 8, 8), aligned("camera.png", 8, 8)
+    pairs = [Pair("page", "doc_edit", page, page, True, None, None),
+             Pair("photo", "photo_jpeg", photo, photo, True, None, None),
+             Pair("other", "photo_jpeg", other, other, True, None, None),
+             Pair("unrelated", "unrelated", photo, unrelated, False, None, None)]
+    result = moved_crowd(PixelExtractor(), MatchSettings(), pairs)
+    assert result["indexed"] == 3  # the astronaut once, though two pairs hold it
+    for move in MOVES:
+        families = result["moves"][move]["families"]
+        assert families["doc_edit"] == {"moves": 2, "own": 2}  # scrolled and panned
+        assert families["photo_jpeg"] == {"moves": 4, "own": 4}
+    assert result["misses"]["looked_up"] == 1 and result["misses"]["matched"] == 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gateway.config import MatchSettings
-from gateway.matching.index import SKETCH, CoarseTable, IndexRecord, MatchIndex, SketchTable
+from gateway.matching.index import SKETCH, CoarseTable, IndexRecord, MatchIndex, OutdatedRecord, SketchTable
 from gateway.matching.matcher import Matcher
 from store import FeatureStore
 from tests.gateway.matching.pairs import CELL, aligned, edited, features, jpeg
@@ -105,6 +105,29 @@ def test_the_index_is_rebuilt_from_the_feature_store(tmp_path) -> None:
         # the orphan's and the damaged records are dropped; another scope's is not ours to drop
         assert store.index_record(key("lost")) is None and store.index_record(key("damaged")) is None
         assert store.index_record(key("other-model")) is not None
+
+
+def test_an_index_record_of_version_1_is_made_again_from_the_token_features(tmp_path) -> None:
+    """Records written before the regional descriptors were of the token layouts: the image stays an alias after
+    the upgrade, indexed again from its token features and persisted so (another scope's is left as it is)."""
+    path = tmp_path / "features"
+    page = aligned("page.png", 8, 12)
+    with FeatureStore(path) as store:
+        for name, scope in (("old", "test-scope"), ("other", "another-scope")):
+            record = IndexRecord.of(key(name), "ns", scope, features(page), blank_entropy=0.5)
+            old = bytearray(record.to_bytes())
+            old[0] = 1  # the version byte
+            store.put(key(name), bytes(old), features(page).to_bytes())
+        with pytest.raises(OutdatedRecord):
+            IndexRecord.from_bytes(key("old"), store.index_record(key("old")))  # type: ignore[arg-type]
+    with FeatureStore(path) as store:
+        restarted = matcher(store)
+        assert restarted.rebuild(stored=lambda k: True) == 1 and restarted.damaged_records == 0
+        found = restarted.lookup("ns", key("q"), features(edited(page, (30, 30, 80, 50))))
+        assert [match.alias for match in found.matches] == [key("old")]
+        again = IndexRecord.from_bytes(key("old"), store.index_record(key("old")))  # type: ignore[arg-type]
+        assert np.allclose(again.regional, features(page).regional())
+        assert store.index_record(key("other"))[0] == 1  # type: ignore[index]
 
 
 def test_a_damaged_token_record_is_dropped_not_matched(feature_store) -> None:

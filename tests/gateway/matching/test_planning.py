@@ -375,7 +375,7 @@ def test_the_planner_plans_a_page_scrolled_by_a_token_and_a_pixel_against_the_pa
     for max_px, kinds in ((0, ("miss",)), (2, ("approximate",))):
         settings = ReuseSettings(store=StoreConfig(), layers=8, match=MatchSettings(max_subtoken_px=max_px))
         planner = Planner(manager, settings, matcher,
-                          moved=MovedImages(EXTRACTOR, CELL, max_px=max_px, min_confidence=0.15))
+                          moved=MovedImages(EXTRACTOR, CELL, settings.match))
         store_like_a_worker(manager, plan(planner, a, "ns").plan.images[0].key, (5, 13))  # type: ignore[union-attr]
         planned = plan(planner, b, "ns")
         assert planned.kinds == kinds
