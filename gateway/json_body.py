@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -43,16 +44,22 @@ def decode_json(raw: bytes | bytearray, unparsed: Callable[[bytes | bytearray], 
     levels, as strictly as orjson (which encodes it for the worker) would: UTF-8, no NaN or Infinity, no number that
     overflows a double, no lone surrogate; an integer past 64 bits read as a float.
 
+    A body of LONG_STRINGS_BODY bytes or more has its long base64 data URLs cut out of the bytes first (see
+    :class:`_LongStrings`): run on a thread, no step here then holds the GIL, and so stalls the event loop, for more
+    than a few milliseconds, where one parse of a 28 MB body held it for 50 ms.
+
     A bytearray is consumed: emptied once decoded to text, so that a large body is held twice at the most while it is
     parsed (its text, then what it parses to), not three times. orjson held the body, a copy of its own and the
     result at once: 48 MiB of text peaked at 144 MiB, and at 96 MiB here, in about the same time (the stdlib's C
     scanner; ~90 ms either way). A parse error keeps nothing of the text (the parser's exception holds the whole
     document)."""
-    containers = raw.count(b"{") + raw.count(b"[")
+    long_strings = _LongStrings.cut(raw) if len(raw) >= LONG_STRINGS_BODY else None
+    rest = long_strings.rest if long_strings is not None else raw
+    containers = rest.count(b"{") + rest.count(b"[")
     if containers > MAX_JSON_CONTAINERS:
         raise PayloadTooLarge(f"request body holds {containers} JSON objects and arrays (counting the brackets in "
                               f"strings too); the limit is {MAX_JSON_CONTAINERS}", code="too_many_json_values")
-    values = containers + raw.count(b",")
+    values = containers + rest.count(b",")
     if values > MAX_JSON_VALUES:
         raise PayloadTooLarge(f"request body holds about {values} JSON values (its objects, arrays and commas, "
                               f"counting commas in strings too); the limit is {MAX_JSON_VALUES}",
@@ -61,19 +68,23 @@ def decode_json(raw: bytes | bytearray, unparsed: Callable[[bytes | bytearray], 
         unparsed(raw)
     error = None
     try:
-        text = raw.decode("utf-8")
+        text = rest.decode("utf-8")
     except UnicodeDecodeError as exc:
-        error = f"request body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})"
+        where = exc.start if long_strings is None else long_strings.in_body(exc.start)
+        error = f"request body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {where})"
     if error is not None:
         raise InvalidRequest(error)
     if isinstance(raw, bytearray):
         raw.clear()
+    del rest
     try:
         body = json.loads(text, parse_constant=_not_a_number)
     except _NotANumber as exc:
         error = f"request body is not valid JSON: {exc}"
     except json.JSONDecodeError as exc:
         error = f"request body is not valid JSON: {exc.msg}: line {exc.lineno} column {exc.colno} (char {exc.pos})"
+        if long_strings is not None:
+            error = f"request body is not valid JSON: {exc.msg}"  # positions in the body with its strings cut out
     except RecursionError:
         error = "deep"
     finally:
@@ -82,8 +93,80 @@ def decode_json(raw: bytes | bytearray, unparsed: Callable[[bytes | bytearray], 
         raise _too_deep()
     if error is not None:
         raise InvalidRequest(error)
-    _check_values(body)
+    _check_values(body, long_strings.strings if long_strings is not None else None)
     return body
+
+
+# Bodies from this size have their long base64 strings cut out before they are parsed (see _LongStrings).
+LONG_STRINGS_BODY = 1 << 20
+LONG_STRING = 64 * 1024  # bytes of a string's content, from which it is cut out
+_BASE64_MARK = b";base64,"
+_SLICE = 1 << 20  # bytes checked per call: ~1.4 ms of holding the GIL
+# What a cut string may hold: printable ASCII but the quote and the backslash (so JSON reads it as the bytes it is).
+_PLAIN = bytes([0x20, 0x21, *range(0x23, 0x5C), *range(0x5D, 0x7F)])
+
+
+class _LongStrings:
+    """A body's long data URLs (``"data:...;base64,..."``, LONG_STRING bytes or more), cut out of its bytes: ``rest``
+    is the body with each replaced by a placeholder string no client can write (it holds a random nonce), and
+    ``strings`` maps each placeholder to the text cut out, which _check_values puts back in its place once the rest
+    is parsed. The JSON parser reads the long strings as one C call over the whole body (50 ms for 28 MB, holding
+    the GIL); here they are found with memchr-speed searches and checked in slices, and only what is left of the
+    body is parsed.
+
+    A string is cut out only when it is exactly the JSON text of itself: printable ASCII with no quote or backslash
+    (so no escapes), checked here; anything else is left for the parser to read (or refuse) as before. A marker
+    ``;base64,`` can only be inside a string (it is no JSON syntax), so the last quote before it, with no backslash
+    between, opens the string, and the first quote after it closes it."""
+
+    def __init__(self, rest: bytes, strings: dict[str, str], spans: list[tuple[int, int, int]]) -> None:
+        self.rest = rest
+        self.strings = strings
+        self._spans = spans  # (where in rest, where in the body, bytes cut) for each string, in order
+
+    @classmethod
+    def cut(cls, raw: bytes | bytearray) -> _LongStrings | None:
+        view = memoryview(raw)
+        nonce = secrets.token_hex(8)
+        pieces: list[bytes | memoryview] = []
+        strings: dict[str, str] = {}
+        spans: list[tuple[int, int, int]] = []
+        kept = taken = 0  # the body up to ``kept`` is in pieces; bytes of rest so far
+        at = 0
+        while (mark := raw.find(_BASE64_MARK, at)) >= 0:
+            start = raw.rfind(b'"', kept, mark) + 1  # the string's first byte (0: no quote: not a string we cut)
+            end = raw.find(b'"', mark)
+            if end < 0:
+                break
+            at = end + 1
+            if start <= 0 or end - start < LONG_STRING or not bytes(view[start:start + 5]) == b"data:" \
+                    or not _plain(view[start:end]):
+                continue
+            placeholder = f"#revisit-cut-{nonce}-{len(strings)}#"
+            pieces += [view[kept:start], placeholder.encode()]
+            taken += start - kept
+            spans.append((taken, start, end - start - len(placeholder)))
+            taken += len(placeholder)
+            strings[placeholder] = str(view[start:end], "ascii")
+            kept = end
+        if not strings:
+            return None
+        pieces.append(view[kept:])
+        return cls(b"".join(pieces), strings, spans)
+
+    def in_body(self, at: int) -> int:
+        """A position in ``rest`` as the position in the body it was cut from."""
+        moved = 0
+        for where, _, removed in self._spans:
+            if where >= at:
+                break
+            moved += removed
+        return at + moved
+
+
+def _plain(view: memoryview) -> bool:
+    """Whether the bytes are all printable ASCII but the quote and the backslash (in slices: see _SLICE)."""
+    return all(not bytes(view[at:at + _SLICE]).translate(None, _PLAIN) for at in range(0, len(view), _SLICE))
 
 
 class _NotANumber(ValueError):
@@ -94,20 +177,25 @@ def _not_a_number(name: str) -> Any:
     raise _NotANumber(f"{name} is not a JSON value")
 
 
-def _check_values(body: Any) -> None:
+def _check_values(body: Any, cut: dict[str, str] | None = None) -> None:
     """Walk the parsed body (depth first, with a stack of its own: recursing is what the depth limit spares
-    everything after): its depth, and each value as orjson would have read it. A list is looked at by the types it
-    holds first, at C speed: 16 MB of ``[0,0,...]`` (8 M values) is checked in ~0.2 s, not 1 s of a loop."""
+    everything after): its depth, and each value as orjson would have read it, and the strings ``cut`` out of it
+    (_LongStrings) put back in place of their placeholders. A list is looked at by the types it holds first, at C
+    speed: 16 MB of ``[0,0,...]`` (8 M values) is checked in ~0.2 s, not 1 s of a loop."""
     stack: list[tuple[dict[str, Any] | list[Any], int]] = [([body], 0)]  # the body itself is at depth 1
     while stack:
         node, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise _too_deep()
         if type(node) is dict:
+            if cut and any(name in cut for name in node):  # a long data URL as a name: renamed in place
+                items = [(cut.pop(name, name), value) for name, value in node.items()]
+                node.clear()
+                node.update(items)
             for name in node:
                 if not name.isascii() and _SURROGATE.search(name):
                     raise _lone_surrogate()
-            _check_items(node, node.items(), depth, stack)
+            _check_items(node, node.items(), depth, stack, cut)
             continue
         kinds = set(map(type, node))
         if kinds <= {int, bool}:  # a list of integers, as long as it may be: its ends, at C speed
@@ -116,17 +204,19 @@ def _check_values(body: Any) -> None:
         elif kinds <= {float, bool, type(None)}:  # of floats: each finite, at C speed (None and 0.0 skipped)
             if all(map(math.isfinite, filter(None, node))):
                 continue
-        _check_items(node, enumerate(node), depth, stack)
+        _check_items(node, enumerate(node), depth, stack, cut)
 
 
 def _check_items(node: dict[str, Any] | list[Any], items: Iterable[tuple[Any, Any]], depth: int,
-                 stack: list[tuple[dict[str, Any] | list[Any], int]]) -> None:
+                 stack: list[tuple[dict[str, Any] | list[Any], int]], cut: dict[str, str] | None) -> None:
     for where, value in items:
         kind = type(value)
         if kind is dict or kind is list:
             stack.append((value, depth + 1))
         elif kind is str:
-            if not value.isascii() and _SURROGATE.search(value):
+            if cut and value in cut:
+                node[where] = cut.pop(value)  # a placeholder's text is plain ASCII: nothing more to check
+            elif not value.isascii() and _SURROGATE.search(value):
                 raise _lone_surrogate()
         elif kind is float:
             if not math.isfinite(value):
