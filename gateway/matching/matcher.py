@@ -166,7 +166,7 @@ class Matcher:
 
     def within_guard(self, match: Match) -> bool:
         """Whether the planner's guard would plan the match: no more than max_changed_share of its tokens changed."""
-        return match.alignment.changed_share <= self.settings.max_changed_share
+        return _planned(match.alignment, self.settings)
 
     def is_pending(self, key: str) -> bool:
         """Whether key was indexed recently enough that its entry may still be on its way into the store."""
@@ -258,13 +258,21 @@ class Matcher:
 
 def compare(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings,
             moved: MovedImage | None = None) -> Alignment:
-    """The fine stage for one candidate: aligned in place, and where that falls short of the match threshold and
-    the new image is given as ``moved``, moved back by part of a token if its content moved so; the better one."""
+    """The fine stage for one candidate, as Matcher.lookup runs it: aligned in place, and where that is no match
+    within the guard and the new image is given as ``moved``, moved back by part of a token if its content moved
+    so; of the two, a match within the guard first, then the more similar."""
     alignment = in_place(features, alias_features, settings)
-    if moved is None or alignment.similarity >= settings.match_threshold:
+    if moved is None or _planned(alignment, settings):
         return alignment
     again = moved_alignment(features, alias_features, settings, moved)
-    return again if again is not None and again.similarity > alignment.similarity else alignment
+    if again is None:
+        return alignment
+    return max(alignment, again, key=lambda a: (_planned(a, settings), a.similarity))
+
+
+def _planned(alignment: Alignment, settings: MatchSettings) -> bool:
+    """Whether an alignment is a match the planner's guard would plan."""
+    return alignment.similarity >= settings.match_threshold and alignment.changed_share <= settings.max_changed_share
 
 
 def in_place(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings) -> Alignment:
