@@ -4,11 +4,13 @@
   the ``Extractor`` interface; :mod:`gateway.matching.pixel`: the default, weight-free extractor;
   :mod:`gateway.matching.encoder`: the VLM's own vision tower; :mod:`gateway.matching.clip`: an open_clip tower
   from a local folder.
-- :mod:`gateway.matching.index`: the coarse stage (2 x 2 regional descriptors per namespace and grid, a scan or an
-  HNSW graph) and the digest sketch.
+- :mod:`gateway.matching.index`: the coarse stage (2 x 2 regional descriptors of the token layouts per namespace
+  and grid, a scan or an HNSW graph) and the digest sketch.
 - :mod:`gateway.matching.align`: the fine stage (whole-token shift, change map, similarity).
 - :mod:`gateway.matching.motion`: motion at pixel level (phase correlation), parts of a token included, over the
-  whole frame or per region; measured (bench/matching.py), not yet planned for.
+  whole frame or per region.
+- :mod:`gateway.matching.moved`: content moved by part of a token, found from the shades and lined up again (planned
+  up to ``max_subtoken_px`` off the grid).
 - :mod:`gateway.matching.matcher`: ``Matcher``, coarse to fine, with the features persisted beside the store.
 - :mod:`gateway.matching.plans`: from a match to an approximate ``plan.ImagePlan`` (reuse set, guard).
 """
