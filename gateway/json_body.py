@@ -116,8 +116,8 @@ class _LongStrings:
 
     A string is cut out only when it is exactly the JSON text of itself: printable ASCII with no quote or backslash
     (so no escapes), checked here; anything else is left for the parser to read (or refuse) as before. A marker
-    ``;base64,`` can only be inside a string (it is no JSON syntax), so the last quote before it, with no backslash
-    between, opens the string, and the first quote after it closes it."""
+    ``;base64,`` can only be inside a string (it is no JSON syntax), so the last quote before it, unless escaped (then
+    the string began further back, and is left whole), opens the string, and the first quote after it closes it."""
 
     def __init__(self, rest: bytes, strings: dict[str, str], spans: list[tuple[int, int, int]]) -> None:
         self.rest = rest
@@ -140,7 +140,7 @@ class _LongStrings:
                 break
             at = end + 1
             if start <= 0 or end - start < LONG_STRING or not bytes(view[start:start + 5]) == b"data:" \
-                    or not _plain(view[start:end]):
+                    or _escaped(raw, start - 1) or not _plain(view[start:end]):
                 continue
             placeholder = f"#revisit-cut-{nonce}-{len(strings)}#"
             pieces += [view[kept:start], placeholder.encode()]
@@ -162,6 +162,15 @@ class _LongStrings:
                 break
             moved += removed
         return at + moved
+
+
+def _escaped(raw: bytes | bytearray, quote: int) -> bool:
+    """Whether the quote at ``quote`` is escaped (an odd number of backslashes before it): a quote inside a string,
+    which then began further back."""
+    backslashes = 0
+    while quote - backslashes > 0 and raw[quote - backslashes - 1] == 0x5C:
+        backslashes += 1
+    return backslashes % 2 == 1
 
 
 def _plain(view: memoryview) -> bool:

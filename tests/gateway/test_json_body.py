@@ -37,6 +37,9 @@ BODIES = {
     "a control character": message(image(url(BLOB[:LONG_STRING] + "\n" + BLOB[:LONG_STRING]))),
     "text that mentions a mark": message({"type": "text", "text": "see ;base64, " + "y" * LONG_STRINGS_BODY}),
     "not a data URL": message({"type": "text", "text": "note;base64," + BLOB}),
+    "a quoted data URL in a text": message({"type": "text", "text": 'he said "' + url() + '"'}),
+    "a data URL after a quote in a text": message({"type": "text", "text": 'he said "' + url()}),
+    "after an escaped backslash": message({"type": "text", "text": "a\\"}, image(url())),
 }
 
 
@@ -55,8 +58,10 @@ def test_only_long_data_urls_written_plainly_are_cut_out() -> None:
     assert sorted(len(text) for text in cut.strings.values()) == sorted(
         len(url(b)) for b in (BLOB, BLOB[:LONG_STRING], BLOB[::-1]))
     for name in ("a short one, not cut", "non-ASCII after the mark", "a control character", "not a data URL",
-                 "text that mentions a mark"):
+                 "text that mentions a mark", "a quoted data URL in a text", "a data URL after a quote in a text"):
         assert _LongStrings.cut(json.dumps(BODIES[name]).encode()) is None, name
+    after = _LongStrings.cut(json.dumps(BODIES["after an escaped backslash"]).encode())
+    assert after is not None and len(after.strings) == 1  # the quote after "a\\" is a real one
     escaped = json.dumps(message(image(url()))).replace("data:image/png", "data:image\\/png").encode()
     assert _LongStrings.cut(escaped) is None and decode_json(escaped) == message(image(url()))
 
