@@ -44,7 +44,8 @@ HISTOGRAM_BINS = 32  # grey levels per entropy histogram: log2(32) = 5 bits at m
 # every candidate short of a match): the own image matched for 87-89% of the moves at weights 0 to 1, 76-79% at 3,
 # and 75-76% with the means of the extractor's vectors (14 x 14 cells a token) that this replaced. On the reader's
 # panels (bench/moved_quality.py's), 1-2 px moves among 300: 136-142 of 150 at weight 1, 144-145 at 0 to 0.3 (the
-# panels differ in colour); 1 keeps pages of one colour scheme apart by where their ink is.
+# panels differ in colour). 1 is the largest weight that did as well: at it the structure is still small beside the
+# tone (a text token's pooled cells move a tenth of its spread), but pages of one colour scheme keep some of it.
 LAYOUT_CELLS = 2
 LAYOUT_STRUCTURE = 1.0
 LAYOUT_CONTRAST_FLOOR = 42.0  # a token's shades' spread (L2, grey levels) below which its structure is not amplified
