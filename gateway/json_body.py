@@ -119,10 +119,10 @@ class _LongStrings:
     ``;base64,`` can only be inside a string (it is no JSON syntax), so the last quote before it, unless escaped (then
     the string began further back, and is left whole), opens the string, and the first quote after it closes it."""
 
-    def __init__(self, rest: bytes, strings: dict[str, str], spans: list[tuple[int, int, int]]) -> None:
+    def __init__(self, rest: bytes, strings: dict[str, str], spans: list[tuple[int, int]]) -> None:
         self.rest = rest
         self.strings = strings
-        self._spans = spans  # (where in rest, where in the body, bytes cut) for each string, in order
+        self._spans = spans  # (where in rest, bytes fewer than in the body) for each string cut, in order
 
     @classmethod
     def cut(cls, raw: bytes | bytearray) -> _LongStrings | None:
@@ -130,7 +130,7 @@ class _LongStrings:
         nonce = secrets.token_hex(8)
         pieces: list[bytes | memoryview] = []
         strings: dict[str, str] = {}
-        spans: list[tuple[int, int, int]] = []
+        spans: list[tuple[int, int]] = []
         kept = taken = 0  # the body up to ``kept`` is in pieces; bytes of rest so far
         at = 0
         while (mark := raw.find(_BASE64_MARK, at)) >= 0:
@@ -139,13 +139,13 @@ class _LongStrings:
             if end < 0:
                 break
             at = end + 1
-            if start <= 0 or end - start < LONG_STRING or not bytes(view[start:start + 5]) == b"data:" \
+            if start <= 0 or end - start < LONG_STRING or not raw.startswith(b"data:", start) \
                     or _escaped(raw, start - 1) or not _plain(view[start:end]):
                 continue
             placeholder = f"#revisit-cut-{nonce}-{len(strings)}#"
             pieces += [view[kept:start], placeholder.encode()]
             taken += start - kept
-            spans.append((taken, start, end - start - len(placeholder)))
+            spans.append((taken, end - start - len(placeholder)))
             taken += len(placeholder)
             strings[placeholder] = str(view[start:end], "ascii")
             kept = end
@@ -157,7 +157,7 @@ class _LongStrings:
     def in_body(self, at: int) -> int:
         """A position in ``rest`` as the position in the body it was cut from."""
         moved = 0
-        for where, _, removed in self._spans:
+        for where, removed in self._spans:
             if where >= at:
                 break
             moved += removed

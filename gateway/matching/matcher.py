@@ -270,16 +270,25 @@ def compare(features: TokenFeatures, alias_features: TokenFeatures, settings: Ma
     return max(alignment, again, key=lambda a: (_planned(a, settings), a.similarity))
 
 
+def within_guard(alignment: Alignment, settings: MatchSettings) -> bool:
+    """The planner's guard (gateway/matching/plans.py): no more than max_changed_share of the tokens changed."""
+    return alignment.changed_share <= settings.max_changed_share
+
+
 def _planned(alignment: Alignment, settings: MatchSettings) -> bool:
     """Whether an alignment is a match the planner's guard would plan."""
-    return alignment.similarity >= settings.match_threshold and alignment.changed_share <= settings.max_changed_share
+    return alignment.similarity >= settings.match_threshold and within_guard(alignment, settings)
+
+
+def _aligned(features: TokenFeatures, alias_features: TokenFeatures, shift: tuple[int, int],
+             settings: MatchSettings) -> Alignment:
+    return align(features, alias_features, shift=shift, patch_threshold=settings.patch_threshold,
+                 max_shade_change=settings.max_shade_change, blank_entropy=settings.blank_entropy)
 
 
 def in_place(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings) -> Alignment:
     """The whole-token shift that best lines the alias up, then the alignment at it."""
-    return align(features, alias_features, shift=find_shift(features, alias_features),
-                 patch_threshold=settings.patch_threshold, max_shade_change=settings.max_shade_change,
-                 blank_entropy=settings.blank_entropy)
+    return _aligned(features, alias_features, find_shift(features, alias_features), settings)
 
 
 def moved_alignment(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings,
@@ -289,6 +298,4 @@ def moved_alignment(features: TokenFeatures, alias_features: TokenFeatures, sett
     move = moved.find(features, alias_features)
     if move is None:
         return None
-    return moved_by(align(moved.realigned(move.offset), alias_features, shift=move.shift,
-                          patch_threshold=settings.patch_threshold, max_shade_change=settings.max_shade_change,
-                          blank_entropy=settings.blank_entropy), move.offset)
+    return moved_by(_aligned(moved.realigned(move.offset), alias_features, move.shift, settings), move.offset)

@@ -99,7 +99,9 @@ class MovedImage:
                  factor: int, settings: MatchSettings) -> None:
         self._pixels_of = pixels_of  # () -> (rows * factor, cols * factor, 3) uint8, what the model sees
         self._pixels: np.ndarray | None = None
-        self._padded: np.ndarray | None = None  # grey levels, the edges repeated by a token all round
+        # The grey levels with the edges repeated by a token all round, and where the shades' cells start (rows,
+        # columns) and their areas: what _shades_moved_back sums windows of, made once.
+        self._padded: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._bands: dict[int, np.ndarray] = {}  # vertical offset -> sums over each row of shade cells
         self.extractor = extractor
         self.grid, self.factor = grid, factor
@@ -200,19 +202,20 @@ class MovedImage:
         features.cell_means cuts them) of the new image moved back by ``offset`` pixels (|offset| within a token),
         the edges repeated. Sums over shifted windows of the padded image, rows of cells first (one pass over the
         image per vertical offset, kept for the other horizontal ones), instead of a moved copy per offset."""
-        rows, cols = self.grid
-        factor, side = self.factor, SHADE_SIDE
+        factor = self.factor
+        height, width = self.pixels.shape[:2]
         if self._padded is None:
-            self._padded = np.pad(grey(self.pixels.astype(np.float32)) * 255.0, factor, mode="edge")
-        height, width = self._padded.shape[0] - 2 * factor, self._padded.shape[1] - 2 * factor
-        top = np.round(np.linspace(0, height, rows * side + 1)).astype(np.int64)
-        left = np.round(np.linspace(0, width, cols * side + 1)).astype(np.int64)
+            rows, cols = self.grid
+            top = np.round(np.linspace(0, height, rows * SHADE_SIDE + 1)).astype(np.int64)
+            left = np.round(np.linspace(0, width, cols * SHADE_SIDE + 1)).astype(np.int64)
+            self._padded = (np.pad(grey(self.pixels.astype(np.float32)) * 255.0, factor, mode="edge"), top[:-1],
+                            left[:-1], np.outer(np.diff(top), np.diff(left)).astype(np.float32))
+        padded, tops, lefts, areas = self._padded
         dy, dx = offset
         band = self._bands.get(dy)
         if band is None:
-            band = self._bands[dy] = np.add.reduceat(self._padded[factor + dy:factor + dy + height], top[:-1], axis=0)
-        sums = np.add.reduceat(band[:, factor + dx:factor + dx + width], left[:-1], axis=1)
-        return sums / np.outer(np.diff(top), np.diff(left)).astype(np.float32)
+            band = self._bands[dy] = np.add.reduceat(padded[factor + dy:factor + dy + height], tops, axis=0)
+        return np.add.reduceat(band[:, factor + dx:factor + dx + width], lefts, axis=1) / areas
 
     def _changed_share(self, new: np.ndarray, alias: np.ndarray) -> float:
         """The share of the new image's tokens a move leaves changed, as the fine stage would count them from the

@@ -21,7 +21,7 @@ import numpy as np
 from gateway.config import MatchSettings
 from gateway.matching.align import CHANGED, reported
 from gateway.matching.features import TokenFeatures
-from gateway.matching.matcher import Match, compare
+from gateway.matching.matcher import Match, compare, within_guard
 from gateway.matching.moved import MovedImage
 from plan import APPROXIMATE, CACHEBLEND, CHANGE_BLIND, ENTROPY_AWARE, FULL_PASS, FULL_REUSE, ImagePlan
 
@@ -33,7 +33,7 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
     n = grid[0] * grid[1]
     changed = alignment.changes == CHANGED
     changed_share = alignment.changed_share
-    if changed_share > settings.max_changed_share:
+    if not within_guard(alignment, settings):
         return None
     aligned = alignment.alias_index >= 0
     if selector in CHANGE_BLIND:
