@@ -8,9 +8,11 @@ default one), so several apps can live in one process.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
+from collections import Counter as Tally
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -134,6 +136,64 @@ def reuse_label(kinds: tuple[str, ...] | list[str], *, videos: int = 0) -> str:
     return NO_IMAGE if not distinct else distinct.pop() if len(distinct) == 1 else MIXED
 
 
+MINUTE_S = 60
+HOUR_MINUTES = 60
+TTFT_SAMPLES = 256  # streamed requests' TTFTs kept a minute and reuse label: the median is of the first this many
+
+
+class _Minute:
+    __slots__ = ("minute", "requests", "failed", "images", "ttft")
+
+    def __init__(self, minute: int) -> None:
+        self.minute = minute  # minutes since the epoch
+        self.requests = 0
+        self.failed = 0  # answered 5xx, or the client left (CLIENT_LEFT)
+        self.images: Tally[str] = Tally()  # images by what they were planned as (planner.KINDS)
+        self.ttft: dict[str, list[float]] = {}  # reuse label -> streamed requests' seconds to the first token
+
+
+class LastHour:
+    """The last hour a minute at a time, for the operator page's charts (GET /admin/history): requests that ran the
+    model (and how many failed), the images they carried by what each was planned as (the hit rate), and streamed
+    requests' time to first token by reuse label. Kept on the event loop, where requests end and the route reads;
+    at most an hour of minutes, each a few counters and at most TTFT_SAMPLES floats a label."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._minutes: deque[_Minute] = deque(maxlen=HOUR_MINUTES)
+
+    def record(self, code: int, kinds: Sequence[str], reuse: str, ttft_s: float | None) -> None:
+        now = int(self._clock() // MINUTE_S)
+        if not self._minutes or self._minutes[-1].minute != now:
+            self._minutes.append(_Minute(now))
+        minute = self._minutes[-1]
+        minute.requests += 1
+        minute.failed += code >= 500 or code == CLIENT_LEFT
+        minute.images.update(kinds)
+        if ttft_s is not None:
+            samples = minute.ttft.setdefault(reuse, [])
+            if len(samples) < TTFT_SAMPLES:
+                samples.append(ttft_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every minute of the last hour, oldest first, the current one last (still filling); minutes without
+        requests are zeros. ``hit_rate``: the share of the minute's images planned as exact or approximate reuse
+        (null without images); ``ttft_ms``: the median a reuse label (absent without streamed requests)."""
+        now = int(self._clock() // MINUTE_S)
+        kept = {minute.minute: minute for minute in self._minutes}
+        minutes = []
+        for at in range(now - HOUR_MINUTES + 1, now + 1):
+            minute = kept.get(at) or _Minute(at)
+            images = sum(minute.images.values())
+            minutes.append({
+                "at": at * MINUTE_S, "requests": minute.requests, "failed": minute.failed,
+                "images": {kind: minute.images[kind] for kind in KINDS},
+                "hit_rate": round((images - minute.images["miss"]) / images, 4) if images else None,
+                "ttft_ms": {label: round(1000 * statistics.median(samples), 1)
+                            for label, samples in sorted(minute.ttft.items())}})
+        return {"object": "history", "minute_s": MINUTE_S, "minutes": minutes}
+
+
 class RequestMetrics:
     """Requests served, by endpoint and status code, and how long they took, by the reuse their images got
     (``reuse``: planner.KINDS, "none", "mixed" or "video"; set by the chat route in the request's state)."""
@@ -141,6 +201,7 @@ class RequestMetrics:
     def __init__(self, registry: CollectorRegistry, recent: int = 200) -> None:
         # The last requests that ran the model, newest last (GET /admin/recent, the operator page).
         self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
+        self.last_hour = LastHour()  # GET /admin/history, the operator page's charts
         self.requests = Counter("revisit_requests", "HTTP requests served, by endpoint and status code (499: the "
                                 "client left before the response ended).", ["endpoint", "code"], registry=registry)
         self.duration = Histogram("revisit_request_duration_seconds", "From the request's arrival to the end of its "
@@ -254,6 +315,7 @@ class RequestTimer:
         if streamed_first is not None:
             metrics.first_token.labels(reuse).observe(streamed_first)
         if endpoint in COMPLETING:
+            metrics.last_hour.record(int(code), state.get("image_kinds", ()), reuse, streamed_first)
             metrics.recent.append({"at": time.time(), "endpoint": endpoint, "code": int(code), "reuse": reuse,
                                    "stream": bool(state.get("stream")), "duration_s": round(duration, 4),
                                    "ttft_s": round(streamed_first, 4) if streamed_first is not None else None})

@@ -13,6 +13,8 @@ Routes:
   DELETE /admin/entries/{key}?force=     drop it (409 when pinned, unless force=true)
   POST   /admin/entries/{key}/pin        pin;  DELETE on the same path unpins
   GET    /admin/recent?limit=            the last requests that ran the model, newest first
+  GET    /admin/history                  the last hour a minute at a time: requests, failures, images by plan
+                                         kind and the hit rate, streamed TTFT medians by reuse label
   GET    /admin/presets                  the preset priors in use
   POST   /admin/presets                  replace them: {"keys": {key: w}, "families": {label: w}}
   POST   /admin/flush?force=             drop every entry (pinned ones only with force=true)
@@ -238,6 +240,12 @@ async def recent(request: Request, limit: Annotated[int, Query(ge=1, le=200)] = 
     (gateway/metrics.py), the time to the first streamed token and the whole time."""
     kept = request.app.state.services.requests.recent
     return {"object": "list", "data": list(reversed(kept))[:limit]}
+
+
+@router.get("/history")
+async def history(request: Request) -> dict:
+    """The last hour a minute at a time (metrics.LastHour), for the operator page's charts."""
+    return request.app.state.services.requests.last_hour.snapshot()
 
 
 async def _json_body(request: Request) -> object:

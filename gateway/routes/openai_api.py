@@ -101,6 +101,7 @@ async def chat_completions(request: Request) -> Any:
             services.requests.video_frames.labels(label).inc(count)
     # the latency histograms' label (gateway/metrics.py)
     request.state.reuse = reuse_label(planned.kinds, videos=len(intake.videos))
+    request.state.image_kinds = planned.kinds  # the operator page's hit rate (metrics.LastHour)
     request.state.stream = intake.params.stream
     request_id = uuid.uuid4().hex
     public_id = f"chatcmpl-{request_id}"

@@ -1,5 +1,6 @@
 """The operator page in a real headless Chromium (Debian's, driven by Playwright): it refuses without the admin
-token, and with it shows live figures that change as requests are served. The run leaves a screenshot
+token, and with it shows live figures that change as requests are served, charts of the last hour, and tables that
+fit a 1400-px window without scrolling sideways. The run leaves a screenshot
 (tests/dashboards/operator.png under the test's temporary folder, and in $REVISIT_TEST_ARTIFACTS when set)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tests.images_lib import data_url, encode, small
 pytestmark = pytest.mark.sglang
 
 TOKEN = "operator-page-token"
+WINDOW_PX = 1400  # the window the page is laid out to fit
 CHROMIUM = os.environ.get("REVISIT_CHROMIUM", "/usr/bin/chromium")
 # As root in a sandbox with no network: no sandbox, no GPU, no background connections (refused here, slow to fail).
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -46,8 +48,8 @@ def browser():
     with sync_playwright() as playwright:
         # bypass_csp: the page's policy forbids eval, which Playwright's waiting on a JavaScript condition uses.
         context = playwright.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
-                                                                args=FLAGS, viewport={"width": 1280, "height": 900},
-                                                                bypass_csp=True)
+                                                                args=FLAGS, bypass_csp=True,
+                                                                viewport={"width": WINDOW_PX, "height": 900})
         try:
             yield context
         finally:
@@ -55,10 +57,21 @@ def browser():
             shutil.rmtree(profile, ignore_errors=True)
 
 
-def ask(gateway, image: str, headers: dict[str, str] | None = None) -> httpx.Response:
+def ask(gateway, image: str, headers: dict[str, str] | None = None, *, stream: bool = False) -> httpx.Response:
     return httpx.post(gateway.url + "/v1/chat/completions", timeout=300, headers=headers, json={
-        "model": gateway.config.model, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": [
+        "model": gateway.config.model, "max_tokens": 2, "temperature": 0, "stream": stream,
+        "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is it?"}]}]})
+
+
+# Each panel's overflow: how far its content reaches past its box to the right (0 when it fits), by its heading.
+OVERFLOW = """() => [...document.querySelectorAll('#panels section')].map(section => {
+  const right = section.getBoundingClientRect().right;
+  const parts = [...section.querySelectorAll('table, svg')];
+  const reach = Math.max(section.scrollWidth - section.clientWidth,
+                         ...parts.map(part => part.getBoundingClientRect().right - right));
+  return [section.querySelector('h2').innerText, Math.max(0, Math.ceil(reach))];
+})"""
 
 
 def test_the_page_refuses_without_the_token(admin_gateway, browser):
@@ -108,7 +121,22 @@ def test_the_page_shows_live_figures_that_follow_the_requests(admin_gateway, bro
     # Each worker's measured costs, once the gateway has measured it (at start), and the predictions' accuracy.
     page.wait_for_function("(document.querySelector('[data-testid=costs]').innerText.match(/ ms/g) || []).length "
                            f">= {5 * len(admin_gateway.config.workers)}", timeout=120000)
-    assert all(url in page.get_by_test_id("costs").inner_text() for url in admin_gateway.config.workers)
+    assert all(url.removeprefix("http://") in page.get_by_test_id("costs").inner_text()
+               for url in admin_gateway.config.workers)
+    # The last hour's charts: this minute's hit rate, a streamed request's TTFT under its reuse kind, the requests.
+    assert ask(admin_gateway, picture, stream=True).status_code == 200
+    page.wait_for_function("document.getElementById('legend-ttft').innerText.includes('exact_same_prefix')",
+                           timeout=15000)
+    assert page.locator("#chart-hits circle, #chart-hits path").count() >= 1
+    assert page.locator("#chart-ttft circle, #chart-ttft path").count() >= 1
+    assert page.locator("#chart-requests rect").count() >= 1
+    assert "-60 min" in page.locator("#chart-requests").inner_html()
+    # Every table and chart fits the window: nothing scrolls sideways, nothing is cut.
+    page.wait_for_function("document.querySelectorAll('#tiers td.meter .bar').length >= 1", timeout=15000)
+    overflow = page.evaluate(OVERFLOW)
+    assert len(overflow) >= 8 and all(reach == 0 for _, reach in overflow), overflow
+    assert page.evaluate("document.documentElement.scrollWidth") <= WINDOW_PX
+    assert page.evaluate("document.querySelector('#tiers td.meter .bar').getBoundingClientRect().width") >= 40
     shot = tmp_path / "operator.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 10_000

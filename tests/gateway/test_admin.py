@@ -77,6 +77,7 @@ ADMIN_ROUTES = [
     ("GET", "/admin/presets"),
     ("POST", "/admin/presets"),
     ("GET", "/admin/recent"),
+    ("GET", "/admin/history"),
     ("POST", "/admin/flush"),
 ]
 
@@ -339,6 +340,20 @@ def test_recent_lists_the_last_requests_that_ran_the_model_newest_first(server, 
     assert (older["endpoint"], older["code"]) == ("/v1/completions", 503)  # no worker is up
     assert newest["at"] >= older["at"] and newest["duration_s"] >= 0 and newest["ttft_s"] is None
     assert_error(http.get("/admin/recent", params={"limit": 0}), 400)
+
+
+def test_history_counts_this_minute_s_requests_that_ran_the_model(server, http):
+    before = http.get("/admin/history").json()["minutes"][-1]
+    httpx.post(server.url + "/v1/completions", json={"model": "revisit-tiny", "prompt": "hi"}, timeout=30)
+    httpx.get(server.url + "/v1/models", timeout=30)  # runs no model: not counted
+    history = http.get("/admin/history").json()
+    assert history["object"] == "history" and len(history["minutes"]) == 60
+    now = history["minutes"][-1]
+    if now["at"] == before["at"]:  # (else the minute turned between the two reads: the new one has only this)
+        now = {**now, "requests": now["requests"] - before["requests"], "failed": now["failed"] - before["failed"]}
+    assert (now["requests"], now["failed"]) == (1, 1)  # no worker is up: a 503
+    assert now["hit_rate"] is None and now["ttft_ms"] == {}
+    assert [m["at"] for m in history["minutes"]] == list(range(now["at"] - 59 * 60, now["at"] + 1, 60))
 
 
 def test_every_metric_the_grafana_dashboard_charts_is_one_the_gateway_exports(server) -> None:
