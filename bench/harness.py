@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -54,9 +55,9 @@ def gateway_process(env: Mapping[str, str], log_path: Path, timeout_s: float = 6
     else:
         command = [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())", *args]
         extra = {"PYTHONPATH": str(code)}
-    defaults = {"REVISIT_AUTH": "open", "REVISIT_PLAN_BY_COST": "0"}
-    process = subprocess.Popen(command, env={**os.environ, **defaults, **env, **extra}, cwd=code,
-                               stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    defaults = {"REVISIT_AUTH": "open", "REVISIT_PLAN_BY_COST": "0", "REVISIT_ADMIN_TOKEN": secrets.token_hex(16)}
+    settings = {**os.environ, **defaults, **env, **extra}
+    process = subprocess.Popen(command, env=settings, cwd=code, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -69,7 +70,34 @@ def gateway_process(env: Mapping[str, str], log_path: Path, timeout_s: float = 6
             if time.monotonic() > deadline or process.poll() is not None:
                 raise RuntimeError(f"the gateway did not come up:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.2)
+        _wait_for_calibration(url, settings, log_path)
         yield Gateway(url, process.pid)
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
+
+
+CALIBRATION_TIMEOUT_S = 300
+
+
+def _wait_for_calibration(url: str, settings: Mapping[str, str], log_path: Path) -> None:
+    """Return once the gateway has measured every worker's costs (gateway/calibration.py; its probes, their PNGs
+    encoded on a thread, would otherwise share the machine with the first measurements), or at once when it does
+    not calibrate. A calibration that failed counts as done: the gateway's log says why."""
+    if settings.get("REVISIT_CALIBRATE", "1").lower() in ("0", "false", "no", "off"):
+        return
+    workers = [w for w in settings.get("REVISIT_WORKERS", "").split(",") if w.strip()]
+    headers = {"Authorization": "Bearer " + settings["REVISIT_ADMIN_TOKEN"]}
+    deadline = time.monotonic() + CALIBRATION_TIMEOUT_S
+    while True:
+        stats = httpx.get(url + "/admin/stats", headers=headers, timeout=30).json()
+        costs = stats.get("worker_costs")
+        if costs is None:  # the model's facts are unknown to it: it measures nothing
+            return
+        calibrated = [u for u, w in costs["workers"].items() if w.get("calibration") is not None]
+        if len(calibrated) >= len(workers):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway measured {len(calibrated)} of {len(workers)} workers' costs in "
+                               f"{CALIBRATION_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)

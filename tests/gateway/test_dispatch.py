@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler
 import httpx
 
 from gateway.dispatch import Dispatcher, Route, UpstreamRequest
+from gateway.upstream import UpstreamClient
 from gateway.workers import WorkerPool
 from tests.http_server import serve_handler
 
@@ -76,7 +77,8 @@ async def _with_one_hanging(stream: bool) -> tuple[str, float, WorkerPool]:
             try:
                 assert all(w.healthy for w in pool.workers)
                 a.thawed.clear()  # (the POST handler waits while frozen, so "as the request arrives" holds)
-                dispatcher = Dispatcher(pool, client)
+                dispatcher = Dispatcher(pool, UpstreamClient(connections=8, timeout_s=UPSTREAM_TIMEOUT_S,
+                                                             connect_timeout_s=2.0, keepalive_s=2.0))
                 body = {"rid": "r1", "model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
                 request = UpstreamRequest(payload=json.dumps(body).encode(), rid="r1")
                 started = time.monotonic()
@@ -94,6 +96,7 @@ async def _with_one_hanging(stream: bool) -> tuple[str, float, WorkerPool]:
                 assert a.posted.is_set(), "the request never reached the worker that hung"
                 return answered_by, time.monotonic() - started, pool
             finally:
+                await dispatcher.aclose()
                 await pool.stop()
 
 
@@ -111,23 +114,25 @@ async def test_a_stream_at_a_worker_that_hangs_before_its_first_event_is_answere
     assert pool.workers[0].inflight == 0 and not pool.workers[0]._awaited
 
 
-async def test_completions_go_out_on_the_dispatchers_clients_in_turn():
-    """Several clients (each its own connection pool): every request, plain or streamed, takes the next one."""
-    seen: list[str] = []
+async def test_completions_carry_the_client_s_headers_plain_and_streamed():
+    """The completions' client sends its headers (the workers' API key, in a deployment with a secret) on every
+    request, plain or streamed, each answered."""
+    seen: list[str | None] = []
 
     class Recording(worker("A")):  # type: ignore[misc, valid-type]
         def do_POST(self) -> None:  # noqa: N802
-            seen.append(self.headers["x-pool"])
+            seen.append(self.headers["authorization"])
             super().do_POST()
 
     with serve_handler(Recording) as url:
-        clients = [httpx.AsyncClient(headers={"x-pool": str(i)}, timeout=10) for i in range(3)]
+        client = UpstreamClient(connections=4, timeout_s=10, connect_timeout_s=2, keepalive_s=2,
+                                headers={"Authorization": "Bearer worker-key"})
         async with httpx.AsyncClient(timeout=10) as health:
             pool = WorkerPool([url], health, interval_s=0.1, timeout_s=1.0)
             await pool.start()
-            dispatcher = Dispatcher(pool, clients)
+            dispatcher = Dispatcher(pool, client)
             try:
-                for n in range(6):
+                for n in range(4):
                     body = {"rid": f"r{n}", "model": "m", "stream": n % 2 == 1,
                             "messages": [{"role": "user", "content": "hi"}]}
                     request = UpstreamRequest(payload=json.dumps(body).encode(), rid=f"r{n}")
@@ -137,7 +142,6 @@ async def test_completions_go_out_on_the_dispatchers_clients_in_turn():
                     else:
                         assert (await dispatcher.complete(request))["choices"][0]["message"]["content"] == "A"
             finally:
-                await pool.stop()
                 await dispatcher.aclose()
-    assert seen == ["0", "1", "2", "0", "1", "2"]
-    assert all(client.is_closed for client in clients)
+                await pool.stop()
+    assert seen == ["Bearer worker-key"] * 4
