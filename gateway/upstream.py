@@ -53,16 +53,26 @@ class UpstreamStream:
             raise _failure(exc) from exc
 
     async def lines(self) -> AsyncIterator[str]:
-        """Each line without its ending (\\n or \\r\\n), as the worker sends it; an SSE event's blank line too."""
-        content = self._response.content
+        """Each line without its ending (\n or \r\n), as the worker sends it; an SSE event's blank line too. A line
+        may be of any length (aiohttp's own readline refuses one past its buffer's high-water mark)."""
+        chunks = self._response.content.iter_any()
+        pending: list[bytes] = []  # the pieces of a line not yet ended
         while True:
             try:
-                line = await content.readline()
+                chunk = await anext(chunks, None)
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise _failure(exc) from exc
-            if not line:
-                return
-            yield line.decode().rstrip("\r\n")
+            if chunk is None:
+                break
+            if b"\n" not in chunk:
+                pending.append(chunk)
+                continue
+            first, *complete, last = chunk.split(b"\n")
+            for line in (b"".join([*pending, first]), *complete):
+                yield line.decode(errors="replace").removesuffix("\r")
+            pending = [last] if last else []
+        if pending:
+            yield b"".join(pending).decode(errors="replace").removesuffix("\r")
 
     async def aclose(self) -> None:
         """Give the connection back when the answer was read to its end; close it otherwise, which makes SGLang

@@ -145,3 +145,43 @@ async def test_completions_carry_the_client_s_headers_plain_and_streamed():
                 await dispatcher.aclose()
                 await pool.stop()
     assert seen == ["Bearer worker-key"] * 4
+
+
+async def test_a_stream_s_events_are_relayed_whole_however_long_and_however_split():
+    """An event longer than aiohttp's line buffer (300 KB of content), events split across writes, CRLF endings:
+    each relayed whole, in order."""
+    long_text = "x" * 300_000
+
+    class Splitting(worker("A")):  # type: ignore[misc, valid-type]
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            events = b""
+            for n, text in enumerate(["one", long_text, "three"]):
+                chunk = {"id": body["rid"], "object": "chat.completion.chunk", "created": 0, "model": "m",
+                         "choices": [{"index": 0, "delta": {"content": text}}]}
+                events += f"data: {json.dumps(chunk)}".encode() + (b"\r\n\r\n" if n == 1 else b"\n\n")
+            events += b"data: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(events)))
+            self.end_headers()
+            for start in range(0, len(events), 7001):  # written in pieces that cut events anywhere
+                self.wfile.write(events[start:start + 7001])
+                self.wfile.flush()
+
+    with serve_handler(Splitting) as url:
+        async with httpx.AsyncClient(timeout=10) as health:
+            pool = WorkerPool([url], health, interval_s=0.1, timeout_s=1.0)
+            await pool.start()
+            dispatcher = Dispatcher(pool, UpstreamClient(connections=2, timeout_s=10, connect_timeout_s=2,
+                                                         keepalive_s=2))
+            try:
+                body = {"rid": "r", "model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+                events = await dispatcher.open_stream(UpstreamRequest(payload=json.dumps(body).encode(), rid="r"))
+                relayed = b"".join([event async for event in events]).decode().split("\n\n")
+            finally:
+                await dispatcher.aclose()
+                await pool.stop()
+    contents = [json.loads(e.removeprefix("data: "))["choices"][0]["delta"]["content"]
+                for e in relayed if e.startswith("data: {")]
+    assert contents == ["one", long_text, "three"] and relayed[-2:] == ["data: [DONE]", ""]
