@@ -6,9 +6,10 @@ a round trip and aiohttp 271 us on the same loop (uvloop, 2-core machine), and h
 the gateway's samples for text requests (its HTTP/1.1 parsing is h11, pure Python). Health checks, metrics reads and
 calibration keep httpx (gateway/workers.py, gateway/calibration.py): they are few and off the request path.
 
-Errors come out as this module's own: ``SendTimedOut`` (no answer, or no next chunk, within the upstream timeout;
-or no connection within the connect timeout) and ``SendFailed`` (the connection refused, reset or cut), so the
-dispatcher's rules (gateway/dispatch.py) do not depend on the library.
+Errors come out as this module's own: ``SendTimedOut`` (no answer, or no next chunk, within the upstream timeout)
+and ``SendFailed`` (the connection refused, not made within the connect timeout, reset or cut), so the dispatcher's
+rules (gateway/dispatch.py) do not depend on the library: a worker that cannot be reached is tried no more, and the
+request goes to another.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class SendTimedOut(SendFailed):
 
 def _failure(exc: BaseException) -> SendFailed:
     cause = type(exc).__name__
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # no connection made, so nothing sent: as if refused
+        return SendFailed(f"{cause}: no connection within the connect timeout", cause)
     if isinstance(exc, TimeoutError):  # (aiohttp's own timeouts are ClientErrors too: checked first)
         return SendTimedOut(cause, cause)
     return SendFailed(f"{cause}: {exc}", cause)

@@ -185,3 +185,18 @@ async def test_a_stream_s_events_are_relayed_whole_however_long_and_however_spli
     contents = [json.loads(e.removeprefix("data: "))["choices"][0]["delta"]["content"]
                 for e in relayed if e.startswith("data: {")]
     assert contents == ["one", long_text, "three"] and relayed[-2:] == ["data: [DONE]", ""]
+
+
+def test_a_connection_not_made_in_time_counts_as_unreachable_and_a_silent_answer_as_timed_out():
+    """No connection within the connect timeout: nothing was sent, so the worker is taken as unreachable and the
+    request goes to another (SendFailed, not SendTimedOut); no answer or no next chunk in time: timed out."""
+    import aiohttp
+
+    from gateway.upstream import SendFailed, SendTimedOut, _failure
+
+    unreachable = _failure(aiohttp.ConnectionTimeoutError())
+    assert isinstance(unreachable, SendFailed) and not isinstance(unreachable, SendTimedOut)
+    assert isinstance(_failure(aiohttp.SocketTimeoutError()), SendTimedOut)
+    assert isinstance(_failure(TimeoutError()), SendTimedOut)
+    refused = _failure(aiohttp.ServerDisconnectedError())
+    assert type(refused) is SendFailed and refused.cause == "ServerDisconnectedError"
