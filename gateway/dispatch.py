@@ -15,26 +15,28 @@ makes SGLang abort the request.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import httpx
 import orjson
 
 from gateway import openai_shape
 from gateway.errors import NoHealthyWorker, UpstreamClientError, UpstreamError, error_body
 from gateway.offload import off_loop
-from gateway.upstream import SendFailed, SendTimedOut, UpstreamClient, UpstreamStream
 from gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+_JSON = {"content-type": "application/json"}
 _DONE_LINE = "data: [DONE]"  # the last event of an OpenAI stream, as the worker sends it
 _TAKEN_OUT = "the worker was taken out by its health checks before it answered"
 
@@ -93,14 +95,23 @@ def _sse(payload: dict | str) -> bytes:
 
 
 class Dispatcher:
-    """Sends completions to the pool's workers on ``client`` (gateway/upstream.py)."""
+    """Sends completions to the pool's workers. ``clients``: one, or several taken in turn (each its own connection
+    pool: httpcore's pool work per request grows with the connections and requests it holds)."""
 
-    def __init__(self, pool: WorkerPool, client: UpstreamClient):
+    def __init__(self, pool: WorkerPool, clients: httpx.AsyncClient | Sequence[httpx.AsyncClient]):
         self._pool = pool
-        self._client = client
+        self._clients = [clients] if isinstance(clients, httpx.AsyncClient) else list(clients)
+        if not self._clients:
+            raise ValueError("a dispatcher needs at least one client")
+        self._turn = itertools.cycle(self._clients)
+
+    def _next_client(self) -> httpx.AsyncClient:
+        """The client the next request goes out on."""
+        return next(self._turn)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
 
     def _next(self, tried: list[Worker], last_error: str | None, prefer: str | None = None) -> Worker:
         try:
@@ -122,30 +133,31 @@ class Dispatcher:
                 alone, sent = worker.inflight == 1, time.perf_counter()
                 with self._pool.until_taken_out(worker) as waiting:
                     try:
-                        status, payload = await self._client.post(worker.url + request.path, request.payload)
+                        response = await self._next_client().post(worker.url + request.path,
+                                                                  content=request.payload, headers=_JSON)
                         alone, took = alone and worker.inflight == 1, time.perf_counter() - sent
-                    except SendTimedOut as exc:
-                        raise UpstreamError(f"worker timed out: {exc}") from exc
-                    except SendFailed as exc:
-                        last_error = str(exc)
+                    except httpx.TimeoutException as exc:
+                        raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
+                    except httpx.TransportError as exc:
+                        last_error = f"{type(exc).__name__}: {exc}"
                         self._pool.mark_failed(worker, last_error)
                         continue
                 if waiting.cancelled_caught:
                     last_error = _TAKEN_OUT
                     continue
-            if status == 200:
+            if response.status_code == 200:
                 _first(route, worker, took, alone)
                 worker.served += 1
                 try:
-                    result = route.shape.completion(orjson.loads(payload), public_id=route.public_id)
+                    result = route.shape.completion(response.json(), public_id=route.public_id)
                 except ValueError as exc:
                     raise UpstreamError("worker returned a body that is not JSON") from exc
                 if route.on_served is not None:
                     route.on_served(worker)
                 return result
-            if 400 <= status < 500:
-                raise _client_error(status, payload)
-            last_error = f"worker returned HTTP {status}: {payload[:300].decode(errors='replace')}"
+            if 400 <= response.status_code < 500:
+                raise _client_error(response.status_code, response.content)
+            last_error = f"worker returned HTTP {response.status_code}: {response.text[:300]}"
             log.warning("worker %s: %s", worker.url, last_error)
 
     async def open_stream(self, request: UpstreamRequest, route: Route = Route()) -> AsyncIterator[bytes]:
@@ -161,18 +173,21 @@ class Dispatcher:
             worker = self._next(tried, last_error, route.prefer)
             lease = self._pool.lease(worker)
             await lease.__aenter__()
-            response: UpstreamStream | None = None
+            response: httpx.Response | None = None
             try:
                 with self._pool.until_taken_out(worker) as waiting:
+                    client = self._next_client()
+                    built = client.build_request("POST", worker.url + request.path, content=request.payload,
+                                                 headers=_JSON)
                     alone, sent = worker.inflight == 1, time.perf_counter()
-                    response = await self._client.open(worker.url + request.path, request.payload)
-                    if response.status != 200:
-                        payload = await response.read()
-                        if 400 <= response.status < 500:
-                            raise _client_error(response.status, payload)
-                        last_error = f"worker returned HTTP {response.status}: {payload[:300]!r}"
+                    response = await client.send(built, stream=True)
+                    if response.status_code != 200:
+                        payload = await response.aread()
+                        if 400 <= response.status_code < 500:
+                            raise _client_error(response.status_code, payload)
+                        last_error = f"worker returned HTTP {response.status_code}: {payload[:300]!r}"
                         raise _Retry
-                    lines = response.lines()
+                    lines = response.aiter_lines()
                     first = await _first_event(lines)
                     if first is None:
                         last_error = "worker closed the stream before sending anything"
@@ -185,12 +200,12 @@ class Dispatcher:
             except _Retry:
                 await _close(response, lease)
                 continue
-            except SendTimedOut as exc:
+            except httpx.TimeoutException as exc:
                 await _close(response, lease)
-                raise UpstreamError(f"worker timed out: {exc}") from exc
-            except SendFailed as exc:
+                raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
+            except httpx.TransportError as exc:
                 await _close(response, lease)
-                last_error = str(exc)
+                last_error = f"{type(exc).__name__}: {exc}"
                 self._pool.mark_failed(worker, last_error)
                 continue
             except BaseException:
@@ -204,7 +219,7 @@ class Dispatcher:
             head = await relay.__anext__()
             return _prepend(head, relay)
 
-    async def _relay(self, worker: Worker, response: UpstreamStream, lines: AsyncIterator[str], first: str, lease,
+    async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str], first: str, lease,
                      shaper: openai_shape.StreamShaper,
                      on_served: Callable[[Worker], None] | None) -> AsyncGenerator[bytes, None]:
         served = False
@@ -227,8 +242,8 @@ class Dispatcher:
                     yield (shaper.line(line) + "\n\n").encode()
             if not served:
                 serve()
-        except SendFailed as exc:
-            message = f"the worker failed mid-stream: {exc.cause}"
+        except httpx.HTTPError as exc:
+            message = f"the worker failed mid-stream: {type(exc).__name__}"
             self._pool.mark_failed(worker, message)
             yield _sse(error_body(message, "upstream_error"))
             yield _sse("[DONE]")
@@ -263,7 +278,7 @@ async def _first_event(lines: AsyncIterator[str]) -> str | None:
     return None
 
 
-async def _close(response: UpstreamStream | None, lease) -> None:
+async def _close(response: httpx.Response | None, lease) -> None:
     # Shielded: this runs while the client's disconnect is cancelling the task, and the
     # upstream connection must still be closed so the worker stops generating.
     with anyio.CancelScope(shield=True):

@@ -32,7 +32,6 @@ from gateway.prompt_size import PromptSize
 from gateway.response_cache import ResponseCache, TextEmbedder
 from gateway.tenancy import Tenants
 from gateway.turns import WorkerTurns
-from gateway.upstream import UpstreamClient
 from gateway.workers import WorkerPool
 from plan import plan_key
 from plan.outcome import Outcomes, outcome_box
@@ -45,6 +44,7 @@ REBUILD_CHUNK = 2048  # records restored per turn on the cache thread
 # connection SGLANG_TIMEOUT_KEEP_ALIVE = 5 s), so that no request goes out on a connection the worker is closing,
 # which would fail at once and take a healthy worker out of rotation.
 UPSTREAM_KEEP_ALIVE_S = 2.0
+UPSTREAM_POOLS, UPSTREAM_POOL_CONNECTIONS = 8, 8  # at most this many pools for completions, of at least this many
 
 
 @dataclass(slots=True)
@@ -75,21 +75,27 @@ class Services:
 
     @classmethod
     def build(cls, config: GatewayConfig) -> Services:
-        # Two clients to the workers, each with pooled keep-alive connections and explicit timeouts (the read
-        # timeout bounds the gap between two streamed chunks). With a deployment secret the workers take requests
-        # only with the API key derived from it.
+        # One client for every worker call: pooled keep-alive connections, explicit
+        # timeouts. The read timeout bounds the gap between two streamed chunks.
+        # With a deployment secret the workers take requests only with the API key derived from it.
         api_key = worker_api_key(config.secret)
-        authorization = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
-        # Health checks, model cards, metrics and calibration: a few requests at a time, off the request path.
-        client = httpx.AsyncClient(
-            headers=authorization, timeout=httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=config.max_connections,
-                                max_keepalive_connections=min(64, config.max_connections),
-                                keepalive_expiry=UPSTREAM_KEEP_ALIVE_S))
-        # Completions (gateway/upstream.py: aiohttp, measured faster than httpx on the request path).
-        completions = UpstreamClient(
-            connections=config.max_connections, timeout_s=config.upstream_timeout_s,
-            connect_timeout_s=config.connect_timeout_s, keepalive_s=UPSTREAM_KEEP_ALIVE_S, headers=authorization)
+        def upstream_client(connections: int) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                headers={"Authorization": f"Bearer {api_key}"} if api_key is not None else None,
+                timeout=httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s),
+                limits=httpx.Limits(
+                    max_connections=connections,
+                    max_keepalive_connections=min(64, connections),
+                    keepalive_expiry=UPSTREAM_KEEP_ALIVE_S,
+                ),
+            )
+
+        client = upstream_client(config.max_connections)  # health checks, calibration: a few requests at a time
+        # The completions go out on pools of a few connections each, taken in turn (dispatch.Dispatcher): httpcore's
+        # pool scans every connection for each queued request on every request and response, which took a quarter
+        # of the gateway's CPU at 64 concurrent clients with one pool (bench/load.py --profile).
+        shards = max(1, min(UPSTREAM_POOLS, config.max_connections // UPSTREAM_POOL_CONNECTIONS))
+        completions = [upstream_client(-(-config.max_connections // shards)) for _ in range(shards)]
         pool = WorkerPool(
             config.workers, client, interval_s=config.health_interval_s, timeout_s=config.health_timeout_s
         )

@@ -12,7 +12,6 @@ from http.server import BaseHTTPRequestHandler
 import httpx
 
 from gateway.dispatch import Dispatcher, Route, UpstreamRequest
-from gateway.upstream import UpstreamClient
 from gateway.workers import WorkerPool
 from tests.http_server import serve_handler
 
@@ -77,8 +76,7 @@ async def _with_one_hanging(stream: bool) -> tuple[str, float, WorkerPool]:
             try:
                 assert all(w.healthy for w in pool.workers)
                 a.thawed.clear()  # (the POST handler waits while frozen, so "as the request arrives" holds)
-                dispatcher = Dispatcher(pool, UpstreamClient(connections=8, timeout_s=UPSTREAM_TIMEOUT_S,
-                                                             connect_timeout_s=2.0, keepalive_s=2.0))
+                dispatcher = Dispatcher(pool, client)
                 body = {"rid": "r1", "model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
                 request = UpstreamRequest(payload=json.dumps(body).encode(), rid="r1")
                 started = time.monotonic()
@@ -96,7 +94,6 @@ async def _with_one_hanging(stream: bool) -> tuple[str, float, WorkerPool]:
                 assert a.posted.is_set(), "the request never reached the worker that hung"
                 return answered_by, time.monotonic() - started, pool
             finally:
-                await dispatcher.aclose()
                 await pool.stop()
 
 
@@ -114,25 +111,23 @@ async def test_a_stream_at_a_worker_that_hangs_before_its_first_event_is_answere
     assert pool.workers[0].inflight == 0 and not pool.workers[0]._awaited
 
 
-async def test_completions_carry_the_client_s_headers_plain_and_streamed():
-    """The completions' client sends its headers (the workers' API key, in a deployment with a secret) on every
-    request, plain or streamed, each answered."""
-    seen: list[str | None] = []
+async def test_completions_go_out_on_the_dispatchers_clients_in_turn():
+    """Several clients (each its own connection pool): every request, plain or streamed, takes the next one."""
+    seen: list[str] = []
 
     class Recording(worker("A")):  # type: ignore[misc, valid-type]
         def do_POST(self) -> None:  # noqa: N802
-            seen.append(self.headers["authorization"])
+            seen.append(self.headers["x-pool"])
             super().do_POST()
 
     with serve_handler(Recording) as url:
-        client = UpstreamClient(connections=4, timeout_s=10, connect_timeout_s=2, keepalive_s=2,
-                                headers={"Authorization": "Bearer worker-key"})
+        clients = [httpx.AsyncClient(headers={"x-pool": str(i)}, timeout=10) for i in range(3)]
         async with httpx.AsyncClient(timeout=10) as health:
             pool = WorkerPool([url], health, interval_s=0.1, timeout_s=1.0)
             await pool.start()
-            dispatcher = Dispatcher(pool, client)
+            dispatcher = Dispatcher(pool, clients)
             try:
-                for n in range(4):
+                for n in range(6):
                     body = {"rid": f"r{n}", "model": "m", "stream": n % 2 == 1,
                             "messages": [{"role": "user", "content": "hi"}]}
                     request = UpstreamRequest(payload=json.dumps(body).encode(), rid=f"r{n}")
@@ -142,14 +137,14 @@ async def test_completions_carry_the_client_s_headers_plain_and_streamed():
                     else:
                         assert (await dispatcher.complete(request))["choices"][0]["message"]["content"] == "A"
             finally:
-                await dispatcher.aclose()
                 await pool.stop()
-    assert seen == ["Bearer worker-key"] * 4
+                await dispatcher.aclose()
+    assert seen == ["0", "1", "2", "0", "1", "2"]
+    assert all(client.is_closed for client in clients)
 
 
 async def test_a_stream_s_events_are_relayed_whole_however_long_and_however_split():
-    """An event longer than aiohttp's line buffer (300 KB of content), events split across writes, CRLF endings:
-    each relayed whole, in order."""
+    """An event of 300 KB, events split across writes, CRLF endings: each relayed whole, in order."""
     long_text = "x" * 300_000
 
     class Splitting(worker("A")):  # type: ignore[misc, valid-type]
@@ -173,8 +168,7 @@ async def test_a_stream_s_events_are_relayed_whole_however_long_and_however_spli
         async with httpx.AsyncClient(timeout=10) as health:
             pool = WorkerPool([url], health, interval_s=0.1, timeout_s=1.0)
             await pool.start()
-            dispatcher = Dispatcher(pool, UpstreamClient(connections=2, timeout_s=10, connect_timeout_s=2,
-                                                         keepalive_s=2))
+            dispatcher = Dispatcher(pool, httpx.AsyncClient(timeout=10))
             try:
                 body = {"rid": "r", "model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
                 events = await dispatcher.open_stream(UpstreamRequest(payload=json.dumps(body).encode(), rid="r"))
@@ -185,18 +179,3 @@ async def test_a_stream_s_events_are_relayed_whole_however_long_and_however_spli
     contents = [json.loads(e.removeprefix("data: "))["choices"][0]["delta"]["content"]
                 for e in relayed if e.startswith("data: {")]
     assert contents == ["one", long_text, "three"] and relayed[-2:] == ["data: [DONE]", ""]
-
-
-def test_a_connection_not_made_in_time_counts_as_unreachable_and_a_silent_answer_as_timed_out():
-    """No connection within the connect timeout: nothing was sent, so the worker is taken as unreachable and the
-    request goes to another (SendFailed, not SendTimedOut); no answer or no next chunk in time: timed out."""
-    import aiohttp
-
-    from gateway.upstream import SendFailed, SendTimedOut, _failure
-
-    unreachable = _failure(aiohttp.ConnectionTimeoutError())
-    assert isinstance(unreachable, SendFailed) and not isinstance(unreachable, SendTimedOut)
-    assert isinstance(_failure(aiohttp.SocketTimeoutError()), SendTimedOut)
-    assert isinstance(_failure(TimeoutError()), SendTimedOut)
-    refused = _failure(aiohttp.ServerDisconnectedError())
-    assert type(refused) is SendFailed and refused.cause == "ServerDisconnectedError"
