@@ -83,16 +83,15 @@ CALIBRATION_TIMEOUT_S = 300
 def _wait_for_calibration(url: str, settings: Mapping[str, str], log_path: Path) -> None:
     """Return once the gateway has measured every worker's costs (gateway/calibration.py; its probes, their PNGs
     encoded on a thread, would otherwise share the machine with the first measurements), or at once when it does
-    not calibrate. A calibration that failed counts as done: the gateway's log says why."""
-    if settings.get("REVISIT_CALIBRATE", "1").lower() in ("0", "false", "no", "off"):
-        return
+    not calibrate (its stats then have no worker costs). A calibration that failed counts as done: the gateway's log
+    says why."""
     workers = [w for w in settings.get("REVISIT_WORKERS", "").split(",") if w.strip()]
     headers = {"Authorization": "Bearer " + settings["REVISIT_ADMIN_TOKEN"]}
     deadline = time.monotonic() + CALIBRATION_TIMEOUT_S
     while True:
         stats = httpx.get(url + "/admin/stats", headers=headers, timeout=30).json()
         costs = stats.get("worker_costs")
-        if costs is None:  # the model's facts are unknown to it: it measures nothing
+        if costs is None:  # calibration off, or the model's facts unknown to it: it measures nothing
             return
         calibrated = [u for u, w in costs["workers"].items() if w.get("calibration") is not None]
         if len(calibrated) >= len(workers):
