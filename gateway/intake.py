@@ -173,7 +173,8 @@ class Intake:
         if (known := self.video_memo.get(namespace, digest)) is not None:
             return known
         video = await _in_part(ref, open_video, data, settings=settings, processor=self._config.processor,
-                               model=self._config.model, namespace=namespace, images=self._config.images)
+                               model=self._config.model, namespace=namespace, images=self._config.images,
+                               extractor=self._extractor if settings.match_patches else None)
         self.video_memo.put(namespace, digest, video)
         return video
 

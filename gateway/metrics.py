@@ -125,6 +125,7 @@ MIXED = "mixed"  # ... of one whose images were planned as different kinds, or t
 VIDEO = "video"  # ... of one with videos and no image: videos run as plain SGLang (gateway/videos.py)
 RESPONSE_CACHED = "response_cache"  # ... of one the response cache answered (gateway/response_cache): no model ran
 FRAMES_SEEN = ("image", "video", "new")  # revisit_video_frames_total's labels (videos.FramesSeen)
+PATCHES_SEEN = ("exact", "approximate", "miss")  # revisit_video_patches_total's labels (videos.PatchesSeen)
 
 
 def reuse_label(kinds: tuple[str, ...] | list[str], *, videos: int = 0) -> str:
@@ -216,6 +217,11 @@ class RequestMetrics:
                                     "where they were seen before: as a stored image, in an earlier video of the "
                                     "namespace, or new. Videos run as plain SGLang; this is what reuse of their "
                                     "frames would serve.", ["seen"], registry=registry)
+        self.video_patches = Counter("revisit_video_patches", "Temporal patches (two sampled frames, one grid of "
+                                     "tokens) of requested videos, by what an earlier video of the namespace had: "
+                                     "the same patch (exact), a near-duplicate within the match guard "
+                                     "(approximate), or nothing (miss). Videos run as plain SGLang; this is what "
+                                     "reuse of their patches would serve.", ["seen"], registry=registry)
         self.first_token = Histogram("revisit_time_to_first_token_seconds", "Streamed chat completions: from the "
                                      "request's arrival to its first streamed chunk, by reuse kind.", ["reuse"],
                                      buckets=LATENCY_BUCKETS, registry=registry)

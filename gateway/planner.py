@@ -59,7 +59,7 @@ from gateway.matching.align import reported
 from gateway.matching.matcher import Match, Matcher
 from gateway.matching.moved import MovedImages
 from gateway.matching.plans import approximate_plan
-from gateway.videos import FrameBook, FramesSeen
+from gateway.videos import FrameBook, FramesSeen, PatchBook, PatchesSeen
 from plan import APPROXIMATE, EXACT, MISS, ImagePlan, RequestPlan
 from plan.outcome import EVERY_IMAGE, PLANNED, PREFIX_CACHED, Outcome
 from store import StoreError
@@ -174,6 +174,8 @@ class Planner:
         self.counts: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()  # images planned as misses, by why (REFUSALS)
         self.frames = FrameBook()  # the frames of recent videos (gateway/videos.py)
+        # ... and their temporal patches, matched as near-duplicates where the images' matcher is on
+        self.patches = PatchBook(settings.match, scope=self.matcher.scope if self.matcher is not None else "")
 
     @property
     def enabled(self) -> bool:
@@ -214,6 +216,14 @@ class Planner:
         keys = [key for video in intake.videos for key in video.frame_keys]
         stored = await self.cache.run(self._in_books, keys) if self.enabled else frozenset()
         return tuple(self.frames.record(video, stored) for video in intake.videos)
+
+    async def patches_seen(self, intake: IntakeResult) -> tuple[PatchesSeen, ...]:
+        """Per video: how many of its temporal patches an earlier video of the namespace had, the same or nearly
+        (matched on the cache thread: a lookup per patch); then its patches are remembered."""
+        if not intake.videos:
+            return ()
+        return await self.cache.run(lambda: tuple(self.patches.record(video, intake.namespace)
+                                                  for video in intake.videos))
 
     def _in_books(self, keys: list[str]) -> frozenset[str]:
         return frozenset(key for key in keys if key in self.cache.policy)

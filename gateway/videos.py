@@ -15,10 +15,19 @@ decoded and again while counting packets, and keys each frame the model will see
 (:func:`gateway.images.image_key`). A frame seen before, as an image or in another video of the namespace, is
 therefore recognised by its key.
 
+The model's tokens of a video are its temporal patches: each two sampled frames in turn, resized together to one
+token grid (:func:`patch_grid`), one token per ``factor x factor`` pixels of both. With a feature extractor, each
+patch gets the per-token features approximate matching compares (:class:`TemporalPatch`, taken from the mean of
+its two frames), and :class:`PatchBook` looks each patch up among the namespace's earlier videos' patches: the
+same two pictures (exact), a near-duplicate within the match guard (approximate), or nothing (miss). Two windows
+of one stream sample other instants (SGLang spreads its samples over each clip), so their patches are rarely the
+same, but the nearest earlier instant is often a near-duplicate.
+
 KV reuse is not planned for video spans yet: a video runs on the worker as plain SGLang (the request's images
 are still planned), keeps to the worker that served the same video last (whose prefix and encoder caches may
-hold it), and what repeats is counted (gateway/metrics.py ``revisit_video_frames_total``, the response header
-``x-revisit-video-frames``), which is what video reuse would gain.
+hold it), and what repeats is counted (gateway/metrics.py ``revisit_video_frames_total`` and
+``revisit_video_patches_total``, the response headers ``x-revisit-video-frames`` and ``x-revisit-video-patches``),
+which is what video reuse would gain.
 
 Only MP4/QuickTime, Matroska/WebM and AVI containers are opened, named by their first bytes and opened with
 that demuxer alone: FFmpeg's probing would otherwise also accept playlists (HLS, concat) that name other files
@@ -33,7 +42,7 @@ import hashlib
 import io
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -41,17 +50,55 @@ import av
 import numpy as np
 from PIL import Image
 
-from gateway.config import ImageLimits, ProcessorSettings, VideoSettings
+from gateway.config import ImageLimits, MatchSettings, ProcessorSettings, VideoSettings
 from gateway.errors import PayloadTooLarge, UnprocessableVideo
-from gateway.images import image_key
+from gateway.images import image_key, smart_resize
+from gateway.matching.features import Extractor, TokenFeatures
+from gateway.matching.matcher import Matcher
 from plan.video import CODECS, DECODERS, demuxer_of
 
 KEY_VERSION = b"revisit-video-key-v2"  # v2: a video is named by the one-stream bytes the worker gets
+PATCH_KEY_VERSION = b"revisit-video-patch-v1"
 FRAME_FACTOR = 2  # the Qwen-VL processors take an even number of frames (two per temporal patch)
+# How SGLang's Qwen-VL video preprocessing sizes the sampled frames (sglang/srt/multimodal/processors/qwen_vl.py,
+# preprocess_video, 0.5.23), whatever the model's image processor says: between these pixel counts a frame, and at
+# most TOTAL_PIXELS over all the frames (two per patch). SGLang reads TOTAL_PIXELS from its worker's environment
+# (VIDEO_MAX_PIXELS); a worker started with another value needs it here.
+VIDEO_MIN_PIXELS = 128 * 28 * 28
+VIDEO_MAX_PIXELS = 768 * 28 * 28
+VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
 # Container -> (PyAV demuxer, the muxers that may write its one-stream copy, first that takes the codec wins).
 CONTAINERS = {"mp4": ("mp4", ("mp4", "mov")), "webm": ("matroska", ("webm", "matroska")), "avi": ("avi", ("avi",))}
 MIME = {"mp4": "video/mp4", "mov": "video/quicktime", "webm": "video/webm", "matroska": "video/x-matroska",
         "avi": "video/x-msvideo"}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TemporalPatch:
+    """Two sampled frames the model turns into one grid of tokens."""
+
+    key: str  # the two frames' image keys, in order (:func:`patch_key`): the same pictures in the same place
+    features: TokenFeatures | None  # per token, of the two frames' mean; None without an extractor
+
+    @property
+    def nbytes(self) -> int:
+        return 80 + (self.features.nbytes if self.features is not None else 0)
+
+
+def patch_key(first: str, second: str) -> str:
+    """A temporal patch's identity: its frames' image keys (which carry the model, the processor and the
+    namespace)."""
+    return hashlib.blake2b(PATCH_KEY_VERSION + f"\0{first}\0{second}".encode(), digest_size=32).hexdigest()
+
+
+def patch_grid(height: int, width: int, sampled: int, processor: ProcessorSettings) -> tuple[int, int]:
+    """(rows, cols) of the token grid of each temporal patch of a video of ``sampled`` frames of height x width,
+    as SGLang's Qwen-VL video preprocessing resizes them (the bounds above, then the image processor's rounding to
+    the token side)."""
+    max_pixels = max(min(VIDEO_MAX_PIXELS, VIDEO_TOTAL_PIXELS / sampled * FRAME_FACTOR), int(VIDEO_MIN_PIXELS * 1.05))
+    sized = replace(processor, min_pixels=VIDEO_MIN_PIXELS, max_pixels=max(VIDEO_MIN_PIXELS, math.floor(max_pixels)))
+    resized_height, resized_width = smart_resize(height, width, sized)
+    return resized_height // processor.factor, resized_width // processor.factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +113,7 @@ class CanonicalVideo:
     width: int
     height: int
     frame_keys: tuple[str, ...]  # the image keys of the frames the model samples, in order
+    patches: tuple[TemporalPatch, ...] = ()  # the model's temporal patches (two sampled frames each), in order
 
     @property
     def seconds(self) -> float:
@@ -73,7 +121,7 @@ class CanonicalVideo:
 
     @property
     def nbytes(self) -> int:
-        return len(self.payload) + 80 * len(self.frame_keys)
+        return len(self.payload) + 80 * len(self.frame_keys) + sum(patch.nbytes for patch in self.patches)
 
     @property
     def as_uploaded(self) -> bool:
@@ -117,10 +165,11 @@ def video_key(data: bytes, *, model: str, namespace: str) -> str:
 
 
 def open_video(data: bytes, *, settings: VideoSettings, processor: ProcessorSettings, model: str,
-               namespace: str, images: ImageLimits = ImageLimits()) -> CanonicalVideo:
+               namespace: str, images: ImageLimits = ImageLimits(),
+               extractor: Extractor | None = None) -> CanonicalVideo:
     """Check a video under the limits, cut it down to its video stream (:func:`one_stream`) and key the frames the
-    model samples from that copy. CPU-bound (it decodes every frame up to the last sampled one): run it off the
-    event loop."""
+    model samples from that copy, and its temporal patches (with ``extractor``, their token features too).
+    CPU-bound (it decodes every frame up to the last sampled one): run it off the event loop."""
     container = container_of(data)
     try:
         payload, muxer = one_stream(data, container, settings)
@@ -134,13 +183,13 @@ def open_video(data: bytes, *, settings: VideoSettings, processor: ProcessorSett
         if fps > 0 and total / fps > settings.max_seconds:
             raise _too_long(total / fps, settings)
         wanted = sampled_frames(total, fps, settings)
-        frame_keys = _frame_keys(payload, demuxer, wanted, settings, processor=processor, model=model,
-                                 namespace=namespace, images=images)
+        frame_keys, patches = _sampled(payload, demuxer, wanted, settings, processor=processor, model=model,
+                                       namespace=namespace, images=images, extractor=extractor)
     except (av.FFmpegError, ValueError, IndexError, OSError, MemoryError) as exc:
         raise UnprocessableVideo(f"video data is corrupt or truncated: {exc}", code="invalid_video") from exc
     return CanonicalVideo(key=video_key(payload, model=model, namespace=namespace), payload=payload,
                           mime=MIME[muxer], frames=total, fps=fps, width=width, height=height,
-                          frame_keys=frame_keys)
+                          frame_keys=frame_keys, patches=patches)
 
 
 def one_stream(data: bytes, container: str, settings: VideoSettings) -> tuple[bytes, str]:
@@ -198,9 +247,13 @@ def _open(data: bytes, demuxer: str) -> Any:
     return av.open(io.BytesIO(data), "r", format=demuxer, options={"codec_whitelist": DECODERS})
 
 
-def _frame_keys(payload: bytes, demuxer: str, wanted: list[int], settings: VideoSettings, *,
-                processor: ProcessorSettings, model: str, namespace: str, images: ImageLimits) -> tuple[str, ...]:
+def _sampled(payload: bytes, demuxer: str, wanted: list[int], settings: VideoSettings, *,
+             processor: ProcessorSettings, model: str, namespace: str, images: ImageLimits,
+             extractor: Extractor | None) -> tuple[tuple[str, ...], tuple[TemporalPatch, ...]]:
+    """The image keys of the sampled frames, and the temporal patches they make (each two frames in turn)."""
     keys: list[str] = []
+    patches: list[TemporalPatch] = []
+    first: np.ndarray | None = None  # the patch's first frame, while its second is decoded
     pending = iter(wanted)
     next_index = next(pending)
     with _open(payload, demuxer) as opened:
@@ -208,15 +261,34 @@ def _frame_keys(payload: bytes, demuxer: str, wanted: list[int], settings: Video
             _check_size(frame.width, frame.height, settings)  # a stream may change size mid-way
             if index < next_index:
                 continue
-            rgb = Image.fromarray(frame.to_ndarray(format="rgb24"))
-            keys.append(image_key(rgb, model=model, namespace=namespace, processor=processor, limits=images))
+            pixels = frame.to_ndarray(format="rgb24")
+            keys.append(image_key(Image.fromarray(pixels), model=model, namespace=namespace, processor=processor,
+                                  limits=images))
+            if len(keys) % FRAME_FACTOR:
+                first = pixels
+            else:
+                assert first is not None
+                features = _patch_features(first, pixels, len(wanted), processor, extractor)
+                patches.append(TemporalPatch(key=patch_key(keys[-2], keys[-1]), features=features))
+                first = None
             next_index = next(pending, -1)
             if next_index < 0:
                 break
     if len(keys) != len(wanted):
         raise UnprocessableVideo(f"video decoded to fewer frames than its {wanted[-1] + 1} packets",
                                  code="invalid_video")
-    return tuple(keys)
+    return tuple(keys), tuple(patches)
+
+
+def _patch_features(first: np.ndarray, second: np.ndarray, sampled: int, processor: ProcessorSettings,
+                    extractor: Extractor | None) -> TokenFeatures | None:
+    """The token features of a temporal patch: of its two frames' mean, on the patch's token grid. None without an
+    extractor, or for two frames of different sizes (a stream that changed size mid-way)."""
+    if extractor is None or first.shape != second.shape:
+        return None
+    mean = ((first.astype(np.uint16) + second) >> 1).astype(np.uint8)
+    grid = patch_grid(mean.shape[0], mean.shape[1], sampled, processor)
+    return extractor.extract(Image.fromarray(mean), grid, processor.factor)
 
 
 def _check_size(width: int, height: int, settings: VideoSettings) -> None:
@@ -274,6 +346,76 @@ class FrameBook:
         while len(self._keys) > self._capacity:
             self._keys.popitem(last=False)
         return FramesSeen(sampled=len(video.frame_keys), as_image=as_image, in_video=in_video)
+
+
+@dataclass(frozen=True, slots=True)
+class PatchesSeen:
+    """Of one video's temporal patches: how many an earlier video of the namespace had (exact: the same two
+    pictures), how many nearly duplicate one of them within the match guard (approximate; None: not looked for,
+    the patches have no features), and the rest (miss)."""
+
+    patches: int
+    exact: int
+    approximate: int | None
+
+    @property
+    def miss(self) -> int:
+        return self.patches - self.exact - (self.approximate or 0)
+
+    def header(self) -> str:
+        near = f";approximate={self.approximate}" if self.approximate is not None else ""
+        return f"{self.patches};exact={self.exact}{near}"
+
+
+class PatchBook:
+    """The temporal patches of the videos each namespace sent lately, as candidates for later videos' patches: their
+    keys and, where they have features, an in-memory match index (gateway/matching) of at most ``capacity`` bytes,
+    the oldest forgotten first. Lookups run the matcher's in-place stages (a whole-token shift at most) under the
+    planner's guard. Not thread-safe: the planner runs it on its cache thread."""
+
+    def __init__(self, settings: MatchSettings, *, scope: str, capacity: int = 128 << 20) -> None:
+        # The matcher keeps every indexed patch's features (its cache is the book's capacity and a patch more).
+        self.matcher = Matcher(replace(settings, feature_cache_bytes=2 * capacity), scope=scope, features=None)
+        self._capacity = capacity
+        self._patches: OrderedDict[str, int] = OrderedDict()  # key -> bytes held, oldest first
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._patches)
+
+    def record(self, video: CanonicalVideo, namespace: str) -> PatchesSeen:
+        """Count what of ``video``'s patches was seen before (not within the video itself), then remember them."""
+        exact = approximate = 0
+        for patch in video.patches:
+            if patch.key in self._patches:
+                exact += 1
+            elif patch.features is not None and self._near(namespace, patch):
+                approximate += 1
+        for patch in video.patches:
+            self._remember(namespace, patch)
+        matched = any(patch.features is not None for patch in video.patches)
+        return PatchesSeen(patches=len(video.patches), exact=exact, approximate=approximate if matched else None)
+
+    def _near(self, namespace: str, patch: TemporalPatch) -> bool:
+        assert patch.features is not None
+        found = self.matcher.lookup(namespace, patch.key, patch.features)
+        return any(self.matcher.within_guard(match) for match in found.matches)
+
+    def _remember(self, namespace: str, patch: TemporalPatch) -> None:
+        if patch.key in self._patches:
+            self._patches.move_to_end(patch.key)
+            return
+        held = patch.nbytes
+        if held > self._capacity:
+            return
+        if patch.features is not None:
+            self.matcher.add(patch.key, namespace, patch.features)
+        self._patches[patch.key] = held
+        self._bytes += held
+        while self._bytes > self._capacity:
+            key, freed = self._patches.popitem(last=False)
+            self.matcher.forget(key)
+            self._bytes -= freed
 
 
 def _codec_name(stream: Any) -> str:

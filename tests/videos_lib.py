@@ -24,6 +24,21 @@ def pan(picture: str = "astronaut.png", *, frames: int = 12, size: tuple[int, in
     return out
 
 
+def walker(picture: str = "astronaut.png", *, frames: int = 12, size: tuple[int, int] = (112, 112), step: int = 6,
+           side: int = 20) -> list[np.ndarray]:
+    """RGB frames of a still camera over a picture, a dark square of ``side`` pixels crossing it ``step`` pixels
+    right per frame along its middle (someone walking past)."""
+    width, height = size
+    scene = np.asarray(load(picture).convert("RGB"))[:height, :width]
+    out = []
+    for i in range(frames):
+        frame = scene.copy()
+        left = (i * step) % (width - side)
+        frame[(height - side) // 2 : (height + side) // 2, left : left + side] = 20
+        out.append(frame)
+    return out
+
+
 def encode_video(frames: list[np.ndarray], *, fps: int = 4, codec: str = "libx264", fmt: str = "mp4",
                  lossless: bool = False) -> bytes:
     """The frames as a video file in memory (yuv420p, as cameras and screen recorders write). Lossy coding decodes

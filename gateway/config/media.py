@@ -107,6 +107,10 @@ class VideoSettings:
     Sampling, as the model's processor samples frames (SGLang's Qwen-VL defaults: ``fps`` frames a second, at
     least ``min_frames`` and at most ``max_sampled_frames``, an even count), so that the gateway keys the frames
     the model sees. A worker started with another video configuration needs the same numbers here.
+    ``match_patches``: each temporal patch (two sampled frames) gets token features and is matched against the
+    namespace's earlier videos' patches as a near-duplicate (gateway/videos.py ``PatchBook``); counted, not yet
+    planned, and it costs the request an extraction per patch (about 30 ms for 570 tokens on one core), so off
+    unless asked for.
     """
 
     max_per_request: int = 2
@@ -117,6 +121,7 @@ class VideoSettings:
     fps: float = 2.0
     min_frames: int = 4
     max_sampled_frames: int = 768
+    match_patches: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_per_request", "max_bytes", "max_seconds", "max_frames", "max_frame_pixels", "fps",

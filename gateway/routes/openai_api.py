@@ -17,7 +17,7 @@ from gateway.costs import ModelFacts, Work, image_in, prompt_through, request_wo
 from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
-from gateway.metrics import FRAMES_SEEN, PLAIN, RESPONSE_CACHED, reuse_label
+from gateway.metrics import FRAMES_SEEN, PATCHES_SEEN, PLAIN, RESPONSE_CACHED, reuse_label
 from gateway.offload import lane, off_loop, on_thread
 from gateway.openai_shape import CHAT, TEXT, Shape
 from gateway.planner import REUSE_MODES, Planned, outcome_of
@@ -38,6 +38,7 @@ IMAGE_KEYS_HEADER = "x-revisit-image-keys"
 REUSE_HEADER = "x-revisit-reuse"  # per image, what the worker ran (Planned.reuse_header)
 STORE_TOKENS_HEADER = "x-revisit-store-tokens"  # prompt tokens whose K/V came from the store (Planned.store_tokens)
 VIDEO_FRAMES_HEADER = "x-revisit-video-frames"  # per video, its sampled frames and how many were seen before
+VIDEO_PATCHES_HEADER = "x-revisit-video-patches"  # per video, its temporal patches and how many were seen, or nearly
 SELECTOR_HEADER = "x-revisit-selector"  # a request's choice of selector, where settings allow it
 REUSE_MODE_HEADER = "x-revisit-reuse-mode"  # what a request lets the planner reuse (planner.REUSE_MODES)
 # Request: the highest response-cache level it accepts (config.RESPONSE_CACHE_LEVELS, or off). Response: what the
@@ -99,6 +100,11 @@ async def chat_completions(request: Request) -> Any:
         for label, count in zip(FRAMES_SEEN, (sum(v.as_image for v in seen), sum(v.in_video for v in seen),
                                               sum(v.new for v in seen)), strict=True):
             services.requests.video_frames.labels(label).inc(count)
+    if patches := await services.planner.patches_seen(intake):
+        headers[VIDEO_PATCHES_HEADER] = ",".join(video.header() for video in patches)
+        for label, count in zip(PATCHES_SEEN, (sum(v.exact for v in patches), sum(v.approximate or 0 for v in patches),
+                                               sum(v.miss for v in patches)), strict=True):
+            services.requests.video_patches.labels(label).inc(count)
     # the latency histograms' label (gateway/metrics.py)
     request.state.reuse = reuse_label(planned.kinds, videos=len(intake.videos))
     request.state.image_kinds = planned.kinds  # the operator page's hit rate (metrics.LastHour)

@@ -8,6 +8,9 @@ random, so the gateway's answer is compared with plain SGLang's instead.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -15,11 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ImageLimits, VideoSettings
 from gateway.videos import sampled_frames
-from tests.conftest import gateway_config, run_gateway
+from store import StoreConfig
+from tests.conftest import gateway_config, remove_store_memory, run_gateway
 from tests.http_server import serve
 from tests.images_lib import data_url, encode
 from tests.openai_schema import assert_valid
-from tests.videos_lib import decoded_frames, encode_video, pan
+from tests.videos_lib import decoded_frames, encode_video, pan, walker
 
 pytestmark = pytest.mark.sglang
 
@@ -73,8 +77,10 @@ def test_a_repeated_video_is_counted_and_kept_to_its_worker(client, gateway):
     first = ask(client, gateway, VIDEO)
     sampled, _, in_video = seen(first)
     assert sampled == len(sampled_frames(12, 4.0, VideoSettings())) == 6 and in_video == 0
+    assert first.headers["x-revisit-video-patches"] == "3;exact=0"  # patches not matched as near-duplicates here
     again = ask(client, gateway, VIDEO)
     assert seen(again) == (6, 0, 6)
+    assert again.headers["x-revisit-video-patches"] == "3;exact=3"
     answer, repeat = first.parse(), again.parse()
     assert repeat.choices[0].message.content == answer.choices[0].message.content
     # Kept to the worker that served it: its prefix cache holds the whole prompt but the last token.
@@ -187,3 +193,36 @@ def test_limits_and_remote_videos(workers, model_path):
             assert info.value.body["code"] == "too_many_videos"
     finally:
         server.stop()
+
+
+def patches_counted(gateway) -> dict[str, float]:
+    text = httpx.get(gateway.url + "/metrics", timeout=30).text
+    return {s.labels["seen"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "revisit_video_patches" for s in f.samples if s.name.endswith("_total")}
+
+
+def test_temporal_patches_matched_as_near_duplicates(workers, model_path, tmp_path_factory):
+    """REVISIT_VIDEO_MATCH_PATCHES: a later window of a still camera's stream samples other instants (no frame in
+    common), and its patches are counted as near-duplicates of the earlier window's, within the caller's
+    namespace. The gateway's store is its own (an LMDB environment opens once per process, and the session's
+    gateway may hold the shared one): matching needs one."""
+    dram = Path(tempfile.mkdtemp(prefix="revisit-patches-", dir="/dev/shm"))
+    store = StoreConfig(dram_dir=dram, lmdb_dir=tmp_path_factory.mktemp("patches-lmdb"))
+    server = run_gateway(gateway_config(model_path, [w.url for w in workers], store=store,
+                                        videos=VideoSettings(match_patches=True)))
+    clip = walker("chelsea.png", frames=16, size=(224, 224))
+    first, later = encode_video(clip[0:12], fps=4), encode_video(clip[1:13], fps=4)
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="sk-patches", max_retries=0, timeout=300) as client:
+            assert ask(client, server, first).headers["x-revisit-video-patches"] == "3;exact=0;approximate=0"
+            raw = ask(client, server, later)
+            assert seen(raw) == (6, 0, 0)  # not one frame of it was seen before
+            assert raw.headers["x-revisit-video-patches"] == "3;exact=0;approximate=3"
+            assert ask(client, server, first).headers["x-revisit-video-patches"] == "3;exact=3;approximate=0"
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="sk-patches-other", max_retries=0,
+                           timeout=300) as other:
+            assert ask(other, server, later).headers["x-revisit-video-patches"] == "3;exact=0;approximate=0"
+        assert patches_counted(server) == {"exact": 3, "approximate": 3, "miss": 6}
+    finally:
+        server.stop()
+        remove_store_memory(store)

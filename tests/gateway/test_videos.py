@@ -9,12 +9,21 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gateway.config import ImageLimits, ProcessorSettings, VideoSettings
+from gateway.config import ImageLimits, MatchSettings, ProcessorSettings, VideoSettings
 from gateway.errors import PayloadTooLarge, UnprocessableVideo
 from gateway.images import canonicalize, content_key
-from gateway.videos import FrameBook, open_video, sampled_frames
+from gateway.matching.pixel import PixelExtractor
+from gateway.videos import (
+    FrameBook,
+    PatchBook,
+    PatchesSeen,
+    open_video,
+    patch_grid,
+    patch_key,
+    sampled_frames,
+)
 from tests.images_lib import encode, small
-from tests.videos_lib import decoded_frames, encode_video, pan
+from tests.videos_lib import decoded_frames, encode_video, pan, walker
 
 PROCESSOR = ProcessorSettings()
 SETTINGS = VideoSettings()
@@ -133,3 +142,70 @@ def test_the_frame_book_counts_what_was_seen_before():
     overlap = book.record(later, frozenset())
     assert overlap.in_video == len(set(later.frame_keys) & set(first.frame_keys)) > 0
     assert overlap.header() == f"6;seen_as_image=0;seen_in_video={overlap.in_video}"
+
+
+# --- temporal patches ---
+
+EXTRACTOR = PixelExtractor()
+
+
+def with_patches(data: bytes, namespace: str = "default"):
+    return open_video(data, settings=SETTINGS, processor=PROCESSOR, model="m", namespace=namespace,
+                      extractor=EXTRACTOR)
+
+
+@pytest.mark.parametrize("height, width, sampled", [(112, 112, 6), (528, 720, 4), (576, 768, 160), (1080, 1920, 8),
+                                                    (2160, 3840, 768), (144, 176, 4), (720, 1280, 300)])
+def test_the_patch_grid_is_sglangs_resize_of_the_sampled_frames(height, width, sampled):
+    from sglang.srt.multimodal.processors import qwen_vl
+
+    max_pixels = max(min(qwen_vl.VIDEO_MAX_PIXELS, qwen_vl.VIDEO_TOTAL_PIXELS / sampled * 2),
+                     int(qwen_vl.VIDEO_MIN_PIXELS * 1.05))
+    resized = qwen_vl.smart_resize(height, width, factor=28, min_pixels=qwen_vl.VIDEO_MIN_PIXELS,
+                                   max_pixels=max_pixels)
+    assert patch_grid(height, width, sampled, PROCESSOR) == (resized[0] // 28, resized[1] // 28)
+
+
+def test_a_video_has_a_temporal_patch_per_two_sampled_frames():
+    video = with_patches(encode_video(pan(frames=12), fps=4))
+    assert len(video.patches) == len(video.frame_keys) // 2 == 3
+    rows, cols = patch_grid(112, 112, 6, PROCESSOR)
+    assert all(patch.features is not None and patch.features.grid == (rows, cols) for patch in video.patches)
+    assert [patch.key for patch in video.patches] == [patch_key(video.frame_keys[i], video.frame_keys[i + 1])
+                                                      for i in (0, 2, 4)]
+    assert video.nbytes > len(video.payload) + sum(p.features.nbytes for p in video.patches)
+    plain = opened(encode_video(pan(frames=12), fps=4))  # without an extractor: keys, no features
+    assert [p.features for p in plain.patches] == [None] * 3
+
+
+def test_the_patch_book_counts_same_and_nearly_same_patches():
+    book = PatchBook(MatchSettings(), scope="s")
+    # A still camera, someone walking across: windows of 3 s a frame apart sample other instants of one scene.
+    clip = walker("astronaut.png", frames=24, size=(224, 224))
+    first = with_patches(encode_video(clip[0:12], fps=4))
+    assert book.record(first, "default") == PatchesSeen(patches=3, exact=0, approximate=0)
+    assert book.record(first, "default") == PatchesSeen(patches=3, exact=3, approximate=0)
+    later = with_patches(encode_video(clip[1:13], fps=4))
+    assert set(later.frame_keys).isdisjoint(first.frame_keys)
+    seen = book.record(later, "default")
+    assert seen == PatchesSeen(patches=3, exact=0, approximate=3)
+    assert seen.header() == "3;exact=0;approximate=3"
+    # The first window again, coded by another encoder: every pixel differs a little.
+    reencoded = with_patches(encode_video(clip[0:12], fps=4, codec="mpeg4", fmt="avi"))
+    assert set(reencoded.frame_keys).isdisjoint(first.frame_keys)
+    assert book.record(reencoded, "default") == PatchesSeen(patches=3, exact=0, approximate=3)
+    unrelated = with_patches(encode_video(pan("coffee.png", frames=12, size=(224, 224)), fps=4))
+    assert book.record(unrelated, "default").miss == 3
+    # Another namespace's patches are never candidates: its keys differ, and its lookups see only its own.
+    elsewhere = with_patches(encode_video(clip[0:12], fps=4), namespace="other")
+    assert book.record(elsewhere, "other") == PatchesSeen(patches=3, exact=0, approximate=0)
+
+
+def test_the_patch_book_forgets_its_oldest_patches_past_its_capacity():
+    first = with_patches(encode_video(pan(frames=12), fps=4))
+    book = PatchBook(MatchSettings(), scope="s", capacity=sum(p.nbytes for p in first.patches))
+    book.record(first, "default")
+    assert len(book) == 3
+    book.record(with_patches(encode_video(pan("coffee.png", frames=4), fps=4)), "default")
+    assert len(book) == 3  # two of the first video's patches made room for the new video's two
+    assert book.record(first, "default").exact == 1
