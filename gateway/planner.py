@@ -43,6 +43,7 @@ may still hold it), unless it is busier than the least-loaded worker by more tha
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
@@ -219,11 +220,12 @@ class Planner:
 
     async def patches_seen(self, intake: IntakeResult) -> tuple[PatchesSeen, ...]:
         """Per video: how many of its temporal patches an earlier video of the namespace had, the same or nearly
-        (matched on the cache thread: a lookup per patch); then its patches are remembered."""
+        (a lookup per patch, on a thread: not the cache thread, which plans every request's images); then its
+        patches are remembered."""
         if not intake.videos:
             return ()
-        return await self.cache.run(lambda: tuple(self.patches.record(video, intake.namespace)
-                                                  for video in intake.videos))
+        return await asyncio.to_thread(lambda: tuple(self.patches.record(video, intake.namespace)
+                                                     for video in intake.videos))
 
     def _in_books(self, keys: list[str]) -> frozenset[str]:
         return frozenset(key for key in keys if key in self.cache.policy)

@@ -41,6 +41,7 @@ import base64
 import hashlib
 import io
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -371,7 +372,7 @@ class PatchBook:
     """The temporal patches of the videos each namespace sent lately, as candidates for later videos' patches: their
     keys and, where they have features, an in-memory match index (gateway/matching) of at most ``capacity`` bytes,
     the oldest forgotten first. Lookups run the matcher's in-place stages (a whole-token shift at most) under the
-    planner's guard. Not thread-safe: the planner runs it on its cache thread."""
+    planner's guard. One video at a time (a lock): call it off the event loop."""
 
     def __init__(self, settings: MatchSettings, *, scope: str, capacity: int = 128 << 20) -> None:
         # The matcher keeps every indexed patch's features (its cache is the book's capacity and a patch more).
@@ -379,12 +380,17 @@ class PatchBook:
         self._capacity = capacity
         self._patches: OrderedDict[str, int] = OrderedDict()  # key -> bytes held, oldest first
         self._bytes = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._patches)
 
     def record(self, video: CanonicalVideo, namespace: str) -> PatchesSeen:
         """Count what of ``video``'s patches was seen before (not within the video itself), then remember them."""
+        with self._lock:
+            return self._record(video, namespace)
+
+    def _record(self, video: CanonicalVideo, namespace: str) -> PatchesSeen:
         exact = approximate = 0
         for patch in video.patches:
             if patch.key in self._patches:
