@@ -1,8 +1,9 @@
 """Sending a request to a worker and relaying its answer.
 
 Failure rules:
-- a worker that cannot be reached, or fails before the first streamed event, is marked
-  down and the request is retried on another healthy worker;
+- a worker that cannot be reached (refused, or no connection within the connect timeout: nothing was sent), or
+  fails before the first streamed event, is marked down and the request is retried on another healthy worker;
+- a worker that took the request and then timed out is not retried (it may be running it): a 502;
 - a worker taken out by its health checks (hung) while a request waits for its first answer gives the request
   back, and it is retried on another healthy worker (gateway/workers.py, ``WorkerPool.until_taken_out``);
 - a worker's 4xx is the client's mistake and is relayed as an OpenAI error, not retried;
@@ -136,10 +137,8 @@ class Dispatcher:
                         response = await self._next_client().post(worker.url + request.path,
                                                                   content=request.payload, headers=_JSON)
                         alone, took = alone and worker.inflight == 1, time.perf_counter() - sent
-                    except httpx.TimeoutException as exc:
-                        raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
                     except httpx.TransportError as exc:
-                        last_error = f"{type(exc).__name__}: {exc}"
+                        last_error = _retry_elsewhere(exc)
                         self._pool.mark_failed(worker, last_error)
                         continue
                 if waiting.cancelled_caught:
@@ -200,12 +199,9 @@ class Dispatcher:
             except _Retry:
                 await _close(response, lease)
                 continue
-            except httpx.TimeoutException as exc:
-                await _close(response, lease)
-                raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
             except httpx.TransportError as exc:
                 await _close(response, lease)
-                last_error = f"{type(exc).__name__}: {exc}"
+                last_error = _retry_elsewhere(exc)
                 self._pool.mark_failed(worker, last_error)
                 continue
             except BaseException:
@@ -249,6 +245,15 @@ class Dispatcher:
             yield _sse("[DONE]")
         finally:
             await _close(response, lease)
+
+
+def _retry_elsewhere(exc: httpx.TransportError) -> str:
+    """A transport failure that sends the request to another worker: what to mark the worker down with (refused,
+    reset, no connection within the connect timeout). A timeout once the request was sent raises UpstreamError
+    instead: the worker may be running it, and it is not sent twice."""
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _first(route: Route, worker: Worker, seconds: float, alone: bool) -> None:

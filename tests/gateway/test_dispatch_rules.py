@@ -1,0 +1,225 @@
+"""The dispatcher's failure rules (gateway/dispatch.py's docstring), each on its own, with an in-process transport
+(httpx.MockTransport) standing in for the workers: what a worker does to a request is one function of the request,
+so every way of failing is exact and immediate. The same rules with real workers: tests/gateway/test_dispatch.py
+(loopback HTTP workers that hang) and the soak (SGLang workers killed, hung and restarted)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import pytest
+
+from gateway.dispatch import Dispatcher, Route, UpstreamRequest
+from gateway.errors import UpstreamClientError, UpstreamError
+from gateway.workers import WorkerPool
+
+A, B = "http://worker-a", "http://worker-b"
+Behaviour = Callable[[httpx.Request], httpx.Response]
+
+
+def chunk(name: str) -> bytes:
+    event = {"id": "r1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": name}}]}
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+def answers(name: str) -> Behaviour:
+    """A worker that answers at once, plainly or streamed, with its name as the content."""
+
+    def behaviour(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content).get("stream"):
+            return httpx.Response(200, content=chunk(name) + b"data: [DONE]\n\n",
+                                  headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"id": "r1", "object": "chat.completion", "created": 0, "model": "m",
+                                         "choices": [{"index": 0, "finish_reason": "stop",
+                                                      "message": {"role": "assistant", "content": name}}]})
+    return behaviour
+
+
+def raises(error: type[httpx.TransportError]) -> Behaviour:
+    def behaviour(request: httpx.Request) -> httpx.Response:
+        raise error("as told", request=request)
+    return behaviour
+
+
+class Events(httpx.AsyncByteStream):
+    """A streamed body that yields ``events``, then raises ``then`` (if any); records whether it was closed."""
+
+    def __init__(self, events: list[bytes], then: Exception | None = None, wait: bool = False) -> None:
+        self.events, self.then, self.wait, self.closed = events, then, wait, False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for event in self.events:
+            yield event
+        if self.then is not None:
+            raise self.then
+        if self.wait:  # a worker still generating: the client must leave, or the test ends it
+            import asyncio
+
+            await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class Workers:
+    """Two workers, A and B, whose completions go to ``behaviours`` (by worker URL); /health answers 200. Records
+    which worker each completion went to."""
+
+    def __init__(self, a: Behaviour, b: Behaviour) -> None:
+        self.behaviours = {A: a, B: b}
+        self.sent: list[str] = []
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        worker = f"{request.url.scheme}://{request.url.host}"
+        if request.method == "GET":
+            return httpx.Response(200, json={} if request.url.path != "/health" else None)
+        self.sent.append(worker)
+        return self.behaviours[worker](request)
+
+
+async def dispatcher(workers: Workers) -> tuple[Dispatcher, WorkerPool, httpx.AsyncClient]:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(workers.handle))
+    pool = WorkerPool([A, B], client, interval_s=60, timeout_s=1)
+    await pool.start()
+    assert all(w.healthy for w in pool.workers)
+    return Dispatcher(pool, client), pool, client
+
+
+def request(stream: bool = False) -> UpstreamRequest:
+    body = {"rid": "r1", "model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    return UpstreamRequest(payload=json.dumps(body).encode(), rid="r1")
+
+
+async def ask(dispatcher: Dispatcher, stream: bool) -> str:
+    """The content that answered a request preferring A."""
+    if not stream:
+        answer = await dispatcher.complete(request(), Route(prefer=A))
+        return answer["choices"][0]["message"]["content"]
+    events = await dispatcher.open_stream(request(stream=True), Route(prefer=A))
+    text = b"".join([event async for event in events]).decode()
+    return json.loads(text.split("\n\n")[0].removeprefix("data: "))["choices"][0]["delta"]["content"]
+
+
+def health(pool: WorkerPool) -> dict[str, bool]:
+    return {w.url: w.healthy for w in pool.workers}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("failure", [httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError])
+async def test_a_worker_that_cannot_be_reached_is_marked_down_and_another_answers(failure, stream):
+    workers = Workers(raises(failure), answers("B"))
+    dispatch, pool, client = await dispatcher(workers)
+    try:
+        assert await ask(dispatch, stream) == "B"
+        assert workers.sent == [A, B] and health(pool) == {A: False, B: True}
+        assert failure.__name__ in pool.workers[0].last_error
+        assert [w.inflight for w in pool.workers] == [0, 0]
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("failure", [httpx.ReadTimeout, httpx.WriteTimeout])
+async def test_a_worker_that_times_out_once_sent_the_request_is_not_sent_it_again(failure, stream):
+    workers = Workers(raises(failure), answers("B"))
+    dispatch, pool, client = await dispatcher(workers)
+    try:
+        with pytest.raises(UpstreamError, match=f"worker timed out: {failure.__name__}"):
+            await ask(dispatch, stream)
+        assert workers.sent == [A] and health(pool) == {A: True, B: True}
+        assert [w.inflight for w in pool.workers] == [0, 0]
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_a_server_error_is_retried_on_another_worker(stream):
+    workers = Workers(lambda r: httpx.Response(503, text="overloaded"), answers("B"))
+    dispatch, pool, client = await dispatcher(workers)
+    try:
+        assert await ask(dispatch, stream) == "B"
+        assert workers.sent == [A, B]
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_a_client_error_is_relayed_as_it_came_and_not_retried(stream):
+    error = {"error": {"message": "prompt is too long", "param": "messages", "code": "context_length_exceeded"}}
+    workers = Workers(lambda r: httpx.Response(400, json=error), answers("B"))
+    dispatch, pool, client = await dispatcher(workers)
+    try:
+        with pytest.raises(UpstreamClientError) as info:
+            await ask(dispatch, stream)
+        assert (info.value.status_code, str(info.value), info.value.param, info.value.code) == \
+            (400, "prompt is too long", "messages", "context_length_exceeded")
+        assert workers.sent == [A] and health(pool) == {A: True, B: True}
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_when_every_worker_fails_the_last_error_is_said(stream):
+    workers = Workers(raises(httpx.ConnectError), lambda r: httpx.Response(500, text="engine died"))
+    dispatch, pool, client = await dispatcher(workers)
+    try:
+        with pytest.raises(UpstreamError, match="every worker tried failed; last error: worker returned HTTP 500"):
+            await ask(dispatch, stream)
+        assert workers.sent == [A, B]
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+async def test_a_stream_closed_before_its_first_event_is_retried_and_its_worker_marked_down():
+    empty = Events([])
+    workers = Workers(lambda r: httpx.Response(200, stream=empty), answers("B"))
+    dispatch, pool, client = await dispatcher(workers)
+    try:
+        assert await ask(dispatch, stream=True) == "B"
+        assert workers.sent == [A, B] and health(pool) == {A: False, B: True} and empty.closed
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+async def test_a_stream_that_fails_after_its_first_event_ends_with_an_error_event_and_is_not_retried():
+    failing = Events([chunk("A")], then=httpx.ReadError("connection reset"))
+    workers = Workers(lambda r: httpx.Response(200, stream=failing), answers("B"))
+    dispatch, pool, client = await dispatcher(workers)
+    try:
+        events = await dispatch.open_stream(request(stream=True), Route(prefer=A))
+        text = b"".join([event async for event in events]).decode()
+        first, error, done, _ = text.split("\n\n")
+        assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["content"] == "A"
+        assert json.loads(error.removeprefix("data: "))["error"]["message"] == \
+            "the worker failed mid-stream: ReadError"
+        assert done == "data: [DONE]"
+        assert workers.sent == [A] and health(pool) == {A: False, B: True} and failing.closed
+        assert [w.inflight for w in pool.workers] == [0, 0]
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+async def test_a_client_that_leaves_mid_stream_closes_the_workers_stream():
+    endless = Events([chunk("A"), chunk("A")], wait=True)
+    workers = Workers(lambda r: httpx.Response(200, stream=endless), answers("B"))
+    dispatch, pool, client = await dispatcher(workers)
+    try:
+        events = await dispatch.open_stream(request(stream=True), Route(prefer=A))
+        assert b'"content":"A"' in await events.__anext__()
+        assert pool.workers[0].inflight == 1
+        await events.aclose()  # the client went away (Starlette closes the body iterator)
+        assert endless.closed and [w.inflight for w in pool.workers] == [0, 0]
+        assert health(pool) == {A: True, B: True}  # the client left: nothing the worker did wrong
+    finally:
+        await pool.stop()
+        await client.aclose()
