@@ -1,8 +1,11 @@
 """Sending a request to a worker and relaying its answer.
 
 Failure rules:
-- a worker that cannot be reached (refused, or no connection within the connect timeout: nothing was sent), or
-  fails before the first streamed event, is marked down and the request is retried on another healthy worker;
+- a worker that cannot be reached (refused, reset), or fails before the first streamed event, is marked
+  down and the request is retried on another healthy worker;
+- a worker that makes no connection within the connect timeout was sent nothing: the request is retried on
+  another, but the worker stays up (on loopback or a LAN that is a worker too busy to accept, its HTTP loop held
+  up, not a dead one, which refuses at once): its health checks judge whether it hung;
 - a worker that took the request and then timed out is not retried (it may be running it): a 502;
 - a worker taken out by its health checks (hung) while a request waits for its first answer gives the request
   back, and it is retried on another healthy worker (gateway/workers.py, ``WorkerPool.until_taken_out``);
@@ -138,8 +141,7 @@ class Dispatcher:
                                                                   content=request.payload, headers=_JSON)
                         alone, took = alone and worker.inflight == 1, time.perf_counter() - sent
                     except httpx.TransportError as exc:
-                        last_error = _retry_elsewhere(exc)
-                        self._pool.mark_failed(worker, last_error)
+                        last_error = self._not_sent(worker, exc)
                         continue
                 if waiting.cancelled_caught:
                     last_error = _TAKEN_OUT
@@ -201,8 +203,7 @@ class Dispatcher:
                 continue
             except httpx.TransportError as exc:
                 await _close(response, lease)
-                last_error = _retry_elsewhere(exc)
-                self._pool.mark_failed(worker, last_error)
+                last_error = self._not_sent(worker, exc)
                 continue
             except BaseException:
                 await _close(response, lease)
@@ -214,6 +215,17 @@ class Dispatcher:
             # client leaves before the response body is ever iterated.
             head = await relay.__anext__()
             return _prepend(head, relay)
+
+    def _not_sent(self, worker: Worker, exc: httpx.TransportError) -> str:
+        """A transport failure that sends the request to another worker: what to say of it, the worker marked down
+        unless it only made no connection in time (the rules above). A timeout once the request was sent raises
+        UpstreamError instead: the worker may be running it, and it is not sent twice."""
+        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+            raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
+        error = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, httpx.ConnectTimeout):
+            self._pool.mark_failed(worker, error)
+        return error
 
     async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str], first: str, lease,
                      shaper: openai_shape.StreamShaper,
@@ -245,15 +257,6 @@ class Dispatcher:
             yield _sse("[DONE]")
         finally:
             await _close(response, lease)
-
-
-def _retry_elsewhere(exc: httpx.TransportError) -> str:
-    """A transport failure that sends the request to another worker: what to mark the worker down with (refused,
-    reset, no connection within the connect timeout). A timeout once the request was sent raises UpstreamError
-    instead: the worker may be running it, and it is not sent twice."""
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-        raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _first(route: Route, worker: Worker, seconds: float, alone: bool) -> None:

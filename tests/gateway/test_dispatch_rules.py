@@ -108,7 +108,7 @@ def health(pool: WorkerPool) -> dict[str, bool]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-@pytest.mark.parametrize("failure", [httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError])
+@pytest.mark.parametrize("failure", [httpx.ConnectError, httpx.RemoteProtocolError])
 async def test_a_worker_that_cannot_be_reached_is_marked_down_and_another_answers(failure, stream):
     workers = Workers(raises(failure), answers("B"))
     dispatch, pool, client = await dispatcher(workers)
@@ -117,6 +117,26 @@ async def test_a_worker_that_cannot_be_reached_is_marked_down_and_another_answer
         assert workers.sent == [A, B] and health(pool) == {A: False, B: True}
         assert failure.__name__ in pool.workers[0].last_error
         assert [w.inflight for w in pool.workers] == [0, 0]
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_no_connection_in_time_sends_the_request_to_another_and_leaves_the_worker_to_its_checks(stream):
+    """A worker too busy to accept a connection (its HTTP loop held up) is alive: marking it down would leave no
+    worker at all when the others are down too."""
+    workers = Workers(raises(httpx.ConnectTimeout), answers("B"))
+    dispatch, pool, client = await dispatcher(workers)
+    try:
+        assert await ask(dispatch, stream) == "B"
+        assert workers.sent == [A, B] and health(pool) == {A: True, B: True}
+        workers.behaviours[B] = raises(httpx.ConnectError)  # B dies, A still accepts nothing
+        with pytest.raises(UpstreamError, match="every worker tried failed; last error: ConnectError"):
+            await ask(dispatch, stream)
+        assert health(pool) == {A: True, B: False}
+        workers.behaviours[A] = answers("A")  # A's loop is free again: it answers, as its checks would find
+        assert await ask(dispatch, stream) == "A"
     finally:
         await pool.stop()
         await client.aclose()
