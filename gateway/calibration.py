@@ -24,7 +24,6 @@ sample (``WorkerCosts.observe``), and the worker's costs are refitted to its rec
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 import logging
 import secrets
@@ -34,6 +33,7 @@ from collections.abc import Sequence
 
 import httpx
 import numpy as np
+import pybase64
 from PIL import Image
 
 from gateway.config import ProcessorSettings
@@ -232,7 +232,7 @@ class WorkerCosts:
 def _png_data_url(image: Image.Image) -> str:
     out = io.BytesIO()
     image.save(out, format="PNG", compress_level=1)
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return "data:image/png;base64," + pybase64.b64encode_as_string(out.getvalue())
 
 
 def _text_line(samples: list[tuple[Work, float]]) -> tuple[float, float]:

@@ -23,7 +23,6 @@ tests/gateway/test_images.py); ``ImageLimits.resize_to_model`` off forwards orig
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import io
 import math
@@ -31,6 +30,7 @@ import struct
 from dataclasses import dataclass
 from typing import cast
 
+import pybase64
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from gateway.config import ImageLimits, ProcessorSettings
@@ -83,7 +83,7 @@ class CanonicalImage:
 
     @property
     def data_url(self) -> str:
-        return f"data:{self.mime};base64," + base64.b64encode(self.payload).decode("ascii")
+        return f"data:{self.mime};base64," + pybase64.b64encode_as_string(self.payload)  # without the GIL
 
 
 def smart_resize(height: int, width: int, processor: ProcessorSettings) -> tuple[int, int]:

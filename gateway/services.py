@@ -25,6 +25,7 @@ from gateway.matching.matcher import FeatureRecords, Matcher
 from gateway.matching.moved import MovedImages
 from gateway.memory import MemoryTrim
 from gateway.metrics import RequestMetrics, ResponseCacheMetrics, build_registry
+from gateway.offload import keep_gil_turns_short
 from gateway.planner import Planner
 from gateway.policy import CachePolicy
 from gateway.policy.policy import DEFAULT_TIERS
@@ -189,6 +190,7 @@ class Services:
             log.warning("open mode: any API key is served, each in a namespace of its own, and requests without "
                         "one share the namespace %r; anyone who reaches this gateway is a tenant (list keys in "
                         "REVISIT_API_KEYS_FILE to serve only them)", self.config.tenants.default_namespace)
+        keep_gil_turns_short()
         self.loop_lag.start()
         if self.responses is not None and self.responses.embedder is not None:
             self.responses.embedder.start()

@@ -90,6 +90,10 @@ def test_large_data_urls_decode_in_slices_exactly_as_one_strict_call() -> None:
     data = os.urandom(3 * _BASE64_SLICE + 5)  # several slices, and padding at the end
     encoded = base64.b64encode(data).decode()
     assert _decode_base64(encoded) == data == binascii.a2b_base64(encoded, strict_mode=True)
+    url = "data:image/png;base64,"
+    assert _decode_base64(url + encoded, len(url)) == data  # decoded where it sits in its URL
+    assert _decode_base64(url + " \n" + encoded + "\r\n ", len(url)) == data  # whitespace around it ignored
+    assert _decode_base64(url + base64.b64encode(b"abc").decode() + "\n", len(url)) == b"abc"  # one slice
     broken = encoded[: _BASE64_SLICE - 2] + "==" + encoded[_BASE64_SLICE:]  # padding where a slice ends
     for bad in (broken, encoded[:-1], encoded[:100] + "*" + encoded[101:]):
         with pytest.raises(binascii.Error):
