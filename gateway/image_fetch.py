@@ -20,6 +20,7 @@ import pybase64
 
 from gateway.config import ImageLimits
 from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.json_body import CutURL
 from gateway.offload import off_loop
 
 _DATA_PREFIX = "data:"
@@ -143,7 +144,7 @@ class ImageFetcher:
         ("image" or "video") names what is fetched in errors and in the Accept header."""
         limit = self._limits.max_image_bytes if limit is None else limit
         if url.startswith(_DATA_PREFIX):
-            return await off_loop(len(url), self._decode_data_url, url, param, media, limit)
+            return await off_loop(url_length(url), self._decode_data_url, url, param, media, limit)
         if url.startswith(("http://", "https://")):
             try:
                 async with asyncio.timeout(self._limits.fetch_deadline_s):  # a server that drips a byte at a time
@@ -165,10 +166,12 @@ class ImageFetcher:
                 f"{param}.url: data URLs must be base64 encoded ({example})",
                 param=f"{param}.url",
             )
-        if (len(url) - comma - 1) * 3 // 4 > limit:
+        source, start, end = (url.source, url.payload_start, url.end) if isinstance(url, CutURL) \
+            else (url, comma + 1, len(url))
+        if (end - start) * 3 // 4 > limit:
             raise PayloadTooLarge(f"{param}: {media} exceeds {limit} bytes", param=param, code=f"{media}_too_large")
         try:
-            return _decode_base64(url, comma + 1)
+            return _decode_base64(source, start, end)
         except binascii.Error as exc:
             raise InvalidRequest(f"{param}.url: invalid base64 data: {exc}", param=f"{param}.url") from exc
 
@@ -209,21 +212,28 @@ class ImageFetcher:
 _BASE64_SLICE = 1 << 20
 
 
-def _decode_base64(text: str, start: int = 0) -> bytes:
-    """Strict base64 decoding of ``text[start:]`` (surrounding whitespace ignored), in slices, without holding the
-    GIL for long (see _BASE64_SLICE) or copying the payload out of its URL first. Raises binascii.Error for what a
-    strict a2b_base64 refuses."""
-    end = len(text)
-    while start < end and text[start].isspace():
+def _decode_base64(text: str | bytes | bytearray, start: int = 0, end: int | None = None) -> bytes:
+    """Strict base64 decoding of ``text[start:end]`` (surrounding whitespace ignored; a string, or the bytes of a
+    body a CutURL lies in), in slices, without holding the GIL for long (see _BASE64_SLICE) or copying the payload
+    out first. Raises binascii.Error for what a strict a2b_base64 refuses."""
+    end = len(text) if end is None else end
+    while start < end and text[start:start + 1].isspace():
         start += 1
-    while end > start and text[end - 1].isspace():
+    while end > start and text[end - 1:end].isspace():
         end -= 1
     if (end - start) % 4:
         raise binascii.Error("Incorrect padding")
-    if text.find("=", start, end - 2) != -1:  # padding only at the very end, as one strict call demands
+    padding = "=" if isinstance(text, str) else b"="
+    if text.find(padding, start, end - 2) != -1:  # type: ignore[arg-type]  # padding only at the very end
         raise binascii.Error("Excess data after padding")
+    view = text if isinstance(text, str) else memoryview(text)  # slices of the bytes, not copies
     try:
-        return b"".join([pybase64.b64decode(text[at : min(at + _BASE64_SLICE, end)], validate=True)
+        return b"".join([pybase64.b64decode(view[at : min(at + _BASE64_SLICE, end)], validate=True)
                          for at in range(start, end, _BASE64_SLICE)])
     except ValueError as exc:  # pybase64 raises binascii.Error, a ValueError; a non-ASCII character, ValueError
         raise binascii.Error(str(exc)) from None
+
+
+def url_length(url: str) -> int:
+    """Characters of a URL, a CutURL's whole (not of the placeholder that stands for its base64)."""
+    return url.length if isinstance(url, CutURL) else len(url)

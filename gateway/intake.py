@@ -26,9 +26,10 @@ from typing import Any, TypeVar, cast
 
 from gateway.config import GatewayConfig
 from gateway.errors import ClientError, InvalidRequest, ModelNotFound, PayloadTooLarge
-from gateway.image_fetch import ImageFetcher
+from gateway.image_fetch import ImageFetcher, url_length
 from gateway.image_memo import CanonicalMemo
 from gateway.images import CanonicalImage, canonicalize, image_size
+from gateway.json_body import CutURL
 from gateway.matching.features import Extractor
 from gateway.memory import MemoryTrim
 from gateway.offload import lane, off_loop, on_thread_costing
@@ -153,7 +154,7 @@ class Intake:
         payload_bytes = sum(len(item.payload) for ref, item in media if _needs_rewrite(ref, item))
         upstream_body = await off_loop(payload_bytes, _rewrite_media, body, media)
         # What prefix_digests reads: the body less its media URLs, which it names by key instead.
-        text_bytes = body_bytes - sum(len(ref.url) for ref in parts)
+        text_bytes = body_bytes - sum(url_length(ref.url) for ref in parts)
         digests = await off_loop(text_bytes if refs else 0, prefix_digests, body, refs, images, media)
         return IntakeResult(
             upstream_body=upstream_body,
@@ -463,7 +464,12 @@ def _needs_rewrite(ref: MediaPartRef, item: CanonicalImage | CanonicalVideo) -> 
     image that is not forwarded as uploaded. A data: URL of bytes forwarded as they came stays as it is, sparing a
     base64 encode of megabytes (it holds the GIL, and so the event loop, for ~35 ms per 20 MB)."""
     as_uploaded = item.as_uploaded
-    if not (as_uploaded and ref.url.startswith("data:")):
+    url = ref.url
+    if not (as_uploaded and url.startswith("data:")):
         return True  # fetched, re-encoded, or named by its uuid alone
-    encoded = ref.url.partition(",")[2]
-    return encoded != encoded.strip()  # the gateway tolerates surrounding whitespace; SGLang's strict decode does not
+    # The gateway tolerates whitespace around the base64; SGLang's strict decode does not.
+    if isinstance(url, CutURL):  # its base64 is in the body's bytes (whose cut strings hold no other whitespace)
+        return url.end > url.payload_start and (url.source[url.payload_start:url.payload_start + 1].isspace()
+                                                or url.source[url.end - 1:url.end].isspace())
+    encoded = url.partition(",")[2]
+    return encoded != encoded.strip()

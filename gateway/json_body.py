@@ -10,6 +10,7 @@ import math
 import re
 import secrets
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import InvalidRequest, PayloadTooLarge
@@ -46,13 +47,15 @@ def decode_json(raw: bytes | bytearray, unparsed: Callable[[bytes | bytearray], 
 
     A body of LONG_STRINGS_BODY bytes or more has its long base64 data URLs cut out of the bytes first (see
     :class:`_LongStrings`): run on a thread, no step here then holds the GIL, and so stalls the event loop, for more
-    than a few milliseconds, where one parse of a 28 MB body held it for 50 ms.
+    than a few milliseconds, where one parse of a 28 MB body held it for 50 ms. Those that are the ``url`` of a part
+    stay in the body's bytes, as :class:`CutURL` values (not a string of the whole URL: making one of 27 MB held the
+    GIL 13-15 ms, mostly page faults); any other is put back as the string it is.
 
-    A bytearray is consumed: emptied once decoded to text, so that a large body is held twice at the most while it is
-    parsed (its text, then what it parses to), not three times. orjson held the body, a copy of its own and the
-    result at once: 48 MiB of text peaked at 144 MiB, and at 96 MiB here, in about the same time (the stdlib's C
-    scanner; ~90 ms either way). A parse error keeps nothing of the text (the parser's exception holds the whole
-    document)."""
+    A bytearray is consumed: emptied once decoded to text (unless CutURLs keep it), so that a large body is held
+    twice at the most while it is parsed (its text, then what it parses to), not three times. orjson held the body,
+    a copy of its own and the result at once: 48 MiB of text peaked at 144 MiB, and at 96 MiB here, in about the
+    same time (the stdlib's C scanner; ~90 ms either way). A parse error keeps nothing of the text (the parser's
+    exception holds the whole document)."""
     long_strings = _LongStrings.cut(raw) if len(raw) >= LONG_STRINGS_BODY else None
     rest = long_strings.rest if long_strings is not None else raw
     containers = rest.count(b"{") + rest.count(b"[")
@@ -74,7 +77,7 @@ def decode_json(raw: bytes | bytearray, unparsed: Callable[[bytes | bytearray], 
         error = f"request body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {where})"
     if error is not None:
         raise InvalidRequest(error)
-    if isinstance(raw, bytearray):
+    if isinstance(raw, bytearray) and long_strings is None:
         raw.clear()
     del rest
     try:
@@ -97,6 +100,62 @@ def decode_json(raw: bytes | bytearray, unparsed: Callable[[bytes | bytearray], 
     return body
 
 
+class CutURL(str):
+    """A long data URL of a parsed body, left in the body's bytes (see decode_json). As a string it is the URL's
+    header and a placeholder for its base64 (``data:image/png;base64,#revisit-cut-<nonce>-<n>#``): what reads only
+    the header (the scheme, the media type) reads it as it is, and the placeholder is no base64, so nothing can
+    mistake it for the payload. The payload is read from the body's bytes: ``source[payload_start:end]``
+    (gateway/image_fetch.py decodes it in slices; gateway/dispatch.py's UpstreamRequest puts it back in the JSON the
+    worker gets, as the same bytes). Immutable, as the body's bytes are while it is kept: copies are itself."""
+
+    __slots__ = ("source", "start", "payload_start", "end", "marker")
+    source: bytes | bytearray
+    start: int
+    payload_start: int
+    end: int
+    marker: str
+
+    def __new__(cls, source: bytes | bytearray, start: int, end: int, marker: str) -> CutURL:
+        comma = source.find(b",", start, end)  # there is one: the URL holds ";base64,"
+        self = super().__new__(cls, str(source[start:comma + 1], "ascii") + marker)
+        self.source, self.start, self.payload_start, self.end, self.marker = source, start, comma + 1, end, marker
+        return self
+
+    def __copy__(self) -> CutURL:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CutURL:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return str, (self.text(),)  # pickled as the URL it stands for
+
+    @property
+    def length(self) -> int:
+        """Characters of the whole URL."""
+        return self.end - self.start
+
+    @property
+    def payload(self) -> memoryview:
+        """The base64, as it lies in the body."""
+        return memoryview(self.source)[self.payload_start:self.end]
+
+    def text(self) -> str:
+        """The whole URL as a string (the copy this type spares: for tests and small URLs)."""
+        return str(self.source[self.start:self.end], "ascii")
+
+
+def full_text(value: Any) -> Any:
+    """``value`` with every CutURL in it made the whole string it stands for (what json.loads would have given)."""
+    if isinstance(value, CutURL):
+        return value.text()
+    if isinstance(value, dict):
+        return {name: full_text(item) for name, item in value.items()}
+    if isinstance(value, list):
+        return [full_text(item) for item in value]
+    return value
+
+
 # Bodies from this size have their long base64 strings cut out before they are parsed (see _LongStrings).
 LONG_STRINGS_BODY = 1 << 20
 LONG_STRING = 64 * 1024  # bytes of a string's content, from which it is cut out
@@ -106,20 +165,38 @@ _SLICE = 1 << 20  # bytes checked per call: ~1.4 ms of holding the GIL
 _PLAIN = bytes([0x20, 0x21, *range(0x23, 0x5C), *range(0x5D, 0x7F)])
 
 
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """A string cut out of a body: ``source[start:end]``, and the placeholder that stands for it in ``rest``."""
+
+    source: bytes | bytearray
+    start: int
+    end: int
+    placeholder: str
+
+    def text(self) -> str:
+        return str(self.source[self.start:self.end], "ascii")
+
+    def restored(self, where: object) -> str:
+        """What the parsed body holds in its place: a part's ``url`` stays in the body's bytes (CutURL); any other
+        string is made again."""
+        return CutURL(self.source, self.start, self.end, self.placeholder) if where == "url" else self.text()
+
+
 class _LongStrings:
     """A body's long data URLs (``"data:...;base64,..."``, LONG_STRING bytes or more), cut out of its bytes: ``rest``
     is the body with each replaced by a placeholder string no client can write (it holds a random nonce), and
-    ``strings`` maps each placeholder to the text cut out, which _check_values puts back in its place once the rest
-    is parsed. The JSON parser reads the long strings as one C call over the whole body (50 ms for 28 MB, holding
-    the GIL); here they are found with memchr-speed searches and checked in slices, and only what is left of the
-    body is parsed.
+    ``strings`` maps each placeholder to where its string lies in the body (_Cut), which _check_values puts in its
+    place once the rest is parsed (a part's url as a CutURL, anything else as its string). The JSON parser reads the
+    long strings as one C call over the whole body (50 ms for 28 MB, holding the GIL); here they are found with
+    memchr-speed searches and checked in slices, and only what is left of the body is parsed.
 
     A string is cut out only when it is exactly the JSON text of itself: printable ASCII with no quote or backslash
     (so no escapes), checked here; anything else is left for the parser to read (or refuse) as before. A marker
     ``;base64,`` can only be inside a string (it is no JSON syntax), so the last quote before it, unless escaped (then
     the string began further back, and is left whole), opens the string, and the first quote after it closes it."""
 
-    def __init__(self, rest: bytes, strings: dict[str, str], spans: list[tuple[int, int]]) -> None:
+    def __init__(self, rest: bytes, strings: dict[str, _Cut], spans: list[tuple[int, int]]) -> None:
         self.rest = rest
         self.strings = strings
         self._spans = spans  # (where in rest, bytes fewer than in the body) for each string cut, in order
@@ -129,7 +206,7 @@ class _LongStrings:
         view = memoryview(raw)
         nonce = secrets.token_hex(8)
         pieces: list[bytes | memoryview] = []
-        strings: dict[str, str] = {}
+        strings: dict[str, _Cut] = {}
         spans: list[tuple[int, int]] = []
         kept = taken = 0  # the body up to ``kept`` is in pieces; bytes of rest so far
         at = 0
@@ -147,7 +224,7 @@ class _LongStrings:
             taken += start - kept
             spans.append((taken, end - start - len(placeholder)))
             taken += len(placeholder)
-            strings[placeholder] = str(view[start:end], "ascii")
+            strings[placeholder] = _Cut(raw, start, end, placeholder)
             kept = end
         if not strings:
             return None
@@ -186,7 +263,7 @@ def _not_a_number(name: str) -> Any:
     raise _NotANumber(f"{name} is not a JSON value")
 
 
-def _check_values(body: Any, cut: dict[str, str] | None = None) -> None:
+def _check_values(body: Any, cut: dict[str, _Cut] | None = None) -> None:
     """Walk the parsed body (depth first, with a stack of its own: recursing is what the depth limit spares
     everything after): its depth, and each value as orjson would have read it, and the strings ``cut`` out of it
     (_LongStrings) put back in place of their placeholders. A list is looked at by the types it holds first, at C
@@ -198,7 +275,7 @@ def _check_values(body: Any, cut: dict[str, str] | None = None) -> None:
             raise _too_deep()
         if type(node) is dict:
             if cut and any(name in cut for name in node):  # a long data URL as a name: renamed in place
-                items = [(cut.pop(name, name), value) for name, value in node.items()]
+                items = [(cut.pop(name).text() if name in cut else name, value) for name, value in node.items()]
                 node.clear()
                 node.update(items)
             for name in node:
@@ -217,14 +294,14 @@ def _check_values(body: Any, cut: dict[str, str] | None = None) -> None:
 
 
 def _check_items(node: dict[str, Any] | list[Any], items: Iterable[tuple[Any, Any]], depth: int,
-                 stack: list[tuple[dict[str, Any] | list[Any], int]], cut: dict[str, str] | None) -> None:
+                 stack: list[tuple[dict[str, Any] | list[Any], int]], cut: dict[str, _Cut] | None) -> None:
     for where, value in items:
         kind = type(value)
         if kind is dict or kind is list:
             stack.append((value, depth + 1))
         elif kind is str:
-            if cut and value in cut:
-                node[where] = cut.pop(value)  # a placeholder's text is plain ASCII: nothing more to check
+            if cut and value in cut:  # a placeholder: its text is plain ASCII, nothing more to check
+                node[where] = cut.pop(value).restored(where)
             elif not value.isascii() and _SURROGATE.search(value):
                 raise _lone_surrogate()
         elif kind is float:

@@ -7,11 +7,13 @@ test_vision_openai_server_common.py, using bundled local images instead of inter
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import time
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -292,3 +294,27 @@ def test_metrics_count_requests_and_time_them_by_reuse(client, gateway):
     first = grew("revisit_time_to_first_token_seconds_sum", ("reuse", "miss"))
     assert 0 < first <= grew("revisit_request_duration_seconds_sum", chat, ("reuse", "miss"))
     assert grew("revisit_time_to_first_token_seconds_count", ("reuse", "none")) == 0  # not streamed
+
+
+def test_a_large_image_body_reaches_the_worker_as_the_client_wrote_it(gateway, workers):
+    """A body past 1 MiB has its data URLs left in its bytes while it is parsed, and spliced back into the JSON the
+    worker gets (gateway/json_body.py's CutURL, gateway/dispatch.py's UpstreamRequest): the worker sees the very
+    image, so the first token's log-probability is plain SGLang's for the same body, and not for another image."""
+    rng = np.random.default_rng(7)
+    bodies = []
+    for _ in range(2):
+        pixels = rng.integers(0, 255, (896, 896, 3), dtype=np.uint8)  # the most pixels the model keeps: as sent
+        out = io.BytesIO()
+        Image.fromarray(pixels).save(out, "PNG", compress_level=0)
+        bodies.append({"model": gateway.config.model, "max_tokens": 1, "temperature": 0, "logprobs": True,
+                       "messages": [user(data_url(out.getvalue()), "What is in the picture?")]})
+    assert len(json.dumps(bodies[0])) > 3 << 20
+
+    def first_logprob(url: str, body: dict) -> float:
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["logprobs"]["content"][0]["logprob"]
+
+    through, direct, other = (first_logprob(gateway.url, bodies[0]), first_logprob(workers[0].url, bodies[0]),
+                              first_logprob(workers[0].url, bodies[1]))
+    assert through == pytest.approx(direct, abs=1e-4) and direct != pytest.approx(other, abs=1e-4)

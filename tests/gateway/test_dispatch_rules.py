@@ -243,3 +243,51 @@ async def test_a_client_that_leaves_mid_stream_closes_the_workers_stream():
     finally:
         await pool.stop()
         await client.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_a_large_bodys_data_urls_reach_the_worker_as_the_client_wrote_them(stream):
+    """The parse leaves a part's long data URL in the client's body (a CutURL); the worker gets the JSON it stands
+    for, byte for byte, with its length declared, and again on a retry."""
+    import base64
+    import os
+
+    import orjson
+
+    from gateway.json_body import CutURL, decode_json, full_text
+
+    blobs = [base64.b64encode(os.urandom(n)).decode() for n in (3 << 20, 200_000)]
+    content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{blobs[0]}"}},
+               {"type": "text", "text": "and"},
+               {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{blobs[1]}"}}]
+    body = decode_json(json.dumps({"rid": "r1", "model": "m", "stream": stream,
+                                   "messages": [{"role": "user", "content": content}],
+                                   "elsewhere": [{"url": f"data:text/plain;base64,{blobs[1]}"}]}).encode())
+    parts = body["messages"][0]["content"]
+    assert isinstance(parts[0]["image_url"]["url"], CutURL) and isinstance(parts[2]["video_url"]["url"], CutURL)
+    assert isinstance(body["elsewhere"][0]["url"], CutURL)  # a long data URL under any "url" name
+    request = await UpstreamRequest.encode(body, size_hint=4 << 20)
+    received: list[bytes] = []
+
+    def keep(behaviour: Behaviour):
+        async def kept(sent: httpx.Request) -> httpx.Response:
+            received.append(b"".join([piece async for piece in sent.stream]))
+            assert sent.headers["content-length"] == str(len(received[-1]))
+            return behaviour(sent)
+        return kept
+
+    workers = Workers(keep(lambda r: httpx.Response(503)), keep(answers("B")))
+    dispatch, pool, client = await dispatcher(workers)
+    try:
+        assert await ask_with(dispatch, request, stream) == "B"
+        assert received == [orjson.dumps(full_text(body))] * 2 and request.size == len(received[0])
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+async def ask_with(dispatcher: Dispatcher, upstream: UpstreamRequest, stream: bool) -> str:
+    if not stream:
+        return (await dispatcher.complete(upstream, Route(prefer=A)))["choices"][0]["message"]["content"]
+    text = b"".join([event async for event in await dispatcher.open_stream(upstream, Route(prefer=A))]).decode()
+    return json.loads(text.split("\n\n")[0].removeprefix("data: "))["choices"][0]["delta"]["content"]
