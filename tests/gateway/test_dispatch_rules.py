@@ -5,6 +5,7 @@ so every way of failing is exact and immediate. The same rules with real workers
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -80,12 +81,18 @@ class Workers:
         return self.behaviours[worker](request)
 
 
-async def dispatcher(workers: Workers) -> tuple[Dispatcher, WorkerPool, httpx.AsyncClient]:
+@contextlib.asynccontextmanager
+async def dispatcher(workers: Workers) -> AsyncIterator[tuple[Dispatcher, WorkerPool]]:
+    """A dispatcher over a pool of A and B (both found healthy), closed when the block ends."""
     client = httpx.AsyncClient(transport=httpx.MockTransport(workers.handle))
     pool = WorkerPool([A, B], client, interval_s=60, timeout_s=1)
     await pool.start()
-    assert all(w.healthy for w in pool.workers)
-    return Dispatcher(pool, client), pool, client
+    try:
+        assert all(w.healthy for w in pool.workers)
+        yield Dispatcher(pool, client), pool
+    finally:
+        await pool.stop()
+        await client.aclose()
 
 
 def request(stream: bool = False) -> UpstreamRequest:
@@ -111,15 +118,11 @@ def health(pool: WorkerPool) -> dict[str, bool]:
 @pytest.mark.parametrize("failure", [httpx.ConnectError, httpx.RemoteProtocolError])
 async def test_a_worker_that_cannot_be_reached_is_marked_down_and_another_answers(failure, stream):
     workers = Workers(raises(failure), answers("B"))
-    dispatch, pool, client = await dispatcher(workers)
-    try:
+    async with dispatcher(workers) as (dispatch, pool):
         assert await ask(dispatch, stream) == "B"
         assert workers.sent == [A, B] and health(pool) == {A: False, B: True}
         assert failure.__name__ in pool.workers[0].last_error
         assert [w.inflight for w in pool.workers] == [0, 0]
-    finally:
-        await pool.stop()
-        await client.aclose()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -127,8 +130,7 @@ async def test_no_connection_in_time_sends_the_request_to_another_and_leaves_the
     """A worker too busy to accept a connection (its HTTP loop held up) is alive: marking it down would leave no
     worker at all when the others are down too."""
     workers = Workers(raises(httpx.ConnectTimeout), answers("B"))
-    dispatch, pool, client = await dispatcher(workers)
-    try:
+    async with dispatcher(workers) as (dispatch, pool):
         assert await ask(dispatch, stream) == "B"
         assert workers.sent == [A, B] and health(pool) == {A: True, B: True}
         workers.behaviours[B] = raises(httpx.ConnectError)  # B dies, A still accepts nothing
@@ -137,84 +139,60 @@ async def test_no_connection_in_time_sends_the_request_to_another_and_leaves_the
         assert health(pool) == {A: True, B: False}
         workers.behaviours[A] = answers("A")  # A's loop is free again: it answers, as its checks would find
         assert await ask(dispatch, stream) == "A"
-    finally:
-        await pool.stop()
-        await client.aclose()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("failure", [httpx.ReadTimeout, httpx.WriteTimeout])
 async def test_a_worker_that_times_out_once_sent_the_request_is_not_sent_it_again(failure, stream):
     workers = Workers(raises(failure), answers("B"))
-    dispatch, pool, client = await dispatcher(workers)
-    try:
+    async with dispatcher(workers) as (dispatch, pool):
         with pytest.raises(UpstreamError, match=f"worker timed out: {failure.__name__}"):
             await ask(dispatch, stream)
         assert workers.sent == [A] and health(pool) == {A: True, B: True}
         assert [w.inflight for w in pool.workers] == [0, 0]
-    finally:
-        await pool.stop()
-        await client.aclose()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_a_server_error_is_retried_on_another_worker(stream):
     workers = Workers(lambda r: httpx.Response(503, text="overloaded"), answers("B"))
-    dispatch, pool, client = await dispatcher(workers)
-    try:
+    async with dispatcher(workers) as (dispatch, pool):
         assert await ask(dispatch, stream) == "B"
         assert workers.sent == [A, B]
-    finally:
-        await pool.stop()
-        await client.aclose()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_a_client_error_is_relayed_as_it_came_and_not_retried(stream):
     error = {"error": {"message": "prompt is too long", "param": "messages", "code": "context_length_exceeded"}}
     workers = Workers(lambda r: httpx.Response(400, json=error), answers("B"))
-    dispatch, pool, client = await dispatcher(workers)
-    try:
+    async with dispatcher(workers) as (dispatch, pool):
         with pytest.raises(UpstreamClientError) as info:
             await ask(dispatch, stream)
         assert (info.value.status_code, str(info.value), info.value.param, info.value.code) == \
             (400, "prompt is too long", "messages", "context_length_exceeded")
         assert workers.sent == [A] and health(pool) == {A: True, B: True}
-    finally:
-        await pool.stop()
-        await client.aclose()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_when_every_worker_fails_the_last_error_is_said(stream):
     workers = Workers(raises(httpx.ConnectError), lambda r: httpx.Response(500, text="engine died"))
-    dispatch, pool, client = await dispatcher(workers)
-    try:
+    async with dispatcher(workers) as (dispatch, pool):
         with pytest.raises(UpstreamError, match="every worker tried failed; last error: worker returned HTTP 500"):
             await ask(dispatch, stream)
         assert workers.sent == [A, B]
-    finally:
-        await pool.stop()
-        await client.aclose()
 
 
 async def test_a_stream_closed_before_its_first_event_is_retried_and_its_worker_marked_down():
     empty = Events([])
     workers = Workers(lambda r: httpx.Response(200, stream=empty), answers("B"))
-    dispatch, pool, client = await dispatcher(workers)
-    try:
+    async with dispatcher(workers) as (dispatch, pool):
         assert await ask(dispatch, stream=True) == "B"
         assert workers.sent == [A, B] and health(pool) == {A: False, B: True} and empty.closed
-    finally:
-        await pool.stop()
-        await client.aclose()
 
 
 async def test_a_stream_that_fails_after_its_first_event_ends_with_an_error_event_and_is_not_retried():
     failing = Events([chunk("A")], then=httpx.ReadError("connection reset"))
     workers = Workers(lambda r: httpx.Response(200, stream=failing), answers("B"))
-    dispatch, pool, client = await dispatcher(workers)
-    try:
+    async with dispatcher(workers) as (dispatch, pool):
         events = await dispatch.open_stream(request(stream=True), Route(prefer=A))
         text = b"".join([event async for event in events]).decode()
         first, error, done, _ = text.split("\n\n")
@@ -224,25 +202,18 @@ async def test_a_stream_that_fails_after_its_first_event_ends_with_an_error_even
         assert done == "data: [DONE]"
         assert workers.sent == [A] and health(pool) == {A: False, B: True} and failing.closed
         assert [w.inflight for w in pool.workers] == [0, 0]
-    finally:
-        await pool.stop()
-        await client.aclose()
 
 
 async def test_a_client_that_leaves_mid_stream_closes_the_workers_stream():
     endless = Events([chunk("A"), chunk("A")], wait=True)
     workers = Workers(lambda r: httpx.Response(200, stream=endless), answers("B"))
-    dispatch, pool, client = await dispatcher(workers)
-    try:
+    async with dispatcher(workers) as (dispatch, pool):
         events = await dispatch.open_stream(request(stream=True), Route(prefer=A))
         assert b'"content":"A"' in await events.__anext__()
         assert pool.workers[0].inflight == 1
         await events.aclose()  # the client went away (Starlette closes the body iterator)
         assert endless.closed and [w.inflight for w in pool.workers] == [0, 0]
         assert health(pool) == {A: True, B: True}  # the client left: nothing the worker did wrong
-    finally:
-        await pool.stop()
-        await client.aclose()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -277,13 +248,9 @@ async def test_a_large_bodys_data_urls_reach_the_worker_as_the_client_wrote_them
         return kept
 
     workers = Workers(keep(lambda r: httpx.Response(503)), keep(answers("B")))
-    dispatch, pool, client = await dispatcher(workers)
-    try:
+    async with dispatcher(workers) as (dispatch, pool):
         assert await ask_with(dispatch, request, stream) == "B"
         assert received == [orjson.dumps(full_text(body))] * 2 and request.size == len(received[0])
-    finally:
-        await pool.stop()
-        await client.aclose()
 
 
 async def ask_with(dispatcher: Dispatcher, upstream: UpstreamRequest, stream: bool) -> str:
