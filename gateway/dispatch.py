@@ -64,8 +64,7 @@ class UpstreamRequest:
     @classmethod
     async def encode(cls, body: dict[str, Any], *, size_hint: int, path: str = CHAT_PATH) -> UpstreamRequest:
         """size_hint: about how many bytes the body holds (the client's request size will do)."""
-        payload = await off_loop(size_hint, _dumps, body)
-        cut = _placed(payload, _cut_urls(body)) if size_hint >= LONG_STRINGS_BODY else ()
+        payload, cut = await off_loop(size_hint, _encoded, body, size_hint >= LONG_STRINGS_BODY)
         return cls(payload=payload, rid=str(body["rid"]), path=path, cut=cut)
 
     @property
@@ -84,14 +83,27 @@ class UpstreamRequest:
                              extensions=built.extensions)
 
 
+def _encoded(body: dict[str, Any], large: bool) -> tuple[bytes, tuple[tuple[int, CutURL], ...]]:
+    """The body's JSON, and where its CutURLs' placeholders are in it (only a large body has any)."""
+    payload = _dumps(body)
+    return payload, _placed(payload, _cut_urls(body)) if large else ()
+
+
+_CONTAINERS = {dict, list, CutURL}
+
+
 def _cut_urls(body: dict[str, Any]) -> list[CutURL]:
     """Every CutURL in a body (the parse leaves one for each long data URL under a "url" name, wherever it is:
-    gateway/json_body.py), each once."""
+    gateway/json_body.py), each once. A node holding none of them and no container is passed over by its values'
+    types, at C speed (a body may hold a list of millions of numbers)."""
     found: dict[int, CutURL] = {}
     stack: list[Any] = [body]
     while stack:
         node = stack.pop()
-        for value in node.values() if isinstance(node, dict) else node:
+        values = node.values() if isinstance(node, dict) else node
+        if _CONTAINERS.isdisjoint(map(type, values)):
+            continue
+        for value in values:
             if isinstance(value, CutURL):
                 found[id(value)] = value
             elif isinstance(value, dict | list):
