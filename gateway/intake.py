@@ -468,8 +468,7 @@ def _needs_rewrite(ref: MediaPartRef, item: CanonicalImage | CanonicalVideo) -> 
     if not (as_uploaded and url.startswith("data:")):
         return True  # fetched, re-encoded, or named by its uuid alone
     # The gateway tolerates whitespace around the base64; SGLang's strict decode does not.
-    if isinstance(url, CutURL):  # its base64 is in the body's bytes (whose cut strings hold no other whitespace)
-        return url.end > url.payload_start and (url.source[url.payload_start:url.payload_start + 1].isspace()
-                                                or url.source[url.end - 1:url.end].isspace())
+    if isinstance(url, CutURL):
+        return url.padded
     encoded = url.partition(",")[2]
     return encoded != encoded.strip()

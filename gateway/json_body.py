@@ -136,6 +136,12 @@ class CutURL(str):
         return self.end - self.start
 
     @property
+    def padded(self) -> bool:
+        """Whether whitespace surrounds the base64 (a cut string holds no whitespace but the space)."""
+        source, start, end = self.source, self.payload_start, self.end
+        return end > start and (source[start:start + 1] == b" " or source[end - 1:end] == b" ")
+
+    @property
     def payload(self) -> memoryview:
         """The base64, as it lies in the body."""
         return memoryview(self.source)[self.payload_start:self.end]

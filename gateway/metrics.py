@@ -124,8 +124,6 @@ PLAIN = "plain"  # ... of one whose images were planned nothing (reuse off for i
 MIXED = "mixed"  # ... of one whose images were planned as different kinds, or that has images and videos
 VIDEO = "video"  # ... of one with videos and no image: videos run as plain SGLang (gateway/videos.py)
 RESPONSE_CACHED = "response_cache"  # ... of one the response cache answered (gateway/response_cache): no model ran
-FRAMES_SEEN = ("image", "video", "new")  # revisit_video_frames_total's labels (videos.FramesSeen)
-PATCHES_SEEN = ("exact", "approximate", "miss")  # revisit_video_patches_total's labels (videos.PatchesSeen)
 
 
 def reuse_label(kinds: tuple[str, ...] | list[str], *, videos: int = 0) -> str:

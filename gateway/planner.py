@@ -220,12 +220,16 @@ class Planner:
 
     async def patches_seen(self, intake: IntakeResult) -> tuple[PatchesSeen, ...]:
         """Per video: how many of its temporal patches an earlier video of the namespace had, the same or nearly
-        (a lookup per patch, on a thread: not the cache thread, which plans every request's images); then its
-        patches are remembered."""
+        (a lookup per patch with features, on a thread: not the cache thread, which plans every request's images;
+        keys alone are looked up here); then its patches are remembered."""
         if not intake.videos:
             return ()
-        return await asyncio.to_thread(lambda: tuple(self.patches.record(video, intake.namespace)
-                                                     for video in intake.videos))
+
+        def record() -> tuple[PatchesSeen, ...]:
+            return tuple(self.patches.record(video, intake.namespace) for video in intake.videos)
+
+        matched = any(patch.features is not None for video in intake.videos for patch in video.patches)
+        return await asyncio.to_thread(record) if matched else record()
 
     def _in_books(self, keys: list[str]) -> frozenset[str]:
         return frozenset(key for key in keys if key in self.cache.policy)

@@ -60,6 +60,8 @@ from plan.video import CODECS, DECODERS, demuxer_of
 
 KEY_VERSION = b"revisit-video-key-v2"  # v2: a video is named by the one-stream bytes the worker gets
 PATCH_KEY_VERSION = b"revisit-video-patch-v1"
+FRAMES_SEEN = ("image", "video", "new")  # revisit_video_frames_total's labels (FramesSeen.counts)
+PATCHES_SEEN = ("exact", "approximate", "miss")  # revisit_video_patches_total's labels (PatchesSeen.counts)
 FRAME_FACTOR = 2  # the Qwen-VL processors take an even number of frames (two per temporal patch)
 # How SGLang's Qwen-VL video preprocessing sizes the sampled frames (sglang/srt/multimodal/processors/qwen_vl.py,
 # preprocess_video, 0.5.23), whatever the model's image processor says: between these pixel counts a frame, and at
@@ -321,6 +323,10 @@ class FramesSeen:
     def header(self) -> str:
         return f"{self.sampled};seen_as_image={self.as_image};seen_in_video={self.in_video}"
 
+    def counts(self) -> dict[str, int]:
+        """revisit_video_frames_total's labels (metrics.FRAMES_SEEN) and this video's count of each."""
+        return dict(zip(FRAMES_SEEN, (self.as_image, self.in_video, self.new), strict=True))
+
 
 class FrameBook:
     """The frame keys of videos each namespace sent lately (an LRU of ``capacity`` keys). Event-loop only."""
@@ -366,6 +372,10 @@ class PatchesSeen:
     def header(self) -> str:
         near = f";approximate={self.approximate}" if self.approximate is not None else ""
         return f"{self.patches};exact={self.exact}{near}"
+
+    def counts(self) -> dict[str, int]:
+        """revisit_video_patches_total's labels (metrics.PATCHES_SEEN) and this video's count of each."""
+        return dict(zip(PATCHES_SEEN, (self.exact, self.approximate or 0, self.miss), strict=True))
 
 
 class PatchBook:

@@ -17,7 +17,7 @@ from gateway.costs import ModelFacts, Work, image_in, prompt_through, request_wo
 from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.intake import IntakeResult
-from gateway.metrics import FRAMES_SEEN, PATCHES_SEEN, PLAIN, RESPONSE_CACHED, reuse_label
+from gateway.metrics import PLAIN, RESPONSE_CACHED, reuse_label
 from gateway.offload import lane, off_loop, on_thread
 from gateway.openai_shape import CHAT, TEXT, Shape
 from gateway.planner import REUSE_MODES, Planned, outcome_of
@@ -95,16 +95,15 @@ async def chat_completions(request: Request) -> Any:
     elif wanted not in (None, RESPONSE_CACHE_OFF):
         headers[RESPONSE_CACHE_HEADER] = "skipped;reason=not_enabled"
     planned = await services.planner.plan(intake, selector=selector, mode=mode)
-    if seen := await services.planner.frames_seen(intake):
-        headers[VIDEO_FRAMES_HEADER] = ",".join(video.header() for video in seen)
-        for label, count in zip(FRAMES_SEEN, (sum(v.as_image for v in seen), sum(v.in_video for v in seen),
-                                              sum(v.new for v in seen)), strict=True):
-            services.requests.video_frames.labels(label).inc(count)
-    if patches := await services.planner.patches_seen(intake):
-        headers[VIDEO_PATCHES_HEADER] = ",".join(video.header() for video in patches)
-        for label, count in zip(PATCHES_SEEN, (sum(v.exact for v in patches), sum(v.approximate or 0 for v in patches),
-                                               sum(v.miss for v in patches)), strict=True):
-            services.requests.video_patches.labels(label).inc(count)
+    for header, counter, seen in ((VIDEO_FRAMES_HEADER, services.requests.video_frames,
+                                   await services.planner.frames_seen(intake)),
+                                  (VIDEO_PATCHES_HEADER, services.requests.video_patches,
+                                   await services.planner.patches_seen(intake))):
+        if seen:
+            headers[header] = ",".join(video.header() for video in seen)
+            for video in seen:
+                for label, count in video.counts().items():
+                    counter.labels(label).inc(count)
     # the latency histograms' label (gateway/metrics.py)
     request.state.reuse = reuse_label(planned.kinds, videos=len(intake.videos))
     request.state.image_kinds = planned.kinds  # the operator page's hit rate (metrics.LastHour)

@@ -134,3 +134,11 @@ def test_a_body_with_its_strings_cut_out_is_parsed_beside_one_copy_of_itself() -
     assert full_text(body) == message(image(url(blob))) and len(raw) == size
     # (the check that a string is plain ASCII copies a slice or two of 1 MiB: 0.13x here)
     assert peak < 0.25 * size, f"parsing {size} bytes peaked at {peak / size:.2f}x more"
+
+
+def test_a_cut_url_says_whether_spaces_surround_its_base64() -> None:
+    """SGLang's strict decode refuses them (the gateway then sends the worker its own data URL: intake's
+    _needs_rewrite)."""
+    for payload, padded in ((BLOB, False), (" " + BLOB, True), (BLOB + "  ", True)):
+        (cut,) = urls(decode_json(json.dumps(message(image(url(payload)))).encode()))
+        assert isinstance(cut, CutURL) and cut.padded is padded
