@@ -1,6 +1,9 @@
 """The reuse plan the gateway sends with a request and the worker executes.
 
-A ``RequestPlan`` holds one ``ImagePlan`` per image of the request, in the order the images appear:
+A ``RequestPlan`` holds one ``ImagePlan`` per image of the request, in the order the images appear, and one per
+temporal patch of its videos (``patches``, every video's patches in prompt order; a patch is a video's tokens of
+two sampled frames, its grid the patch's tokens, planned as an image is but with the vision tower always run over
+the whole video):
 
     miss         full prefill; the worker stores the image's entry (encoder output + KV) under ``key``
     exact        the entry under ``key`` is reused: the vision tower is skipped, keys are moved to this request's
@@ -34,7 +37,7 @@ The wire form is compact JSON with a version; a worker refuses a version it does
 guess, and runs the request without a plan (a full prefill).
 
 Transport: the plan rides in the request id (SGLang's ``rid``, which reaches the model's forward and is unique
-among requests in flight): ``rv6.<request id>.<base64 of the zlib'd JSON>.<MAC>.`` The gateway replaces the id in
+among requests in flight): ``rv7.<request id>.<base64 of the zlib'd JSON>.<MAC>.`` The gateway replaces the id in
 what it returns to clients, so the plan is never shown to them; anything SGLang appends after the last dot (it
 suffixes ids of parallel samples) is ignored.
 
@@ -59,7 +62,7 @@ from plan.errors import PlanError
 from plan.ratios import check_ratios
 from settings.secret import DataPlaneSecret, mac, same_mac
 
-PLAN_VERSION = 6  # 5: plans carry a MAC; 6: an image plan's ``strategy`` is its ``kind``
+PLAN_VERSION = 7  # 5: plans carry a MAC; 6: an image plan's ``strategy`` is its ``kind``; 7: videos' patches
 RID_PREFIX = f"rv{PLAN_VERSION}."
 _MAC_BYTES = 16
 
@@ -207,6 +210,9 @@ class ImagePlan:
 @dataclass(frozen=True, kw_only=True)
 class RequestPlan:
     images: tuple[ImagePlan, ...] = field(default_factory=tuple)
+    # One per temporal patch of the request's videos, in prompt order (a patch's vision pass is the whole video's:
+    # an approximate patch plan is a full pass)
+    patches: tuple[ImagePlan, ...] = field(default_factory=tuple)
     # The tenant's cache scope (a digest of its namespace, never the name): the worker keys SGLang's encoder-output
     # cache by it, so that no namespace is served, or can time, another's image embeddings. "" for none.
     scope: str = ""
@@ -215,16 +221,21 @@ class RequestPlan:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_-]{0,64}", self.scope):
             raise PlanError("scope must be up to 64 characters of [A-Za-z0-9_-]")
+        if any(p.vision != FULL_PASS for p in self.patches):
+            raise PlanError("a video's patches have no partial vision pass")
 
     @property
     def reported(self) -> bool:
         """Whether the gateway reads back what ran (plan.outcome): not for plans that only carry the scope (every
         image a miss that is not stored, as when reuse is off)."""
-        return any(p.kind != MISS or p.store for p in self.images)
+        return any(p.kind != MISS or p.store for p in self.images + self.patches)
 
     def to_json(self) -> str:
-        return json.dumps({"version": self.version, "scope": self.scope, "images": [p.to_dict() for p in self.images]},
-                          separators=(",", ":"))
+        data: dict[str, Any] = {"version": self.version, "scope": self.scope,
+                                "images": [p.to_dict() for p in self.images]}
+        if self.patches:
+            data["patches"] = [p.to_dict() for p in self.patches]
+        return json.dumps(data, separators=(",", ":"))
 
     def to_rid(self, request_id: str, *, key: bytes) -> str:
         """A request id for SGLang that carries this plan, authenticated under ``key`` (:func:`plan_key`)."""
@@ -271,7 +282,11 @@ class RequestPlan:
         images = data.get("images")
         if not isinstance(images, list):
             raise PlanError("plan images must be a list")
+        patches = data.get("patches", [])
+        if not isinstance(patches, list):
+            raise PlanError("plan patches must be a list")
         scope = data.get("scope", "")
         if not isinstance(scope, str):
             raise PlanError("plan scope must be a string")
-        return cls(images=tuple(ImagePlan.from_dict(p) for p in images), scope=scope)
+        return cls(images=tuple(ImagePlan.from_dict(p) for p in images),
+                   patches=tuple(ImagePlan.from_dict(p) for p in patches), scope=scope)

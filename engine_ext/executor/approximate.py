@@ -105,7 +105,7 @@ class ApproximateHits:
         partial = plan.vision == PARTIAL_PASS
         context = self.context
         head = agreed_head(context, plan.alias, tokens=alias_grid[0] * alias_grid[1], with_encoder=partial)
-        axes = self._frequency_axes()
+        axes = self.frequency_axes()
         if partial:
             self._partial_vision_pass(rows, plan, head)
         here = range(rows.lo - rows.start, rows.hi - rows.start)  # the image's tokens computed in this extend
@@ -174,7 +174,7 @@ class ApproximateHits:
     def _arch(self) -> str:
         return getattr(self.model.config, "model_type", "")
 
-    def _frequency_axes(self) -> torch.Tensor:
+    def frequency_axes(self) -> torch.Tensor:
         """The M-RoPE axis of each rotary frequency, read off the model's own rotary embedding (probed once)."""
         if self._axes is None:
             shape = self.context.shape

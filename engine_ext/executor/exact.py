@@ -12,6 +12,9 @@ layers before it, and writes its K/V in place of the rows' own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+
+import torch
 
 from engine_ext.executor.context import Context
 from engine_ext.executor.entries import EntryHead, read_head
@@ -23,31 +26,46 @@ from plan import ImagePlan, recompute_count
 log = logging.getLogger(__name__)
 
 
-def prepare(context: Context, rows: ImageRows, plan: ImagePlan, forward_batch) -> ReuseSpan:
-    """Read what must be known before the forward; start reading the K/V it will need. Raises FullPrefill."""
+def prepare(context: Context, rows: ImageRows, plan: ImagePlan, forward_batch,
+            axes: Callable[[], torch.Tensor] | None = None) -> ReuseSpan:
+    """Read what must be known before the forward; start reading the K/V it will need. Raises FullPrefill.
+
+    An image moves as a whole (one step on every M-RoPE axis). A video's temporal patch may also move in time
+    alone (a later window's patch of the same two frames): its keys are turned per axis (``axes``, the M-RoPE axis
+    of each rotary frequency), and its encoder output is left to the vision tower, which SGLang runs over the whole
+    video (a patch's tokens are encoded with every other patch's: the stored output is not this video's)."""
     shape = context.shape
-    head = agreed_head(context, plan.key, tokens=rows.tokens)
+    head = agreed_head(context, plan.key, tokens=rows.tokens, with_encoder=rows.patch is None)
     local = rows.local_rows
     now = forward_batch.mrope_positions[:, rows.batch_rows]  # (3, rows)
     shift = now - head.positions.to(now.device)[:, local]
-    if not (shift == shift[0, 0]).all():
+    delta: int | torch.Tensor
+    turned = None
+    if bool((shift == shift[0, 0]).all()):
+        delta = int(shift[0, 0])
+    elif rows.patch is not None and axes is not None and bool((shift == shift[:, :1]).all()):
+        delta, turned = shift.cpu(), axes()  # (3, rows): one step per axis, the same for every token
+    else:
         raise FullPrefill("not_movable", f"entry {plan.key[:16]} does not move as a whole to this prompt")
-    delta = int(shift[0, 0])
-    cache_encoder_output(rows, head, context.events)
+    if rows.patch is None:
+        cache_encoder_output(rows, head, context.events)
     counts = [recompute_count(r, rows.tokens) for r in (plan.ratios or (0.0,) * shape.layers)]
     depth = reuse_depths(counts, local)  # (rows,)
     groups = []
     for d in sorted(set(depth.tolist()) - {shape.layers}):  # rows computed at every layer read nothing
         members = (depth == d).nonzero().flatten()  # (group rows,) indices into the span
+        moved = delta if turned is None else delta[:, members.cpu()]  # type: ignore[index]
         future = context.reader.fetch(context.store, plan.key, tokens=local[members].tolist(), depth=d,
-                                      layers=shape.layers, kv_dtype=head.kv_dtype, delta=delta,
-                                      frequencies=shape.frequencies, device=depth.device, heads=context.tp.read_heads)
+                                      layers=shape.layers, kv_dtype=head.kv_dtype, delta=moved,
+                                      frequencies=shape.frequencies, device=depth.device, axes=turned,
+                                      heads=context.tp.read_heads)
         groups.append((d, members, future))
     context.events.add("exact_executed")
     context.events.add("exact_rows_reused", int((depth < shape.layers).sum()))
-    log.info("revisit: exact hit %s (%s): %d image rows, moved by %d, recomputed per layer %s",
-             plan.key[:16], rows.rid[:40], len(local), delta, counts)
-    identical = delta == 0 and not any(counts) and not head.derived and \
+    moved_by = delta if turned is None else tuple(int(step) for step in shift[:, 0])
+    log.info("revisit: exact hit %s (%s): %d %s rows, moved by %s, recomputed per layer %s", plan.key[:16],
+             rows.rid[:40], len(local), "image" if rows.patch is None else "video patch", moved_by, counts)
+    identical = isinstance(delta, int) and delta == 0 and not any(counts) and not head.derived and \
         bool(plan.prefix_digest) and head.prefix_digest == plan.prefix_digest
     return ReuseSpan(rows=rows, depth=depth, groups=groups, identical=identical)
 

@@ -31,6 +31,12 @@ decides the same R, B and D in every extend of its image (an image split over ex
 engine_ext.selection), and the tokens dropped in one extend stay hidden in the later extends and the decode steps
 of the request.
 
+A video's temporal patches (the plan's ``patches``, executor.rows) run as images do, each under its own plan, with
+two differences: SGLang's vision tower runs over the whole video whatever the plans (it encodes a video in one
+pass, so no stored encoder output stands in for a patch's), and an exact patch may move in time alone (a later
+window's patch of the same two frames), its keys turned per M-RoPE axis. A miss stores each patch's slice of the
+video's encoder output with its K/V.
+
 A request without a plan, or with one that does not fit its images, runs exactly as in SGLang. Rows an earlier
 request left in the radix cache are never touched, and a request whose image K/V differ from a full prefill's (an
 exact hit moved, recomputed or read from a derived entry; every approximate hit) leaves none there: the executor
@@ -133,9 +139,8 @@ class PlanExecutor:
             return run_model()
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
-        images = [(rows, plans[rows.rid].images[rows.index]) for rows in
-                  locate(forward_batch, get_req_to_token_pool().req_to_token)
-                  if rows.rid in plans and self._fits(rows, plans[rows.rid])]
+        images = [(rows, plan) for rows in locate(forward_batch, get_req_to_token_pool().req_to_token)
+                  if rows.rid in plans and (plan := self._fitting(rows, plans[rows.rid])) is not None]
         captures: list[tuple[ImageRows, ImagePlan, torch.Tensor, bool]] = []  # (rows, plan, positions, derived)
         reuse: list[ReuseSpan] = []
         approximate: list[ApproximateSpan] = []
@@ -149,7 +154,8 @@ class PlanExecutor:
                         self.ran.record(rows.rid, rows.index, Outcome(PREFIX_CACHED))
                     continue
                 if plan.kind == EXACT:
-                    exact_span = exact.prepare(self.context, rows, plan, forward_batch)
+                    exact_span = exact.prepare(self.context, rows, plan, forward_batch,
+                                               axes=self.approximate.frequency_axes)
                     if not exact_span.identical:
                         self._keep_private(rows)
                     reuse.append(exact_span)
@@ -227,14 +233,16 @@ class PlanExecutor:
                     self.ran.mute(rid)
         return plans
 
-    def _fits(self, rows: ImageRows, plan: RequestPlan) -> bool:
-        if rows.index >= len(plan.images) or plan.images[rows.index].tokens != rows.tokens:
-            log.warning("revisit: plan of %s does not match its image %d (%d tokens); running it unplanned",
-                        rows.rid[:48], rows.index, rows.tokens)
-            self.events.add("plan_mismatch")
-            self.ran.record(rows.rid, rows.index, Outcome(UNPLANNED, "plan_mismatch"))
-            return False
-        return True
+    def _fitting(self, rows: ImageRows, plan: RequestPlan) -> ImagePlan | None:
+        """The plan of the image (or video patch) at ``rows``; None, counted, where the plan has none that fits."""
+        units, index = (plan.images, rows.index) if rows.patch is None else (plan.patches, rows.patch)
+        if index < len(units) and units[index].tokens == rows.tokens:
+            return units[index]
+        log.warning("revisit: plan of %s does not match its %s %d (%d tokens); running it unplanned", rows.rid[:48],
+                    "image" if rows.patch is None else "video patch", index, rows.tokens)
+        self.events.add("plan_mismatch")
+        self.ran.record(rows.rid, rows.index, Outcome(UNPLANNED, "plan_mismatch"))
+        return None
 
 
     @torch.no_grad()
@@ -349,8 +357,7 @@ class PlanExecutor:
         from sglang.srt.managers import mm_schedule
         from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
-        cache = mm_schedule.embedding_cache
-        encoded = cache.get_single(rows.item_hash) if cache is not None else None
+        encoded = _encoder_output(mm_schedule.embedding_cache, rows)
         tp = self.context.tp
         if not tp.agree(encoded is not None):
             log.warning("revisit: encoder output of %s not in the encoder cache; not stored", plan.key[:16])
@@ -364,7 +371,7 @@ class PlanExecutor:
         v = tp.gather_heads(torch.stack([pool.get_value_buffer(i)[rows.slots] for i in layers])).clone()
         if not tp.leader:
             return
-        image = StoredImage(encoder=encoded.embedding.detach().clone(), positions=positions, k=k, v=v)
+        image = StoredImage(encoder=encoded.detach().clone(), positions=positions, k=k, v=v)
         copied = None
         if k.is_cuda:  # the copies run on SGLang's forward stream; the writer copies to the host on another
             copied = torch.cuda.Event()
@@ -397,6 +404,24 @@ class PlanExecutor:
 
 # What keep_off_graph sets: a decode batch with an embedding override never replays a graph.
 _OFF_GRAPH = torch.empty(0)
+
+
+def _encoder_output(cache, rows: ImageRows) -> torch.Tensor | None:
+    """The image's encoder output (a video patch's rows of it) as SGLang's encoder cache holds it: under the item's
+    hash, or, for a video whose request SGLang encoded as one (items in several spans), under the combined hash of
+    the request's video items (``MultiModalStaticCache.get``)."""
+    if cache is None:
+        return None
+    found = cache.get_single(rows.item_hash)
+    if rows.encoder_rows is None:
+        return found.embedding if found is not None else None
+    start, stop = rows.encoder_rows
+    if found is None and rows.encoder_group:
+        found = cache.get(list(rows.encoder_group))
+        start, stop = start + rows.group_rows, stop + rows.group_rows
+    if found is None or not isinstance(found.embedding, torch.Tensor) or found.embedding.shape[0] < stop:
+        return None
+    return found.embedding[start:stop]
 
 
 def derivation(plan: ImagePlan) -> str:

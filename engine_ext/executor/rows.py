@@ -1,5 +1,10 @@
 """Where each image of each request in an SGLang extend batch sits: prompt rows, batch rows and KV pool slots.
 
+A video's temporal patches are located as images are (an ``ImageRows`` each, with ``patch`` set): Qwen2.5-VL puts
+a video's tokens in one span, patch after patch (each the same number of tokens); Qwen3-VL puts each patch in a
+span of its own (a timestamp before each). A patch's index among its request's units follows the request's images
+(images 0..n-1, then patches), so that what is marked and reported per unit never mixes the two.
+
 SGLang flattens the rows every request computes in this extend (after its radix-cache prefix) into one batch:
 request i's rows start at the sum of the earlier requests' extend lengths. An image's item carries its inclusive
 absolute offsets in the prompt; the rows of it computed now are those inside [prefix, prefix + extend). Rows
@@ -32,6 +37,12 @@ class ImageRows:
     done: int  # prompt rows [0, done) have K/V in the pool once this extend is computed
     positions: torch.Tensor | None = None  # (3, tokens) M-RoPE positions of the image rows, when known
     item: Any = None  # SGLang's multimodal item (pixel values, grid): what a partial vision pass encodes
+    patch: int | None = None  # a video's temporal patch: its index among the request's patches (plan.patches)
+    encoder_rows: tuple[int, int] | None = None  # a patch: its rows of the video item's encoder output
+    # a patch: the hashes of its request's video items, and the rows of the items before its own, for where SGLang
+    # keeps one encoder output for all of a request's videos (items in several spans: Qwen3-VL's)
+    encoder_group: tuple[int, ...] = ()
+    group_rows: int = 0
 
     @property
     def tokens(self) -> int:
@@ -78,36 +89,78 @@ def reuse_depths(counts: list[int], local_rows: torch.Tensor) -> torch.Tensor:
     return (recomputed.unsqueeze(1) > local_rows.unsqueeze(0)).sum(0)  # (layers, rows) -> (rows,)
 
 
-def _is_image(item: object) -> bool:
+def _is_modality(item: object, name: str) -> bool:
     modality = getattr(item, "modality", None)
-    return getattr(modality, "name", str(modality)).upper().endswith("IMAGE")
+    return getattr(modality, "name", str(modality)).upper().endswith(name)
+
+
+def patch_spans(item: Any) -> list[tuple[int, int]]:
+    """A video item's temporal patches as prompt rows [start, stop), in order; [] where its spans do not divide into
+    its ``video_grid_thw``'s patches (not planned for)."""
+    try:
+        patches = int(torch.as_tensor(item.video_grid_thw).reshape(-1, 3)[0, 0])
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return []
+    spans = [(int(a), int(b) + 1) for a, b in item.offsets or ()]
+    if len(spans) == patches:  # one span a patch (Qwen3-VL)
+        return spans
+    if len(spans) == 1 and patches > 0 and (spans[0][1] - spans[0][0]) % patches == 0:  # one span (Qwen2.5-VL)
+        start, stop = spans[0]
+        size = (stop - start) // patches
+        return [(start + i * size, start + (i + 1) * size) for i in range(patches)]
+    return []
 
 
 def locate(forward_batch, req_to_token: torch.Tensor) -> list[ImageRows]:
-    """Every image of every request of an extend batch (read mm_inputs before the model's forward clears it)."""
+    """Every image and video patch of every request of an extend batch (read mm_inputs before the model's forward
+    clears it)."""
     found: list[ImageRows] = []
     mm_inputs = forward_batch.mm_inputs or []
     batch_start = 0
     for request, mm in enumerate(mm_inputs):
-        prefix = int(forward_batch.extend_prefix_lens_cpu[request])
         extend = int(forward_batch.extend_seq_lens_cpu[request])
         if mm is not None:
-            pool_row = int(forward_batch.req_pool_indices[request])
-            images = [item for item in mm.mm_items if _is_image(item)]
-            prompt_positions = getattr(mm, "mrope_positions", None)
+            rows = _Request(forward_batch, req_to_token, request, batch_start, mm)
+            images = [item for item in mm.mm_items if _is_modality(item, "IMAGE")]
             for index, item in enumerate(images):
                 if len(item.offsets) != 1:
                     continue  # an image in several spans is not planned for
                 start, last = (int(x) for x in item.offsets[0])
-                lo, hi = max(start, prefix), min(last + 1, prefix + extend)
-                hi = max(hi, lo)
-                found.append(ImageRows(
-                    request=request, rid=str(forward_batch.rids[request]), index=index, item_hash=item.hash,
-                    start=start, stop=last + 1, lo=lo, hi=hi, batch_lo=batch_start + lo - prefix,
-                    slots=req_to_token[pool_row, start : last + 1].to(torch.long), done=prefix + extend,
-                    positions=(prompt_positions[:, start : last + 1].clone()
-                               if prompt_positions is not None and prompt_positions.shape[-1] > last else None),
-                    item=item,
-                ))
+                found.append(rows.of(index, item, start, last + 1))
+            videos = [item for item in mm.mm_items if _is_modality(item, "VIDEO")]
+            group = tuple(item.hash for item in videos)
+            patch, before = 0, 0
+            for item in videos:
+                encoded = 0
+                for start, stop in patch_spans(item):
+                    found.append(rows.of(len(images) + patch, item, start, stop, patch=patch,
+                                         encoder_rows=(encoded, encoded + stop - start), encoder_group=group,
+                                         group_rows=before))
+                    encoded += stop - start
+                    patch += 1
+                before += sum(int(b) - int(a) + 1 for a, b in item.offsets or ())
         batch_start += extend
     return found
+
+
+class _Request:
+    """One request of the batch, making the ImageRows of its spans."""
+
+    def __init__(self, forward_batch, req_to_token: torch.Tensor, request: int, batch_start: int, mm) -> None:
+        self.request, self.batch_start = request, batch_start
+        self.rid = str(forward_batch.rids[request])
+        self.prefix = int(forward_batch.extend_prefix_lens_cpu[request])
+        self.extend = int(forward_batch.extend_seq_lens_cpu[request])
+        self.slots = req_to_token[int(forward_batch.req_pool_indices[request])]
+        self.positions = getattr(mm, "mrope_positions", None)
+
+    def of(self, index: int, item: Any, start: int, stop: int, **patch: Any) -> ImageRows:
+        lo, hi = max(start, self.prefix), min(stop, self.prefix + self.extend)
+        positions = self.positions
+        return ImageRows(
+            request=self.request, rid=self.rid, index=index, item_hash=item.hash, start=start, stop=stop, lo=lo,
+            hi=max(hi, lo), batch_lo=self.batch_start + lo - self.prefix, slots=self.slots[start:stop].to(torch.long),
+            done=self.prefix + self.extend,
+            positions=positions[:, start:stop].clone() if positions is not None and positions.shape[-1] >= stop
+            else None,
+            item=item, **patch)

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from bundled import ARCHS
+from engine_ext.executor import read
 from offline.reference import Fresh, Reuse, prefill, uniform
 from plan import (
     ATTENTION_ONLY,
@@ -397,3 +398,89 @@ def test_a_scrolled_alias_lends_its_tokens_moved_per_axis_as_the_reference_does(
     assert len(chosen.reuse) > 0
     expected = sorted(reference.logits.log_softmax(-1).topk(5).values.tolist(), reverse=True)
     assert top5(served) == pytest.approx(expected, abs=2e-4)
+
+
+# --- a video's temporal patches ---
+# Frames coded losslessly: the same frame decodes to the same pixels in any video, so a later window's first
+# patches are the earlier window's last ones (the gateway's patch keys would say so). At 2 frames a second the
+# model samples every frame: six frames are three patches.
+
+def window(first: int, frames: int = 6) -> bytes:
+    from tests.videos_lib import encode_video, pan
+
+    return encode_video(pan("astronaut.png", frames=frames, start=first), fps=2, lossless=True)
+
+
+def patches_of(pair: Pair, video: bytes) -> tuple[list[str], tuple[int, int]]:
+    """The gateway's key of each temporal patch of the video, and the patches' token grid."""
+    from gateway.config import ProcessorSettings, VideoSettings
+    from gateway.videos import open_video, patch_grid
+
+    processor = ProcessorSettings.from_model_dir(pair.a.spec.model_path)
+    opened = open_video(video, settings=VideoSettings(), processor=processor, model="m", namespace="")
+    grid = patch_grid(opened.height, opened.width, len(opened.frame_keys), processor)
+    return [patch.key for patch in opened.patches], grid
+
+
+def video_parts(video: bytes, question: str = "What happens in the video?") -> list[dict]:
+    import base64
+
+    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    return [{"type": "text", "text": "Watch:"}, {"type": "video_url", "video_url": {"url": url}},
+            {"type": "text", "text": question}]
+
+
+def patch_plans(keys: list[str], grid: tuple[int, int], kinds: list[str]) -> tuple[ImagePlan, ...]:
+    return tuple(ImagePlan(key=key, kind=kind, tokens=grid[0] * grid[1], grid=grid)
+                 for key, kind in zip(keys, kinds, strict=True))
+
+
+def video_rid(*patches: ImagePlan) -> str:
+    return RequestPlan(patches=patches).to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
+
+
+@pytest.fixture(scope="module")
+def first_window(pair: Pair) -> dict:
+    """Worker A computes the first window as a miss of each of its patches, stored under the patches' keys."""
+    video = window(0)
+    keys, grid = patches_of(pair, video)
+    assert len(keys) == 3 and len(set(keys)) == 3
+    plan_rid = video_rid(*patch_plans(keys, grid, [MISS] * 3))
+    answer = chat(pair.a, video_parts(video), plan_rid=plan_rid)
+    for key in keys:
+        wait_stored(pair, key)
+    assert ran(pair, plan_rid) == {0: Outcome(PLANNED), 1: Outcome(PLANNED), 2: Outcome(PLANNED)}
+    return {"video": video, "keys": keys, "grid": grid, "answer": answer}
+
+
+def test_a_videos_patches_are_stored_one_entry_each_and_reused_exactly(pair: Pair, first_window: dict) -> None:
+    keys, grid = first_window["keys"], first_window["grid"]
+    m = pair.model
+    stored = [read(pair.store(), key, model_id=pair.a.spec.model_path.name, layers=m.num_layers, kv_heads=m.kv_heads,
+                   head_dim=m.head_dim, tokens=grid[0] * grid[1]) for key in keys]
+    assert all(s is not None and s.encoder.shape[0] == grid[0] * grid[1] for s in stored)
+    positions = [s.positions for s in stored if s is not None]  # (3, tokens) each: time, height, width
+    # each patch laid out as the first (token (r, c) at height and width r and c past its first token's), its tokens
+    # at one time position, later patches at later or equal positions (Qwen2.5-VL: the patch's index x seconds a
+    # patch x tokens a second, rounded down; Qwen3-VL: a timestamp's text between patches moves every axis)
+    layout = [p[1:] - p[1:, :1] for p in positions]
+    assert all(torch.equal(grid_positions, layout[0]) for grid_positions in layout)
+    assert all((p[0] == p[0, 0]).all() for p in positions)
+    assert [int(p[0, 0]) for p in positions] == sorted(int(p[0, 0]) for p in positions)
+    # B never saw the video: each patch's K/V read from the store in place of its own, at every layer
+    flush(pair.b)
+    plan_rid = video_rid(*patch_plans(keys, grid, [EXACT] * 3))
+    hit = chat(pair.b, video_parts(first_window["video"]), plan_rid=plan_rid)
+    assert ran(pair, plan_rid) == {0: Outcome(PLANNED), 1: Outcome(PLANNED), 2: Outcome(PLANNED)}
+    assert pair.b.log_file.read_text().count("video patch rows, moved by 0,") >= 3
+    assert text_of(hit) == text_of(first_window["answer"]) and text_of(hit)
+    assert top5(hit) == pytest.approx(top5(first_window["answer"]), abs=1e-5)
+
+
+def test_a_plan_with_other_patches_than_the_video_runs_unplanned(pair: Pair, first_window: dict) -> None:
+    keys, grid = first_window["keys"], first_window["grid"]
+    flush(pair.b)
+    plan_rid = video_rid(*patch_plans(keys[:2], grid, [EXACT] * 2))  # the video has three
+    served = chat(pair.b, video_parts(first_window["video"]), plan_rid=plan_rid)
+    assert ran(pair, plan_rid) == {0: Outcome(PLANNED), 1: Outcome(PLANNED), 2: Outcome(UNPLANNED, "plan_mismatch")}
+    assert text_of(served) == text_of(first_window["answer"])
