@@ -329,11 +329,15 @@ def _pairs(token_layers: float, context: int) -> float:
     return token_layers * context / 2 / 1e6
 
 
-def image_work(plan: ImagePlan | None, model: ModelFacts, tokens: int, context: int = 0) -> Work:
+def image_work(plan: ImagePlan | None, model: ModelFacts, tokens: int, context: int = 0, *,
+               tower_runs: bool = False) -> Work:
     """What one image of ``tokens`` tokens costs before the first token under ``plan`` (None, or a miss: computed
     as plain SGLang computes it, the vision tower and every layer), in a prompt of ``context`` tokens (at least
     the image's own). Selections are counted as engine_ext.selection makes them, from the plan alone (its budget,
-    its candidates)."""
+    its candidates). ``tower_runs``: the vision tower encodes the image whatever the plan (a video's temporal
+    patch: SGLang encodes the whole video)."""
+    if tower_runs and plan is not None and plan.kind == EXACT:
+        return image_work(plan, model, tokens, context) + Work.vision(tokens * model.patches_per_token)
     layers = model.layers
     context = max(context, tokens)
     if plan is None or plan.kind not in (EXACT, APPROXIMATE):
@@ -451,9 +455,9 @@ def partial_pass_tokens(plan: ImagePlan, model: ModelFacts) -> int:
     return sum(min(window, rows - wr * window) * min(window, cols - wc * window) for wr, wc in windows)
 
 
-def pays(plan: ImagePlan, model: ModelFacts, costs: CostModel, context: int = 0) -> bool:
+def pays(plan: ImagePlan, model: ModelFacts, costs: CostModel, context: int = 0, *, tower_runs: bool = False) -> bool:
     """Whether ``plan`` is predicted to cost less than computing the image as plain SGLang does (a miss), in a
-    prompt of ``context`` tokens."""
+    prompt of ``context`` tokens (``tower_runs``: see image_work)."""
     tokens = plan.tokens
-    return costs.predict(image_work(plan, model, tokens, context)) < \
+    return costs.predict(image_work(plan, model, tokens, context, tower_runs=tower_runs)) < \
         costs.predict(image_work(None, model, tokens, context))

@@ -34,6 +34,13 @@ recording the plan's prefix digest in it, and the next plan that finds it in the
 The digest is read back from the entry's header each time, so it always describes the bytes that are stored.
 Entries the policy evicts leave the store; entries the store lost leave the books.
 
+A video's temporal patches (with ``REVISIT_VIDEO_REUSE_PATCHES``) are planned as images are, each by its key (its
+two frames' image keys): a miss stored by the worker, exact where the store holds the same two frames (moved in
+time and place, with the profile's ratios: a patch's K/V attended to the patches before it), approximate where the
+match index holds a near-duplicate patch or image. The vision tower still runs over the whole video (SGLang
+encodes a video in one pass, every patch attending to the others), so a patch's plan pays only with what its
+layers save (costs.pays ``tower_runs``); no derived entries.
+
 Threading: the store and the books are read and changed on the cache thread (gateway/cache.py); the routing
 memory below is the event loop's.
 
@@ -47,7 +54,7 @@ import asyncio
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gateway.books.errors import BooksError
@@ -60,8 +67,8 @@ from gateway.matching.align import reported
 from gateway.matching.matcher import Match, Matcher
 from gateway.matching.moved import MovedImages
 from gateway.matching.plans import approximate_plan
-from gateway.videos import FrameBook, FramesSeen, PatchBook, PatchesSeen
-from plan import APPROXIMATE, EXACT, MISS, ImagePlan, RequestPlan
+from gateway.videos import FrameBook, FramesSeen, PatchBook, PatchesSeen, TemporalPatch
+from plan import APPROXIMATE, EXACT, FULL_PASS, MISS, ImagePlan, RequestPlan
 from plan.outcome import EVERY_IMAGE, PLANNED, PREFIX_CACHED, Outcome
 from store import StoreError
 
@@ -108,6 +115,7 @@ class Planned:
     similarities: tuple[float | None, ...] = ()  # per image: an approximate plan's match score
     derived: tuple[bool, ...] = ()  # per image: an exact plan's entry is a derived one (an approximate hit's K/V)
     refusals: tuple[Refusal | None, ...] = ()  # per image planned as a miss: why, where something stored was near
+    patch_kinds: tuple[tuple[str, ...], ...] = ()  # per video, per temporal patch: exact, approximate or miss
 
     def reuse_header(self, ran: Mapping[int, Outcome] | None = None) -> str:
         """Per image, what ran: ``miss``, ``exact_same_prefix``, ``exact_moved`` or ``approximate;similarity=0.9731``
@@ -165,9 +173,11 @@ def outcome_of(ran: Mapping[int, Outcome] | None, index: int) -> Outcome | None:
 
 class Planner:
     def __init__(self, cache: CacheManager, settings: ReuseSettings, matcher: Matcher | None = None,
-                 costs: WorkerCosts | None = None, moved: MovedImages | None = None) -> None:
+                 costs: WorkerCosts | None = None, moved: MovedImages | None = None, *,
+                 reuse_patches: bool = False) -> None:
         self.cache = cache
         self.settings = settings
+        self.reuse_patches = reuse_patches  # videos' temporal patches are planned (VideoSettings.reuse_patches)
         self.matcher = matcher if settings.match.enabled else None
         self.moved = moved  # lines up content moved by part of a token (gateway/matching/moved.py); None: never
         self.costs = costs
@@ -186,15 +196,19 @@ class Planner:
         """One plan per image, read from the store, the books and the match index on the cache thread (never on
         the loop). ``selector`` overrides the settings' default selector for approximate plans (the route checks
         that the settings allow it); ``mode`` (REUSE_MODES) limits what may be reused."""
-        if not self.enabled or not intake.images or mode == "off":
-            # A video is not planned for (it runs as plain SGLang): it keeps to the worker that served it last.
+        patches = self.reuse_patches and bool(intake.videos)
+        if not self.enabled or not (intake.images or patches) or mode == "off":
+            # A video not planned for runs as plain SGLang: it keeps to the worker that served it last.
             return Planned(None, self._video_holder(intake), ())
         # The worker likely to run it (the one that served one of its images last): its costs say what pays.
         costs = self._costs_for(next((self._holder[image.key] for image in intake.images
-                                      if image.key in self._holder), None))
+                                      if image.key in self._holder), None) or self._video_holder(intake))
+        selector = selector or self.settings.match.selector
         try:
             plans, kinds, similarities, derived, refusals = await self.cache.run(
-                self._plan_images, intake, selector or self.settings.match.selector, mode == "all", costs)
+                self._plan_images, intake, selector, mode == "all", costs)
+            patch_plans, patch_kinds = await self.cache.run(self._plan_patches, intake, selector, mode == "all",
+                                                            costs) if patches else ([], ())
         except (StoreError, BooksError) as exc:
             # The shared tier or the shared books did not answer: the request runs as in plain SGLang (nothing
             # reused, nothing stored) rather than not at all.
@@ -203,8 +217,8 @@ class Planner:
             return Planned(None, self._video_holder(intake), ())
         prefer = next((self._holder[image.key] for image, kind in zip(intake.images, kinds, strict=True)
                        if kind != "miss" and image.key in self._holder), None) or self._video_holder(intake)
-        return Planned(RequestPlan(images=tuple(plans)), prefer, tuple(kinds), tuple(similarities), tuple(derived),
-                       tuple(refusals))
+        return Planned(RequestPlan(images=tuple(plans), patches=tuple(patch_plans)), prefer, tuple(kinds),
+                       tuple(similarities), tuple(derived), tuple(refusals), patch_kinds)
 
     def _video_holder(self, intake: IntakeResult) -> str | None:
         return next((self._holder[video.key] for video in intake.videos if video.key in self._holder), None)
@@ -218,12 +232,18 @@ class Planner:
         stored = await self.cache.run(self._in_books, keys) if self.enabled else frozenset()
         return tuple(self.frames.record(video, stored) for video in intake.videos)
 
-    async def patches_seen(self, intake: IntakeResult) -> tuple[PatchesSeen, ...]:
-        """Per video: how many of its temporal patches an earlier video of the namespace had, the same or nearly
-        (a lookup per patch with features, on a thread: not the cache thread, which plans every request's images;
-        keys alone are looked up here); then its patches are remembered."""
+    async def patches_seen(self, intake: IntakeResult, planned: Planned | None = None) -> tuple[PatchesSeen, ...]:
+        """Per video: how many of its temporal patches an earlier video of the namespace had, the same or nearly:
+        as ``planned`` planned them where it planned patches; else looked up in the patch book (a lookup per patch
+        with features, on a thread: not the cache thread, which plans every request's images; keys alone are
+        looked up here), which then remembers them."""
         if not intake.videos:
             return ()
+        if planned is not None and planned.patch_kinds:
+            matched = any(patch.features is not None for video in intake.videos for patch in video.patches)
+            return tuple(PatchesSeen(patches=len(kinds), exact=kinds.count(EXACT),
+                                     approximate=kinds.count(APPROXIMATE) if matched else None)
+                         for kinds in planned.patch_kinds)
 
         def record() -> tuple[PatchesSeen, ...]:
             return tuple(self.patches.record(video, intake.namespace) for video in intake.videos)
@@ -289,6 +309,55 @@ class Planner:
         self.refused.update(refusal.reason for refusal in refusals if refusal is not None)
         return plans, kinds, similarities, derived, refusals
 
+    def _plan_patches(self, intake: IntakeResult, selector: str, approximate: bool = True,
+                      costs: CostModel | None = None) -> tuple[list[ImagePlan], tuple[tuple[str, ...], ...]]:
+        """The cache thread's part of plan() for the videos' temporal patches (the module docstring): the plans,
+        and per video each patch's kind (gateway.videos.PATCHES_SEEN)."""
+        context = text_tokens(intake.text_chars) + sum(image.grid.tokens for image in intake.images) + \
+            sum(video.grid[0] * video.grid[1] * len(video.patches) for video in intake.videos)
+        plans: list[ImagePlan] = []
+        kinds: list[tuple[str, ...]] = []
+        for video in intake.videos:
+            grid, tokens = video.grid, video.grid[0] * video.grid[1]
+            video_kinds = []
+            for patch in video.patches:
+                plan = self._patch_plan(patch, grid, intake.namespace, selector, approximate, costs, context)
+                plans.append(plan)
+                video_kinds.append(plan.kind)
+                if plan.kind == EXACT:
+                    self.cache.record_exact_hit(patch.key)
+                assert plan.tokens == tokens
+            kinds.append(tuple(video_kinds))
+        self.counts.update(f"patch_{kind}" for video_kinds in kinds for kind in video_kinds)
+        return plans, tuple(kinds)
+
+    def _patch_plan(self, patch: TemporalPatch, grid: tuple[int, int], namespace: str, selector: str,
+                    approximate: bool, costs: CostModel | None, context: int) -> ImagePlan:
+        tokens = grid[0] * grid[1]
+        stored = self._stored(patch.key)
+        if stored is not None:
+            ratios = self.settings.ratios
+            exact = ImagePlan(key=patch.key, kind=EXACT, tokens=tokens, grid=grid, ratios=ratios or ())
+            if ratios is not None and self._pays(exact, costs, context, tower_runs=True):
+                return exact
+            return ImagePlan(key=patch.key, kind=MISS, tokens=tokens, grid=grid, store=False)
+        miss = ImagePlan(key=patch.key, kind=MISS, tokens=tokens, grid=grid)
+        if self.matcher is None or patch.features is None:
+            return miss
+        lookup = self.matcher.lookup(namespace, patch.key, patch.features) if approximate else None
+        alias = self._usable_alias(lookup.matches) if lookup is not None else None
+        plan = None if alias is None else approximate_plan(
+            alias, patch.features.entropy, key=patch.key, grid=grid, prefix_digest="", settings=self.settings.match,
+            selector=selector, layers=self.settings.layers)
+        if plan is not None:
+            plan = replace(plan, vision=FULL_PASS, derive=False)
+            if self._pays(plan, costs, context, tower_runs=True):
+                assert alias is not None
+                self.cache.record_approximate_hit(alias.alias)
+                return plan
+        self.matcher.add(patch.key, namespace, patch.features, lookup.query if lookup is not None else None)
+        return miss
+
     def _plan_new(self, image: CanonicalImage, prefix_digest: str, namespace: str, selector: str,
                   approximate: bool = True, costs: CostModel | None = None,
                   context: int = 0) -> tuple[ImagePlan, Refusal | None]:
@@ -325,10 +394,11 @@ class Planner:
         self.cache.record_approximate_hit(alias.alias)
         return plan, None
 
-    def _pays(self, plan: ImagePlan, costs: CostModel | None, context: int) -> bool:
+    def _pays(self, plan: ImagePlan, costs: CostModel | None, context: int, *, tower_runs: bool = False) -> bool:
         """Whether the plan is predicted to beat plain SGLang under ``costs`` (those of the worker likely to run
-        it), in a prompt of ``context`` tokens; True without costs."""
-        return costs is None or self.costs is None or pays(plan, self.costs.facts, costs, context)
+        it), in a prompt of ``context`` tokens; True without costs. ``tower_runs``: costs.image_work."""
+        return costs is None or self.costs is None or \
+            pays(plan, self.costs.facts, costs, context, tower_runs=tower_runs)
 
     def _usable_alias(self, matches: tuple[Match, ...]) -> Match | None:
         """The best match whose entry the store holds (admitting it to the books if need be). Matches whose entry

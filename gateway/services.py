@@ -139,7 +139,8 @@ class Services:
         if costs is not None:
             pool.on_up = costs.came_up
         moved = MovedImages(extractor, config.processor.factor, reuse.match) if extractor is not None else None
-        planner = Planner(cache, reuse, matcher, costs if config.plan_by_cost else None, moved)
+        planner = Planner(cache, reuse, matcher, costs if config.plan_by_cost else None, moved,
+                          reuse_patches=config.videos.reuse_patches)
         registry = build_registry(policy, planner)
         response_metrics = ResponseCacheMetrics(registry)  # exported, at zero, when the response cache is off
         responses = None

@@ -23,11 +23,13 @@ same two pictures (exact), a near-duplicate within the match guard (approximate)
 of one stream sample other instants (SGLang spreads its samples over each clip), so their patches are rarely the
 same, but the nearest earlier instant is often a near-duplicate.
 
-KV reuse is not planned for video spans yet: a video runs on the worker as plain SGLang (the request's images
-are still planned), keeps to the worker that served the same video last (whose prefix and encoder caches may
-hold it), and what repeats is counted (gateway/metrics.py ``revisit_video_frames_total`` and
-``revisit_video_patches_total``, the response headers ``x-revisit-video-frames`` and ``x-revisit-video-patches``),
-which is what video reuse would gain.
+With ``REVISIT_VIDEO_REUSE_PATCHES`` the planner plans each patch as it plans an image (gateway/planner.py: stored
+on first sight, exact or approximate later) and the workers execute those plans per patch (engine_ext.executor);
+otherwise a video runs on the worker as plain SGLang (the request's images are still planned). Either way a video
+keeps to the worker that served it last (whose prefix and encoder caches may hold it), and what repeats is counted
+(gateway/metrics.py ``revisit_video_frames_total`` and ``revisit_video_patches_total``, the response headers
+``x-revisit-video-frames`` and ``x-revisit-video-patches``: as planned where patches are planned, else as this
+module's :class:`PatchBook` finds them).
 
 Only MP4/QuickTime, Matroska/WebM and AVI containers are opened, named by their first bytes and opened with
 that demuxer alone: FFmpeg's probing would otherwise also accept playlists (HLS, concat) that name other files
@@ -117,6 +119,7 @@ class CanonicalVideo:
     height: int
     frame_keys: tuple[str, ...]  # the image keys of the frames the model samples, in order
     patches: tuple[TemporalPatch, ...] = ()  # the model's temporal patches (two sampled frames each), in order
+    grid: tuple[int, int] = (0, 0)  # each patch's token grid (:func:`patch_grid`)
 
     @property
     def seconds(self) -> float:
@@ -192,7 +195,8 @@ def open_video(data: bytes, *, settings: VideoSettings, processor: ProcessorSett
         raise UnprocessableVideo(f"video data is corrupt or truncated: {exc}", code="invalid_video") from exc
     return CanonicalVideo(key=video_key(payload, model=model, namespace=namespace), payload=payload,
                           mime=MIME[muxer], frames=total, fps=fps, width=width, height=height,
-                          frame_keys=frame_keys, patches=patches)
+                          frame_keys=frame_keys, patches=patches,
+                          grid=patch_grid(height, width, len(wanted), processor))
 
 
 def one_stream(data: bytes, container: str, settings: VideoSettings) -> tuple[bytes, str]:

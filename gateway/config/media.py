@@ -110,7 +110,10 @@ class VideoSettings:
     ``match_patches``: each temporal patch (two sampled frames) gets token features and is matched against the
     namespace's earlier videos' patches as a near-duplicate (gateway/videos.py ``PatchBook``); counted, not yet
     planned, and it costs the request an extraction per patch (about 30 ms for 570 tokens on one core), so off
-    unless asked for.
+    unless asked for. ``reuse_patches``: each temporal patch is planned (gateway/planner.py): stored by the worker
+    on its first sight, reused where the store holds the same two frames (exact, moved in time and place) and, with
+    ``match_patches``, where it holds a near-duplicate (approximate, with the vision tower over the whole video);
+    off until it is shown to pay.
     """
 
     max_per_request: int = 2
@@ -122,6 +125,7 @@ class VideoSettings:
     min_frames: int = 4
     max_sampled_frames: int = 768
     match_patches: bool = False
+    reuse_patches: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_per_request", "max_bytes", "max_seconds", "max_frames", "max_frame_pixels", "fps",

@@ -98,7 +98,7 @@ async def chat_completions(request: Request) -> Any:
     for header, counter, seen in ((VIDEO_FRAMES_HEADER, services.requests.video_frames,
                                    await services.planner.frames_seen(intake)),
                                   (VIDEO_PATCHES_HEADER, services.requests.video_patches,
-                                   await services.planner.patches_seen(intake))):
+                                   await services.planner.patches_seen(intake, planned))):
         if seen:
             headers[header] = ",".join(video.header() for video in seen)
             for video in seen:

@@ -226,3 +226,43 @@ def test_temporal_patches_matched_as_near_duplicates(workers, model_path, tmp_pa
     finally:
         server.stop()
         remove_store_memory(store)
+
+
+def test_temporal_patches_planned_stored_and_reused_by_the_workers(gateway, model_path, tmp_path):
+    """REVISIT_VIDEO_REUSE_PATCHES: each patch of a first window is stored by its worker; the next window of the
+    stream (coded losslessly, so its first two patches are the same two frames) reuses those two from the store,
+    moved in time; the same window re-coded lossily is a near-duplicate of every patch. A gateway process of its
+    own over the session's store (the session's gateway holds the store's LMDB environment in this process)."""
+    import subprocess
+
+    from tests.conftest import MODEL_ID, STORE_ENV, free_port, start_gateway_process, worker_events
+    from tests.e2e.test_approximate import stop
+    from tests.e2e.test_reuse import executed
+
+    port = free_port()
+    env = {**STORE_ENV, "REVISIT_MODEL": MODEL_ID, "REVISIT_MODEL_DIR": str(model_path),
+           "REVISIT_WORKERS": ",".join(gateway.config.workers), "REVISIT_HEALTH_INTERVAL_S": "0.5",
+           "REVISIT_PLAN_BY_COST": "0", "REVISIT_CALIBRATE": "0", "REVISIT_VIDEO_REUSE_PATCHES": "1",
+           "REVISIT_VIDEO_MATCH_PATCHES": "1"}
+    process: subprocess.Popen = start_gateway_process(env, port, log_file=tmp_path / "gateway.log")
+    url = f"http://127.0.0.1:{port}"
+    server = type("Server", (), {"url": url, "config": gateway.config})
+    frames = walker("chelsea.png", frames=10, size=(224, 224))
+    try:
+        with openai.OpenAI(base_url=url + "/v1", api_key="sk-patch-reuse", max_retries=0, timeout=300) as client:
+            before = worker_events(gateway.config.workers)
+            first = ask(client, server, encode_video(frames[0:6], fps=2, lossless=True))
+            assert first.headers["x-revisit-video-patches"] == "3;exact=0;approximate=0"
+            assert executed(server, before, stored=3)["stored"] == 3
+            before = worker_events(gateway.config.workers)
+            later = ask(client, server, encode_video(frames[2:8], fps=2, lossless=True))
+            assert later.headers["x-revisit-video-patches"].startswith("3;exact=2;")
+            assert executed(server, before, exact_executed=2)["exact_executed"] == 2
+            assert later.parse().choices[0].message.content
+            before = worker_events(gateway.config.workers)
+            again = ask(client, server, encode_video(frames[0:6], fps=2))  # lossy: other pixels
+            assert again.headers["x-revisit-video-patches"] == "3;exact=0;approximate=3"
+            assert executed(server, before, approximate_executed=3)["approximate_executed"] == 3
+            assert again.parse().choices[0].message.content
+    finally:
+        stop(process)

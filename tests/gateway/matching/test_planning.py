@@ -384,3 +384,58 @@ def test_the_planner_plans_a_page_scrolled_by_a_token_and_a_pixel_against_the_pa
     assert set(image_plan.change_map[-13:]) == {"x"}  # the row scrolled in
     farther = page.crop((0, 33, 13 * CELL, 33 + 5 * CELL))
     assert plan(planner, farther, "ns").kinds == ("miss",)
+
+
+# --- a video's temporal patches ---
+
+def video_intake(data: bytes, namespace: str) -> IntakeResult:
+    from gateway.config import VideoSettings
+    from gateway.videos import open_video
+
+    video = open_video(data, settings=VideoSettings(), processor=PROCESSOR, model="m", namespace=namespace,
+                       extractor=EXTRACTOR)
+    return IntakeResult(upstream_body={}, params=None, images=(), namespace=namespace,  # type: ignore[arg-type]
+                        videos=(video,))
+
+
+def plan_video(planner: Planner, data: bytes, namespace: str = "ns"):
+    return asyncio.run(planner.plan(video_intake(data, namespace)))
+
+
+def test_a_videos_patches_are_planned_stored_then_exact_and_nearly_the_same(cache) -> None:
+    from tests.videos_lib import encode_video, walker
+
+    manager, matcher = cache
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8, ratios=(0.2,) * 8), matcher,
+                      reuse_patches=True)
+    frames = walker(frames=12)  # a still camera, someone walking past: 2 frames a second are every frame
+    first = encode_video(frames[:6], fps=2, lossless=True)
+    planned = plan_video(planner, first)
+    assert planned.kinds == () and planned.patch_kinds == (("miss",) * 3,) and planned.plan is not None
+    patches = planned.plan.patches
+    assert all(p.kind == "miss" and p.store and p.grid == patches[0].grid for p in patches)
+    assert asyncio.run(planner.patches_seen(video_intake(first, "ns"), planned))[0].header() == \
+        "3;exact=0;approximate=0"
+    for patch in patches:
+        store_like_a_worker(manager, patch.key, patch.grid)
+    # the next window (frames 2-7): its first two patches are the same two frames (lossless), moved in time
+    later = plan_video(planner, encode_video(frames[2:8], fps=2, lossless=True))
+    assert later.patch_kinds[0][:2] == ("exact", "exact") and later.plan is not None
+    assert [p.key for p in later.plan.patches[:2]] == [p.key for p in patches[1:]]
+    assert later.plan.patches[0].ratios == (0.2,) * 8
+    # the first window again, re-encoded lossily: every pixel changed a little, every patch a near-duplicate
+    again = plan_video(planner, encode_video(frames[:6], fps=2))
+    assert again.patch_kinds == (("approximate",) * 3,) and again.plan is not None
+    assert all(p.vision == FULL_PASS and not p.derive and p.alias in {q.key for q in patches}
+               for p in again.plan.patches)
+    # another namespace has seen nothing
+    assert plan_video(planner, encode_video(frames[:6], fps=2), "other").patch_kinds == (("miss",) * 3,)
+
+
+def test_without_patch_reuse_a_video_is_planned_nothing(cache) -> None:
+    from tests.videos_lib import encode_video, walker
+
+    manager, matcher = cache
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8), matcher)
+    planned = plan_video(planner, encode_video(walker(frames=6), fps=2, lossless=True))
+    assert planned.plan is None and planned.patch_kinds == ()
