@@ -11,11 +11,12 @@ is cut into windows of WINDOW seconds every SLIDE seconds, each sent the way a s
              sampled are the same two pictures (exact), the rest near-duplicates or new
     resent   each window again at CRF 32 (after the lossless one): every pixel changed a little
 
-Each request is a streamed one-token answer; every one is sent twice, in turn, by two tenants of one gateway: one
-planned (x-revisit-video-patches says how), one with ``x-revisit-reuse-mode: off`` (plain SGLang). SGLang's prefix
-cache is emptied before each request. Printed per window: the patches planned, both TTFTs and their ratio; then
-the medians. The vision tower runs over the whole video either way (SGLang encodes a video in one pass): what a
-plan can save is the decoder's work on its patches.
+With ``--by-cost`` the gateway sends a plan only where the worker's measured costs predict it pays (as deployed);
+without it every plan is sent. Each request is a streamed one-token answer; every one is sent twice, in turn, by
+two tenants of one gateway: one planned (x-revisit-video-patches says how), one with ``x-revisit-reuse-mode: off``
+(plain SGLang). SGLang's prefix cache is emptied before each request. Printed per window: the patches planned,
+both TTFTs and their ratio; then the medians. The vision tower runs over the whole video either way (SGLang
+encodes a video in one pass): what a plan can save is the decoder's work on its patches.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def main() -> None:
     parser.add_argument("--slide", type=float, default=2.0, help="seconds between windows' starts")
     parser.add_argument("--windows", type=int, default=5, help="windows sent (the first ones)")
     parser.add_argument("--scale", type=float, default=0.5, help="frames resized by this factor (CPU time)")
+    parser.add_argument("--by-cost", action="store_true",
+                        help="plans sent only where the worker's measured costs say they pay (the default "
+                             "deployment); without it every plan is sent, to time the reuse paths themselves")
     args = parser.parse_args()
 
     name, frames, fps = clip(args.clip)
@@ -87,7 +91,7 @@ def main() -> None:
         from PIL import Image
 
         size = (int(frames[0].shape[1] * args.scale) // 2 * 2, int(frames[0].shape[0] * args.scale) // 2 * 2)
-        frames = [np.asarray(Image.fromarray(f).resize(size, Image.BILINEAR)) for f in frames]
+        frames = [np.asarray(Image.fromarray(f).resize(size, Image.Resampling.BILINEAR)) for f in frames]
     rate = max(1, round(fps))
     window, slide = round(args.window * fps), round(args.slide * fps)
     starts = list(range(0, len(frames) - window + 1, slide))[: args.windows]
@@ -102,7 +106,8 @@ def main() -> None:
         worker.wait_ready(900)
         env = {**store_env, "REVISIT_MODEL": MODEL_ID, "REVISIT_WORKERS": worker.url,
                "REVISIT_MODEL_DIR": str(model_path), "REVISIT_VIDEO_REUSE_PATCHES": "1",
-               "REVISIT_VIDEO_MATCH_PATCHES": "1", "REVISIT_HEALTH_INTERVAL_S": "3600"}
+               "REVISIT_VIDEO_MATCH_PATCHES": "1", "REVISIT_HEALTH_INTERVAL_S": "3600",
+               "REVISIT_PLAN_BY_COST": "1" if args.by_cost else "0"}
         with gateway_process(env, work / "gateway.log") as gateway:
             print(f"\n{name}: {frames[0].shape[1]} x {frames[0].shape[0]} at {fps:.2f} fps, {len(starts)} windows "
                   f"of {args.window:g} s every {args.slide:g} s; model {model_path.name}; streamed one-token TTFT")
@@ -128,13 +133,13 @@ def measure(gateway_url: str, worker_url: str, windows: list, rate: int) -> None
                 timings[tenant] = (seconds, headers.get("x-revisit-video-patches", "-"))
             time.sleep(0.5)  # the worker's store writes of the planned misses, before the next window looks
             plain, (planned, patches) = timings["plain"][0], timings["planned"]
-            if number:  # the first window is all misses in the sliding pass
+            if number or kind == "resent":  # the first sliding window is all misses
                 ratios[kind].append(planned / plain)
             print(f"{kind:8} {number:6d} {patches:34} {plain:7.2f}s {planned:7.2f}s {planned / plain:5.2f}x",
                   flush=True)
     for kind, values in ratios.items():
         if values:
-            print(f"{kind}: planned / plain TTFT, median over windows after the first: "
+            print(f"{kind}: planned / plain TTFT, median over the windows planned: "
                   f"{statistics.median(values):.2f}x (min {min(values):.2f}, max {max(values):.2f})")
 
 
