@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -75,6 +76,27 @@ def gateway_process(env: Mapping[str, str], log_path: Path, timeout_s: float = 6
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def worker_and_gateway(model_path: Path, served_name: str, prefix: str,
+                       gateway_env: Mapping[str, str]) -> Iterator[tuple[Any, Gateway]]:
+    """One SGLang worker on ``model_path`` (served as ``served_name``) and a gateway in front of it, on a store of
+    their own (``prefix`` names its folders), the gateway with ``gateway_env`` added; both stopped after."""
+    from launcher import WorkerSpec, start_worker
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    store_env = scratch_store(work, prefix)
+    worker = start_worker(WorkerSpec(model_path=model_path, port=free_port(), served_model_name=served_name,
+                                     log_file=work / "worker.log", env=store_env))
+    try:
+        worker.wait_ready(900)
+        env = {**store_env, "REVISIT_MODEL": served_name, "REVISIT_WORKERS": worker.url,
+               "REVISIT_MODEL_DIR": str(model_path), **gateway_env}
+        with gateway_process(env, work / "gateway.log") as gateway:
+            yield worker, gateway
+    finally:
+        worker.stop()
 
 
 CALIBRATION_TIMEOUT_S = 300

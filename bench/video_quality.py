@@ -25,7 +25,6 @@ import argparse
 import base64
 import random
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -36,15 +35,13 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import gateway_process, scratch_store  # noqa: E402
+from bench.harness import worker_and_gateway  # noqa: E402
 from bench.video_windows import encode as lossy  # noqa: E402
 from bundled import QWEN2_5_VL, build_model  # noqa: E402
 from bundled.reader.panels import CELL, Panel, random_panel  # noqa: E402
 from bundled.reader.panels import changed as revalue  # noqa: E402
 from bundled.reader.questions import field  # noqa: E402
 from gateway.routes.openai_api import REUSE_MODE_HEADER  # noqa: E402
-from launcher import WorkerSpec, start_worker  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
 from tests.videos_lib import encode_video  # noqa: E402
 
 MODEL_ID = "bench-oracle"
@@ -75,19 +72,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=11)
     args = parser.parse_args()
     model_path = build_model(QWEN2_5_VL, "oracle", on_progress=print)
-    work = Path(tempfile.mkdtemp(prefix="bench-video-quality-"))
-    store_env = scratch_store(work, "bench-video-quality-")
-    worker = start_worker(WorkerSpec(model_path=model_path, port=free_port(), served_model_name=MODEL_ID,
-                                     log_file=work / "worker.log", env=store_env))
-    try:
-        worker.wait_ready(900)
-        env = {**store_env, "REVISIT_MODEL": MODEL_ID, "REVISIT_WORKERS": worker.url,
-               "REVISIT_MODEL_DIR": str(model_path), "REVISIT_VIDEO_REUSE_PATCHES": "1",
-               "REVISIT_VIDEO_MATCH_PATCHES": "1", "REVISIT_HEALTH_INTERVAL_S": "3600"}
-        with gateway_process(env, work / "gateway.log") as gateway:
-            measure(gateway.url, worker.url, args.panels, random.Random(args.seed))
-    finally:
-        worker.stop()
+    env = {"REVISIT_VIDEO_REUSE_PATCHES": "1", "REVISIT_VIDEO_MATCH_PATCHES": "1", "REVISIT_HEALTH_INTERVAL_S": "3600"}
+    with worker_and_gateway(model_path, MODEL_ID, "bench-video-quality-", env) as (worker, gateway):
+        measure(gateway.url, worker.url, args.panels, random.Random(args.seed))
 
 
 def measure(gateway_url: str, worker_url: str, panels: int, rng: random.Random) -> None:

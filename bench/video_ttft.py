@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,13 +32,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import gateway_process, scratch_store  # noqa: E402
+from bench.harness import worker_and_gateway  # noqa: E402
 from bench.reuse_ttft import ttft  # noqa: E402
 from bench.video_windows import CLIPS_DIR, frames_of  # noqa: E402
 from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from gateway.routes.openai_api import REUSE_MODE_HEADER  # noqa: E402
-from launcher import WorkerSpec, start_worker  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
 from tests.videos_lib import encode_video, walker  # noqa: E402
 
 MODEL_ID = "bench-model"
@@ -98,22 +95,12 @@ def main() -> None:
     if not starts:
         raise SystemExit(f"{name} is shorter than one window")
     model_path = build_model(DEFAULT_ARCH, args.size, on_progress=print)
-    work = Path(tempfile.mkdtemp(prefix="bench-video-"))
-    store_env = scratch_store(work, "bench-video-")
-    worker = start_worker(WorkerSpec(model_path=model_path, port=free_port(), served_model_name=MODEL_ID,
-                                     log_file=work / "worker.log", env=store_env))
-    try:
-        worker.wait_ready(900)
-        env = {**store_env, "REVISIT_MODEL": MODEL_ID, "REVISIT_WORKERS": worker.url,
-               "REVISIT_MODEL_DIR": str(model_path), "REVISIT_VIDEO_REUSE_PATCHES": "1",
-               "REVISIT_VIDEO_MATCH_PATCHES": "1", "REVISIT_HEALTH_INTERVAL_S": "3600",
-               "REVISIT_PLAN_BY_COST": "1" if args.by_cost else "0"}
-        with gateway_process(env, work / "gateway.log") as gateway:
-            print(f"\n{name}: {frames[0].shape[1]} x {frames[0].shape[0]} at {fps:.2f} fps, {len(starts)} windows "
-                  f"of {args.window:g} s every {args.slide:g} s; model {model_path.name}; streamed one-token TTFT")
-            measure(gateway.url, worker.url, [frames[s:s + window] for s in starts], rate)
-    finally:
-        worker.stop()
+    env = {"REVISIT_VIDEO_REUSE_PATCHES": "1", "REVISIT_VIDEO_MATCH_PATCHES": "1", "REVISIT_HEALTH_INTERVAL_S": "3600",
+           "REVISIT_PLAN_BY_COST": "1" if args.by_cost else "0"}
+    with worker_and_gateway(model_path, MODEL_ID, "bench-video-", env) as (worker, gateway):
+        print(f"\n{name}: {frames[0].shape[1]} x {frames[0].shape[0]} at {fps:.2f} fps, {len(starts)} windows "
+              f"of {args.window:g} s every {args.slide:g} s; model {model_path.name}; streamed one-token TTFT")
+        measure(gateway.url, worker.url, [frames[s:s + window] for s in starts], rate)
 
 
 def measure(gateway_url: str, worker_url: str, windows: list, rate: int) -> None:

@@ -122,7 +122,7 @@ STREAM_END = b"data: [DONE]\n\n"  # the last event of an OpenAI stream, as the g
 NO_IMAGE = "none"  # the reuse label of a request without images or videos
 PLAIN = "plain"  # ... of one whose images were planned nothing (reuse off for it): plain SGLang
 MIXED = "mixed"  # ... of one whose images were planned as different kinds, or that has images and videos
-VIDEO = "video"  # ... of one with videos and no image: videos run as plain SGLang (gateway/videos.py)
+VIDEO = "video"  # ... of one with videos and no image (their patches counted by revisit_video_patches_total)
 RESPONSE_CACHED = "response_cache"  # ... of one the response cache answered (gateway/response_cache): no model ran
 
 

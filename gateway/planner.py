@@ -340,6 +340,7 @@ class Planner:
             exact = ImagePlan(key=patch.key, kind=EXACT, tokens=tokens, grid=grid, ratios=ratios or ())
             if ratios is not None and self._pays(exact, costs, context, tower_runs=True):
                 return exact
+            self.counts["patch_refused_cost"] += ratios is not None
             return ImagePlan(key=patch.key, kind=MISS, tokens=tokens, grid=grid, store=False)
         miss = ImagePlan(key=patch.key, kind=MISS, tokens=tokens, grid=grid)
         if self.matcher is None or patch.features is None:
@@ -355,6 +356,7 @@ class Planner:
                 assert alias is not None
                 self.cache.record_approximate_hit(alias.alias)
                 return plan
+            self.counts["patch_refused_cost"] += 1
         self.matcher.add(patch.key, namespace, patch.features, lookup.query if lookup is not None else None)
         return miss
 

@@ -16,7 +16,7 @@ import pytest
 from gateway.cache import CacheManager
 from gateway.calibration import WorkerCosts
 from gateway.config import GatewayConfig, MatchSettings, PolicySettings, ProcessorSettings, ReuseSettings
-from gateway.costs import CostModel, Costs, ModelFacts
+from gateway.costs import CostModel, Costs, ModelFacts, pays
 from gateway.images import canonicalize
 from gateway.intake import IntakeResult
 from gateway.matching.align import CHANGED
@@ -35,6 +35,7 @@ from plan import (
     PARTIAL_PASS,
     SELECTORS,
     VLCACHE,
+    ImagePlan,
 )
 from plan.outcome import FULL_PREFILL, PLANNED, PREFIX_CACHED, Outcome
 from store import Entry, FeatureStore, StoreConfig
@@ -439,3 +440,33 @@ def test_without_patch_reuse_a_video_is_planned_nothing(cache) -> None:
     planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8), matcher)
     planned = plan_video(planner, encode_video(walker(frames=6), fps=2, lossless=True))
     assert planned.plan is None and planned.patch_kinds == ()
+
+
+def test_a_patch_pays_only_with_what_its_layers_save(cache) -> None:
+    """The vision tower encodes the whole video whatever a patch's plan: a patch's exact plan is sent only where
+    reading its K/V beats computing its layers, however dear the tower (an image's plan would save the tower)."""
+    from tests.videos_lib import encode_video, walker
+
+    manager, matcher = cache
+    client = httpx.AsyncClient()
+    costs = WorkerCosts(ModelFacts(layers=8, kv_bytes_per_token_layer=64), "m", PROCESSOR,
+                        WorkerPool([], client, interval_s=1.0, timeout_s=1.0), client)
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8, ratios=(0.0,) * 8), matcher, costs,
+                      reuse_patches=True)
+    frames = walker(frames=8)
+    first = plan_video(planner, encode_video(frames[:6], fps=2, lossless=True))
+    for patch in first.plan.patches:  # type: ignore[union-attr]
+        store_like_a_worker(manager, patch.key, patch.grid)
+    later = encode_video(frames[2:8], fps=2, lossless=True)
+    # The tower dear, the decoder cheap, reading dearer than computing: what a patch's plan could save is nothing.
+    costs.models["http://worker"] = CostModel(Costs.of(token_layers=1e-7, vision_patches=1e-3,
+                                                       read_token_layers=1e-6))
+    refused = plan_video(planner, later)
+    assert refused.patch_kinds[0][:2] == ("miss", "miss") and planner.counts["patch_refused_cost"] >= 2
+    assert not any(p.store for p in refused.plan.patches[:2])  # type: ignore[union-attr]  # stored already
+    image_exact = ImagePlan(key="c" * 64, kind="exact", tokens=16, grid=(4, 4), ratios=(0.0,) * 8)
+    assert pays(image_exact, costs.facts, costs.models["http://worker"])  # an image's would pay: the tower saved
+    # Reading cheap, the decoder dear: the same patches are exact.
+    costs.models["http://worker"] = CostModel(Costs.of(token_layers=1e-3, vision_patches=1e-3,
+                                                       read_token_layers=1e-9))
+    assert plan_video(planner, later).patch_kinds[0][:2] == ("exact", "exact")
