@@ -162,8 +162,10 @@ class Planned:
         return total
 
     def fallbacks(self, ran: Mapping[int, Outcome]) -> list[tuple[str, Outcome]]:
-        """(planned kind, outcome) of each image that did not run exactly as planned."""
-        return [(kind, outcome) for index, kind in enumerate(self.kinds)
+        """(planned kind, outcome) of each image, and each video patch (its kind as ``patch_<kind>``, reported after
+        the images: engine_ext.executor.rows), that did not run exactly as planned."""
+        kinds = [*self.kinds, *(f"patch_{kind}" for video in self.patch_kinds for kind in video)]
+        return [(kind, outcome) for index, kind in enumerate(kinds)
                 if (outcome := outcome_of(ran, index)) is not None and (outcome.fell_back or outcome.cause)]
 
 
@@ -318,15 +320,13 @@ class Planner:
         plans: list[ImagePlan] = []
         kinds: list[tuple[str, ...]] = []
         for video in intake.videos:
-            grid, tokens = video.grid, video.grid[0] * video.grid[1]
             video_kinds = []
             for patch in video.patches:
-                plan = self._patch_plan(patch, grid, intake.namespace, selector, approximate, costs, context)
+                plan = self._patch_plan(patch, video.grid, intake.namespace, selector, approximate, costs, context)
                 plans.append(plan)
                 video_kinds.append(plan.kind)
                 if plan.kind == EXACT:
                     self.cache.record_exact_hit(patch.key)
-                assert plan.tokens == tokens
             kinds.append(tuple(video_kinds))
         self.counts.update(f"patch_{kind}" for video_kinds in kinds for kind in video_kinds)
         return plans, tuple(kinds)

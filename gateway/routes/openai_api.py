@@ -141,9 +141,11 @@ async def chat_completions(request: Request) -> Any:
 
     async def after_prefill() -> None:
         ran = None
-        if planned.kinds:
-            headers[REUSE_HEADER], ran = await _what_ran(services, planned, request_id)
-            headers[STORE_TOKENS_HEADER] = str(planned.store_tokens(ran))
+        if planned.kinds or planned.patch_kinds:  # what the worker reported is taken either way
+            reuse, ran = await _what_ran(services, planned, request_id)
+            if planned.kinds:
+                headers[REUSE_HEADER] = reuse
+                headers[STORE_TOKENS_HEADER] = str(planned.store_tokens(ran))
         if first and costs is not None:  # a sample of the worker's costs
             worker, seconds, held = first[0]
             work, kind = _work_that_ran(costs.facts, intake, plan, planned.kinds, ran, held,
@@ -289,7 +291,7 @@ async def _what_ran(services: Services, planned: Planned, request_id: str) -> tu
         return planned.reuse_header(), None
     for kind, outcome in planned.fallbacks(ran):
         services.requests.fallbacks.labels(kind, outcome.cause or "", outcome.ran).inc()
-        log.warning("request %s: an image planned as %s ran as %s (%s)", request_id, kind,
+        log.warning("request %s: an image or video patch planned as %s ran as %s (%s)", request_id, kind,
                     "a full prefill" if outcome.fell_back else "planned, degraded", outcome.cause)
     return planned.reuse_header(ran), ran
 

@@ -65,6 +65,15 @@ def test_the_reuse_header_says_what_ran() -> None:
     assert planned.reuse_header(refused).count("fallback=plan_refused") == 3
 
 
+def test_a_video_patchs_fallback_is_reported_after_the_images() -> None:
+    planned = Planned(plan=RequestPlan(), prefer=None, kinds=("exact_moved",), patch_kinds=(("exact", "miss"),
+                                                                                          ("approximate",)))
+    ran = {0: Outcome(PLANNED), 1: Outcome(FULL_PREFILL, "entry_missing"), 2: Outcome(PLANNED),
+           3: Outcome(FULL_PREFILL, "entry_damaged")}
+    assert planned.fallbacks(ran) == [("patch_exact", ran[1]), ("patch_approximate", ran[3])]
+    assert planned.reuse_header(ran) == "exact_moved"  # the header names the images only
+
+
 def test_across_hosts_outcomes_go_through_the_books_server_and_expire(redis_server, tmp_path) -> None:
     import redis
 
