@@ -234,7 +234,10 @@ class PlanExecutor:
         return plans
 
     def _fitting(self, rows: ImageRows, plan: RequestPlan) -> ImagePlan | None:
-        """The plan of the image (or video patch) at ``rows``; None, counted, where the plan has none that fits."""
+        """The plan of the image (or video patch) at ``rows``; None, counted, where the plan has none that fits. A
+        plan without patches plans no video: its videos run as in SGLang, unremarked."""
+        if rows.patch is not None and not plan.patches:
+            return None
         units, index = (plan.images, rows.index) if rows.patch is None else (plan.patches, rows.patch)
         if index < len(units) and units[index].tokens == rows.tokens:
             return units[index]

@@ -484,3 +484,17 @@ def test_a_plan_with_other_patches_than_the_video_runs_unplanned(pair: Pair, fir
     served = chat(pair.b, video_parts(first_window["video"]), plan_rid=plan_rid)
     assert ran(pair, plan_rid) == {0: Outcome(PLANNED), 1: Outcome(PLANNED), 2: Outcome(UNPLANNED, "plan_mismatch")}
     assert text_of(served) == text_of(first_window["answer"])
+
+
+def test_a_plan_without_patches_leaves_the_video_alone(pair: Pair, first_window: dict) -> None:
+    """What a gateway sends a video's request when it plans no patch (the tenant's scope alone): the video runs as
+    in SGLang, with nothing reported or counted as a mismatch."""
+    from tests.conftest import worker_events
+
+    before = worker_events([pair.b.url])
+    flush(pair.b)
+    plan_rid = RequestPlan(scope="video-tenant").to_rid(uuid.uuid4().hex, key=PUBLIC_PLAN_KEY)
+    served = chat(pair.b, video_parts(first_window["video"]), plan_rid=plan_rid)
+    events = worker_events([pair.b.url]) - before
+    assert events["plan_mismatch"] == 0 and ran(pair, plan_rid) is None
+    assert text_of(served) == text_of(first_window["answer"])
