@@ -108,12 +108,12 @@ class VideoSettings:
     least ``min_frames`` and at most ``max_sampled_frames``, an even count), so that the gateway keys the frames
     the model sees. A worker started with another video configuration needs the same numbers here.
     ``match_patches``: each temporal patch (two sampled frames) gets token features and is matched against the
-    namespace's earlier videos' patches as a near-duplicate (gateway/videos.py ``PatchBook``); counted, not yet
-    planned, and it costs the request an extraction per patch (about 30 ms for 570 tokens on one core), so off
-    unless asked for. ``reuse_patches``: each temporal patch is planned (gateway/planner.py): stored by the worker
-    on its first sight, reused where the store holds the same two frames (exact, moved in time and place) and, with
-    ``match_patches``, where it holds a near-duplicate (approximate, with the vision tower over the whole video);
-    off until it is shown to pay.
+    namespace's earlier videos' patches as a near-duplicate (gateway/videos.py ``PatchBook``); counted (planned
+    with ``reuse_patches``), and it costs the request an extraction per patch (about 30 ms for 570 tokens on one
+    core), so off unless asked for. ``reuse_patches``: each temporal patch is planned (gateway/planner.py):
+    stored by the worker on its first sight, reused where the store holds the same two frames (exact, moved in time
+    and place) and, with ``match_patches``, where it holds a near-duplicate (approximate, with the vision tower over
+    the whole video); off until it is shown to pay.
     """
 
     max_per_request: int = 2
