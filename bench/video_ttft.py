@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench.harness import worker_and_gateway  # noqa: E402
 from bench.reuse_ttft import ttft  # noqa: E402
 from bench.video_windows import CLIPS_DIR, frames_of  # noqa: E402
+from bench.video_windows import encode as lossy  # noqa: E402
 from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from gateway.routes.openai_api import REUSE_MODE_HEADER  # noqa: E402
 from tests.videos_lib import encode_video, walker  # noqa: E402
@@ -52,12 +53,6 @@ def body(video: bytes) -> dict:
                {"type": "text", "text": QUESTION}]
     return {"model": MODEL_ID, "messages": [{"role": "user", "content": content}], "max_tokens": 1,
             "temperature": 0, "stream": True}
-
-
-def lossy(frames, fps: int, crf: int) -> bytes:
-    from bench.video_windows import encode
-
-    return encode(frames, fps, crf)
 
 
 def clip(name: str):

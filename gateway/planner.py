@@ -337,10 +337,11 @@ class Planner:
         stored = self._stored(patch.key)
         if stored is not None:
             ratios = self.settings.ratios
-            exact = ImagePlan(key=patch.key, kind=EXACT, tokens=tokens, grid=grid, ratios=ratios or ())
-            if ratios is not None and self._pays(exact, costs, context, tower_runs=True):
-                return exact
-            self.counts["patch_refused_cost"] += ratios is not None
+            if ratios is not None:  # moving a patch needs per-layer ratios (the model's layer count)
+                exact = ImagePlan(key=patch.key, kind=EXACT, tokens=tokens, grid=grid, ratios=ratios)
+                if self._pays(exact, costs, context, tower_runs=True):
+                    return exact
+                self.counts["patch_refused_cost"] += 1
             return ImagePlan(key=patch.key, kind=MISS, tokens=tokens, grid=grid, store=False)
         miss = ImagePlan(key=patch.key, kind=MISS, tokens=tokens, grid=grid)
         if self.matcher is None or patch.features is None:
