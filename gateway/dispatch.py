@@ -19,29 +19,27 @@ makes SGLang abort the request.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import httpx
 import orjson
 
 from gateway import openai_shape
 from gateway.errors import NoHealthyWorker, UpstreamClientError, UpstreamError, error_body
 from gateway.json_body import LONG_STRINGS_BODY, CutURL
 from gateway.offload import off_loop
+from gateway.upstream import AnswerTimedOut, ConnectTimedOut, TransportFailure, Upstream, UpstreamResponse
 from gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-_JSON = {"content-type": "application/json"}
 _DONE_LINE = "data: [DONE]"  # the last event of an OpenAI stream, as the worker sends it
 _TAKEN_OUT = "the worker was taken out by its health checks before it answered"
 
@@ -72,15 +70,20 @@ class UpstreamRequest:
         """Bytes the worker gets."""
         return len(self.payload) + sum(url.end - url.payload_start - len(url.marker) for _, url in self.cut)
 
-    def build(self, client: httpx.AsyncClient, url: str) -> httpx.Request:
-        """The POST to a worker's ``url``, on ``client`` (its headers)."""
+    def pieces(self) -> tuple[bytes | memoryview, ...]:
+        """The body the worker gets, in pieces: the payload, with each placeholder replaced by its CutURL's base64 in
+        pieces of at most _PIECE bytes, views of the payload and of the client's body (nothing is copied into one
+        buffer). ``size`` bytes in all."""
         if not self.cut:
-            return client.build_request("POST", url, content=self.payload, headers=_JSON)
-        built = client.build_request("POST", url, headers=_JSON)  # the client's headers, merged
-        headers = built.headers.copy()
-        headers["Content-Length"] = str(self.size)
-        return httpx.Request("POST", built.url, headers=headers, stream=_Spliced(self.payload, self.cut),
-                             extensions=built.extensions)
+            return (self.payload,)
+        payload, kept, pieces = memoryview(self.payload), 0, []
+        for at, url in self.cut:
+            pieces.append(payload[kept:at])
+            base64 = url.payload
+            pieces.extend(base64[start:start + _PIECE] for start in range(0, len(base64), _PIECE))
+            kept = at + len(url.marker)
+        pieces.append(payload[kept:])
+        return tuple(pieces)
 
 
 def _encoded(body: dict[str, Any], large: bool) -> tuple[bytes, tuple[tuple[int, CutURL], ...]]:
@@ -122,25 +125,7 @@ def _placed(payload: bytes, urls: list[CutURL]) -> tuple[tuple[int, CutURL], ...
     return tuple(sorted(placed, key=lambda item: item[0]))
 
 
-class _Spliced(httpx.AsyncByteStream):
-    """The payload with each placeholder replaced by its CutURL's base64, in pieces of at most _PIECE bytes (views of
-    the payload and of the client's body: nothing is copied into one buffer). Sendable again (a retry)."""
-
-    def __init__(self, payload: bytes, cut: tuple[tuple[int, CutURL], ...]) -> None:
-        self._payload, self._cut = payload, cut
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        payload, kept = memoryview(self._payload), 0
-        for at, url in self._cut:
-            yield payload[kept:at].tobytes()
-            base64 = url.payload
-            for start in range(0, len(base64), _PIECE):
-                yield base64[start:start + _PIECE].tobytes()
-            kept = at + len(url.marker)
-        yield payload[kept:].tobytes()
-
-
-_PIECE = 1 << 18  # bytes written to a worker at a time from a CutURL (a copy of each: ~0.1 ms)
+_PIECE = 1 << 18  # bytes written to a worker at a time from a CutURL
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,23 +166,14 @@ def _sse(payload: dict | str) -> bytes:
 
 
 class Dispatcher:
-    """Sends completions to the pool's workers. ``clients``: one, or several taken in turn (each its own connection
-    pool: httpcore's pool work per request grows with the connections and requests it holds)."""
+    """Sends completions to the pool's workers over ``upstream`` (gateway/upstream.py's client)."""
 
-    def __init__(self, pool: WorkerPool, clients: httpx.AsyncClient | Sequence[httpx.AsyncClient]):
+    def __init__(self, pool: WorkerPool, upstream: Upstream):
         self._pool = pool
-        self._clients = [clients] if isinstance(clients, httpx.AsyncClient) else list(clients)
-        if not self._clients:
-            raise ValueError("a dispatcher needs at least one client")
-        self._turn = itertools.cycle(self._clients)
-
-    def _next_client(self) -> httpx.AsyncClient:
-        """The client the next request goes out on."""
-        return next(self._turn)
+        self._upstream = upstream
 
     async def aclose(self) -> None:
-        for client in self._clients:
-            await client.aclose()
+        await self._upstream.aclose()
 
     def _next(self, tried: list[Worker], last_error: str | None, prefer: str | None = None) -> Worker:
         try:
@@ -219,10 +195,10 @@ class Dispatcher:
                 alone, sent = worker.inflight == 1, time.perf_counter()
                 with self._pool.until_taken_out(worker) as waiting:
                     try:
-                        client = self._next_client()
-                        response = await client.send(request.build(client, worker.url + request.path))
+                        response = await self._upstream.post(worker.url + request.path, request.pieces(),
+                                                             request.size)
                         alone, took = alone and worker.inflight == 1, time.perf_counter() - sent
-                    except httpx.TransportError as exc:
+                    except TransportFailure as exc:
                         last_error = self._not_sent(worker, exc)
                         continue
                 if waiting.cancelled_caught:
@@ -232,7 +208,7 @@ class Dispatcher:
                 _first(route, worker, took, alone)
                 worker.served += 1
                 try:
-                    result = route.shape.completion(response.json(), public_id=route.public_id)
+                    result = route.shape.completion(orjson.loads(response.content), public_id=route.public_id)
                 except ValueError as exc:
                     raise UpstreamError("worker returned a body that is not JSON") from exc
                 if route.on_served is not None:
@@ -240,7 +216,7 @@ class Dispatcher:
                 return result
             if 400 <= response.status_code < 500:
                 raise _client_error(response.status_code, response.content)
-            last_error = f"worker returned HTTP {response.status_code}: {response.text[:300]}"
+            last_error = f"worker returned HTTP {response.status_code}: {response.content[:300]!r}"
             log.warning("worker %s: %s", worker.url, last_error)
 
     async def open_stream(self, request: UpstreamRequest, route: Route = Route()) -> AsyncIterator[bytes]:
@@ -256,20 +232,19 @@ class Dispatcher:
             worker = self._next(tried, last_error, route.prefer)
             lease = self._pool.lease(worker)
             await lease.__aenter__()
-            response: httpx.Response | None = None
+            response: UpstreamResponse | None = None
             try:
                 with self._pool.until_taken_out(worker) as waiting:
-                    client = self._next_client()
-                    built = request.build(client, worker.url + request.path)
                     alone, sent = worker.inflight == 1, time.perf_counter()
-                    response = await client.send(built, stream=True)
+                    response = await self._upstream.post(worker.url + request.path, request.pieces(), request.size,
+                                                         stream=True)
                     if response.status_code != 200:
                         payload = await response.aread()
                         if 400 <= response.status_code < 500:
                             raise _client_error(response.status_code, payload)
                         last_error = f"worker returned HTTP {response.status_code}: {payload[:300]!r}"
                         raise _Retry
-                    lines = response.aiter_lines()
+                    lines = response.lines()
                     first = await _first_event(lines)
                     if first is None:
                         last_error = "worker closed the stream before sending anything"
@@ -282,7 +257,7 @@ class Dispatcher:
             except _Retry:
                 await _close(response, lease)
                 continue
-            except httpx.TransportError as exc:
+            except TransportFailure as exc:
                 await _close(response, lease)
                 last_error = self._not_sent(worker, exc)
                 continue
@@ -297,18 +272,18 @@ class Dispatcher:
             head = await relay.__anext__()
             return _prepend(head, relay)
 
-    def _not_sent(self, worker: Worker, exc: httpx.TransportError) -> str:
+    def _not_sent(self, worker: Worker, exc: TransportFailure) -> str:
         """A transport failure that sends the request to another worker: what to say of it, the worker marked down
         unless it only made no connection in time (the rules above). A timeout once the request was sent raises
         UpstreamError instead: the worker may be running it, and it is not sent twice."""
-        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-            raise UpstreamError(f"worker timed out: {type(exc).__name__}") from exc
-        error = f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, httpx.ConnectTimeout):
+        if isinstance(exc, AnswerTimedOut):
+            raise UpstreamError(f"worker timed out: {exc}") from exc
+        error = str(exc)
+        if not isinstance(exc, ConnectTimedOut):
             self._pool.mark_failed(worker, error)
         return error
 
-    async def _relay(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str], first: str, lease,
+    async def _relay(self, worker: Worker, response: UpstreamResponse, lines: AsyncIterator[str], first: str, lease,
                      shaper: openai_shape.StreamShaper,
                      on_served: Callable[[Worker], None] | None) -> AsyncGenerator[bytes, None]:
         served = False
@@ -331,8 +306,8 @@ class Dispatcher:
                     yield (shaper.line(line) + "\n\n").encode()
             if not served:
                 serve()
-        except httpx.HTTPError as exc:
-            message = f"the worker failed mid-stream: {type(exc).__name__}"
+        except TransportFailure as exc:
+            message = f"the worker failed mid-stream: {exc}"
             self._pool.mark_failed(worker, message)
             yield _sse(error_body(message, "upstream_error"))
             yield _sse("[DONE]")
@@ -367,7 +342,7 @@ async def _first_event(lines: AsyncIterator[str]) -> str | None:
     return None
 
 
-async def _close(response: httpx.Response | None, lease) -> None:
+async def _close(response: UpstreamResponse | None, lease) -> None:
     # Shielded: this runs while the client's disconnect is cancelling the task, and the
     # upstream connection must still be closed so the worker stops generating.
     with anyio.CancelScope(shield=True):

@@ -33,6 +33,7 @@ from gateway.prompt_size import PromptSize
 from gateway.response_cache import ResponseCache, TextEmbedder
 from gateway.tenancy import Tenants
 from gateway.turns import WorkerTurns
+from gateway.upstream import UpstreamClient
 from gateway.workers import WorkerPool
 from plan import plan_key
 from plan.outcome import Outcomes, outcome_box
@@ -45,7 +46,6 @@ REBUILD_CHUNK = 2048  # records restored per turn on the cache thread
 # connection SGLANG_TIMEOUT_KEEP_ALIVE = 5 s), so that no request goes out on a connection the worker is closing,
 # which would fail at once and take a healthy worker out of rotation.
 UPSTREAM_KEEP_ALIVE_S = 2.0
-UPSTREAM_POOLS, UPSTREAM_POOL_CONNECTIONS = 8, 8  # at most this many pools for completions, of at least this many
 
 
 @dataclass(slots=True)
@@ -76,27 +76,22 @@ class Services:
 
     @classmethod
     def build(cls, config: GatewayConfig) -> Services:
-        # One client for every worker call: pooled keep-alive connections, explicit
-        # timeouts. The read timeout bounds the gap between two streamed chunks.
         # With a deployment secret the workers take requests only with the API key derived from it.
         api_key = worker_api_key(config.secret)
-        def upstream_client(connections: int) -> httpx.AsyncClient:
-            return httpx.AsyncClient(
-                headers={"Authorization": f"Bearer {api_key}"} if api_key is not None else None,
-                timeout=httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s),
-                limits=httpx.Limits(
-                    max_connections=connections,
-                    max_keepalive_connections=min(64, connections),
-                    keepalive_expiry=UPSTREAM_KEEP_ALIVE_S,
-                ),
-            )
-
-        client = upstream_client(config.max_connections)  # health checks, calibration: a few requests at a time
-        # The completions go out on pools of a few connections each, taken in turn (dispatch.Dispatcher): httpcore's
-        # pool scans every connection for each queued request on every request and response, which took a quarter
-        # of the gateway's CPU at 64 concurrent clients with one pool (bench/load.py --profile).
-        shards = max(1, min(UPSTREAM_POOLS, config.max_connections // UPSTREAM_POOL_CONNECTIONS))
-        completions = [upstream_client(-(-config.max_connections // shards)) for _ in range(shards)]
+        authorization = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
+        # Health checks and calibration (a few requests at a time): httpx, pooled keep-alive connections, explicit
+        # timeouts.
+        client = httpx.AsyncClient(
+            headers=authorization,
+            timeout=httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=64,
+                                keepalive_expiry=UPSTREAM_KEEP_ALIVE_S),
+        )
+        # The completions: the gateway's own client (gateway/upstream.py; httpx took most of the time a text request
+        # spent in the gateway). Its timeout bounds the wait for an answer and the gap between two streamed pieces.
+        completions = UpstreamClient(connections=config.max_connections, timeout_s=config.upstream_timeout_s,
+                                     connect_timeout_s=config.connect_timeout_s, keepalive_s=UPSTREAM_KEEP_ALIVE_S,
+                                     headers=authorization)
         pool = WorkerPool(
             config.workers, client, interval_s=config.health_interval_s, timeout_s=config.health_timeout_s
         )

@@ -12,10 +12,16 @@ from http.server import BaseHTTPRequestHandler
 import httpx
 
 from gateway.dispatch import Dispatcher, Route, UpstreamRequest
+from gateway.upstream import UpstreamClient
 from gateway.workers import WorkerPool
 from tests.http_server import serve_handler
 
 UPSTREAM_TIMEOUT_S = 20.0  # what a request at a hung worker would wait without the pool giving it back
+
+
+def upstream(timeout_s: float) -> UpstreamClient:
+    """The gateway's client to its workers (gateway/upstream.py)."""
+    return UpstreamClient(connections=16, timeout_s=timeout_s, connect_timeout_s=2.0, keepalive_s=2.0)
 
 
 class Worker(BaseHTTPRequestHandler):
@@ -76,7 +82,7 @@ async def _with_one_hanging(stream: bool) -> tuple[str, float, WorkerPool]:
             try:
                 assert all(w.healthy for w in pool.workers)
                 a.thawed.clear()  # (the POST handler waits while frozen, so "as the request arrives" holds)
-                dispatcher = Dispatcher(pool, client)
+                dispatcher = Dispatcher(pool, upstream(UPSTREAM_TIMEOUT_S))
                 body = {"rid": "r1", "model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
                 request = UpstreamRequest(payload=json.dumps(body).encode(), rid="r1")
                 started = time.monotonic()
@@ -91,6 +97,7 @@ async def _with_one_hanging(stream: bool) -> tuple[str, float, WorkerPool]:
                         answered_by = answer["choices"][0]["message"]["content"]
                 finally:
                     a.thawed.set()
+                    await dispatcher.aclose()
                 assert a.posted.is_set(), "the request never reached the worker that hung"
                 return answered_by, time.monotonic() - started, pool
             finally:
@@ -109,38 +116,6 @@ async def test_a_stream_at_a_worker_that_hangs_before_its_first_event_is_answere
     assert answered_by == "B"
     assert seconds < UPSTREAM_TIMEOUT_S / 2
     assert pool.workers[0].inflight == 0 and not pool.workers[0]._awaited
-
-
-async def test_completions_go_out_on_the_dispatchers_clients_in_turn():
-    """Several clients (each its own connection pool): every request, plain or streamed, takes the next one."""
-    seen: list[str] = []
-
-    class Recording(worker("A")):  # type: ignore[misc, valid-type]
-        def do_POST(self) -> None:  # noqa: N802
-            seen.append(self.headers["x-pool"])
-            super().do_POST()
-
-    with serve_handler(Recording) as url:
-        clients = [httpx.AsyncClient(headers={"x-pool": str(i)}, timeout=10) for i in range(3)]
-        async with httpx.AsyncClient(timeout=10) as health:
-            pool = WorkerPool([url], health, interval_s=0.1, timeout_s=1.0)
-            await pool.start()
-            dispatcher = Dispatcher(pool, clients)
-            try:
-                for n in range(6):
-                    body = {"rid": f"r{n}", "model": "m", "stream": n % 2 == 1,
-                            "messages": [{"role": "user", "content": "hi"}]}
-                    request = UpstreamRequest(payload=json.dumps(body).encode(), rid=f"r{n}")
-                    if body["stream"]:
-                        events = await dispatcher.open_stream(request)
-                        assert b"[DONE]" in b"".join([event async for event in events])
-                    else:
-                        assert (await dispatcher.complete(request))["choices"][0]["message"]["content"] == "A"
-            finally:
-                await pool.stop()
-                await dispatcher.aclose()
-    assert seen == ["0", "1", "2", "0", "1", "2"]
-    assert all(client.is_closed for client in clients)
 
 
 async def test_a_stream_s_events_are_relayed_whole_however_long_and_however_split():
@@ -168,7 +143,7 @@ async def test_a_stream_s_events_are_relayed_whole_however_long_and_however_spli
         async with httpx.AsyncClient(timeout=10) as health:
             pool = WorkerPool([url], health, interval_s=0.1, timeout_s=1.0)
             await pool.start()
-            dispatcher = Dispatcher(pool, httpx.AsyncClient(timeout=10))
+            dispatcher = Dispatcher(pool, upstream(10))
             try:
                 body = {"rid": "r", "model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
                 events = await dispatcher.open_stream(UpstreamRequest(payload=json.dumps(body).encode(), rid="r"))

@@ -1,7 +1,9 @@
 """The dispatcher's failure rules (gateway/dispatch.py's docstring), each on its own, with an in-process transport
-(httpx.MockTransport) standing in for the workers: what a worker does to a request is one function of the request,
-so every way of failing is exact and immediate. The same rules with real workers: tests/gateway/test_dispatch.py
-(loopback HTTP workers that hang) and the soak (SGLang workers killed, hung and restarted)."""
+(httpx.MockTransport, behind an Upstream that says httpx's failures as gateway/upstream.py says them) standing in
+for the workers: what a worker does to a request is one function of the request, so every way of failing is exact
+and immediate. The same rules with real workers: tests/gateway/test_dispatch.py (loopback HTTP workers that hang,
+on the gateway's own client), tests/gateway/test_upstream.py (which failure that client says, on real sockets) and
+the soak (SGLang workers killed, hung and restarted)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 from gateway.dispatch import Dispatcher, Route, UpstreamRequest
 from gateway.errors import UpstreamClientError, UpstreamError
+from gateway.upstream import AnswerTimedOut, ConnectTimedOut, TransportFailure, Unreachable
 from gateway.workers import WorkerPool
 
 A, B = "http://worker-a", "http://worker-b"
@@ -81,6 +84,55 @@ class Workers:
         return self.behaviours[worker](request)
 
 
+def _said(exc: httpx.TransportError) -> TransportFailure:
+    """httpx's failure as the gateway's client says it."""
+    said = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, httpx.ConnectTimeout):
+        return ConnectTimedOut(said)
+    return AnswerTimedOut(said) if isinstance(exc, httpx.TimeoutException) else Unreachable(said)
+
+
+class MockResponse:
+    def __init__(self, response: httpx.Response) -> None:
+        self.response, self.status_code, self.content = response, response.status_code, b""
+
+    async def aread(self) -> bytes:
+        self.content = await self.response.aread()
+        return self.content
+
+    async def lines(self) -> AsyncIterator[str]:
+        try:
+            async for line in self.response.aiter_lines():
+                yield line
+        except httpx.TransportError as exc:
+            raise _said(exc) from exc
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+class MockUpstream:
+    """The dispatcher's Upstream on an httpx client (gateway.upstream.Upstream)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def post(self, url: str, body, length: int, *, stream: bool = False) -> MockResponse:
+        content = b"".join(bytes(piece) for piece in body)
+        assert len(content) == length
+        try:
+            response = MockResponse(await self.client.send(self.client.build_request("POST", url, content=content),
+                                                           stream=stream))
+        except httpx.TransportError as exc:
+            raise _said(exc) from exc
+        if not stream:
+            response.content = response.response.content
+        return response
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
 @contextlib.asynccontextmanager
 async def dispatcher(workers: Workers) -> AsyncIterator[tuple[Dispatcher, WorkerPool]]:
     """A dispatcher over a pool of A and B (both found healthy), closed when the block ends."""
@@ -89,7 +141,7 @@ async def dispatcher(workers: Workers) -> AsyncIterator[tuple[Dispatcher, Worker
     await pool.start()
     try:
         assert all(w.healthy for w in pool.workers)
-        yield Dispatcher(pool, client), pool
+        yield Dispatcher(pool, MockUpstream(client)), pool
     finally:
         await pool.stop()
         await client.aclose()
@@ -198,7 +250,7 @@ async def test_a_stream_that_fails_after_its_first_event_ends_with_an_error_even
         first, error, done, _ = text.split("\n\n")
         assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["content"] == "A"
         assert json.loads(error.removeprefix("data: "))["error"]["message"] == \
-            "the worker failed mid-stream: ReadError"
+            "the worker failed mid-stream: ReadError: connection reset"
         assert done == "data: [DONE]"
         assert workers.sent == [A] and health(pool) == {A: False, B: True} and failing.closed
         assert [w.inflight for w in pool.workers] == [0, 0]
@@ -242,7 +294,7 @@ async def test_a_large_bodys_data_urls_reach_the_worker_as_the_client_wrote_them
 
     def keep(behaviour: Behaviour):
         async def kept(sent: httpx.Request) -> httpx.Response:
-            received.append(b"".join([piece async for piece in sent.stream]))
+            received.append(await sent.aread())
             assert sent.headers["content-length"] == str(len(received[-1]))
             return behaviour(sent)
         return kept

@@ -72,7 +72,7 @@ def test_a_key_sending_many_requests_has_at_most_its_share_at_the_worker_while_a
             time.sleep(0.02)
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        alice = [pool.submit(ask, gateway.url, ALICE, 8) for _ in range(20)]
+        alice = [pool.submit(ask, gateway.url, ALICE, 32) for _ in range(20)]  # each outlasts their sending
         statuses = [future.result() for future in alice]
         sampling.set()
         sampler.join()
