@@ -5,7 +5,10 @@ Why not a general client: a completion is one POST of a JSON body to a worker on
 its answer is one JSON body or one stream of server-sent events. httpx (h11 and httpcore in pure Python) took about
 two thirds of the gateway's time per text request against a worker that answers at once (bench/upstream_client.py
 measures the clients side by side). This client does that one exchange and nothing else: no redirects, cookies,
-proxies, TLS or HTTP/2; health checks and calibration keep httpx (gateway/services.py).
+proxies or HTTP/2; health checks and calibration keep httpx (gateway/services.py).
+
+Workers behind TLS (``https://`` URLs) are verified against the system's certificate authorities and certifi's,
+as httpx verified them.
 
 What the dispatcher's failure rules need to know (gateway/dispatch.py) is said by the exception raised:
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Protocol
@@ -74,15 +78,16 @@ class Upstream(Protocol):
 
 
 class _Origin:
-    """Where connections go: host, port and the Host header."""
+    """Where connections go: host, port, whether over TLS, and the Host header."""
 
-    __slots__ = ("host", "port", "header")
+    __slots__ = ("host", "port", "tls", "header")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"the upstream client speaks plain HTTP to a host: {url!r}")
-        self.host, self.port = parts.hostname, parts.port or 80
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"the upstream client speaks HTTP or HTTPS to a host: {url!r}")
+        self.tls = parts.scheme == "https"
+        self.host, self.port = parts.hostname, parts.port or (443 if self.tls else 80)
         self.header = parts.netloc.encode("idna")
 
 
@@ -271,11 +276,13 @@ class UpstreamClient:
     """POSTs to workers over pooled keep-alive connections. ``connections``: at most this many open at once (a
     request past them waits for one, up to ``timeout_s``); ``timeout_s`` bounds the wait for an answer's head and
     for each next piece of it; ``connect_timeout_s`` a new connection; ``keepalive_s`` how long an idle connection
-    is kept (less than the workers keep theirs: gateway/services.py); ``headers`` go with every request."""
+    is kept (less than the workers keep theirs: gateway/services.py); ``headers`` go with every request;
+    ``tls``: how ``https://`` workers are verified (default: the system's authorities and certifi's)."""
 
     def __init__(self, *, connections: int, timeout_s: float, connect_timeout_s: float, keepalive_s: float,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.timeout_s, self.connect_timeout_s, self.keepalive_s = timeout_s, connect_timeout_s, keepalive_s
+        self._tls = tls
         self._extra = b"".join(f"{name}: {value}\r\n".encode("latin-1") for name, value in (headers or {}).items())
         self._slots = asyncio.Semaphore(connections)
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
@@ -344,10 +351,12 @@ class UpstreamClient:
             connection.close()
             self._open.discard(connection)
         loop = asyncio.get_running_loop()
+        tls = self._tls_context() if origin.tls else None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                transport, connection = await loop.create_connection(lambda: _Connection(origin), origin.host,
-                                                                     origin.port)
+                transport, connection = await loop.create_connection(
+                    lambda: _Connection(origin), origin.host, origin.port, ssl=tls,
+                    server_hostname=origin.host if tls is not None else None)
         except TimeoutError:
             raise ConnectTimedOut(f"no connection to {origin.host}:{origin.port} within "
                                   f"{self.connect_timeout_s:g} s") from None
@@ -356,6 +365,14 @@ class UpstreamClient:
         connection.transport = transport  # (uvloop may call connection_made after create_connection returns)
         self._open.add(connection)
         return connection
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            import certifi
+
+            self._tls = ssl.create_default_context()
+            self._tls.load_verify_locations(certifi.where())
+        return self._tls
 
     def _give_back(self, connection: _Connection) -> None:
         """An answer read to its end: its connection idles in the pool (if both sides keep it), its slot is free."""

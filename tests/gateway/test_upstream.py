@@ -331,3 +331,39 @@ async def test_an_answer_larger_than_the_read_ahead_is_read_whole_when_read_slow
         finally:
             await upstream.aclose()
     assert read == big
+
+
+@pytest.fixture
+def certificate(tmp_path):
+    """A self-signed certificate for 127.0.0.1, and its key."""
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=worker",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+async def test_a_worker_behind_tls_is_verified_and_answers(certificate):
+    import ssl
+
+    cert, key = certificate
+    served = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    served.load_cert_chain(cert, key)
+    listening = await asyncio.start_server(lambda r, w: echo_forever(r, w, None), "127.0.0.1", 0, ssl=served)
+    url = f"https://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+    try:
+        trusting = client(tls=ssl.create_default_context(cafile=str(cert)))
+        try:
+            assert (await post(trusting, url)).status_code == 200
+        finally:
+            await trusting.aclose()
+        default = client()  # the system's and certifi's authorities: a self-signed certificate is refused
+        try:
+            with pytest.raises(Unreachable, match="CERTIFICATE_VERIFY_FAILED"):
+                await post(default, url)
+        finally:
+            await default.aclose()
+    finally:
+        listening.close()
