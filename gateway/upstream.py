@@ -37,6 +37,7 @@ import httptools
 # Bytes of an answer held unread before the connection stops reading from the socket (a stream's events are
 # read as the client takes them; the worker then waits on TCP).
 _READ_AHEAD = 1 << 20
+_ONE_WRITE = 1 << 16  # a body up to this many bytes is written with the request's head, copied into one buffer
 
 
 class TransportFailure(Exception):
@@ -299,6 +300,8 @@ class UpstreamClient:
         origin, path = self._origin(url)
         head = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n"
                 % (path, origin.header, length, self._extra))
+        # A small body goes in one write with its head (one system call); a large one in its pieces.
+        pieces = (head + body[0],) if len(body) == 1 and length <= _ONE_WRITE else (head, *body)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._slots.acquire()
@@ -309,7 +312,7 @@ class UpstreamClient:
             while True:
                 connection = await self._connection(origin)
                 try:
-                    await connection.send((head, *body))
+                    await connection.send(pieces)
                     status = await connection.head(self.timeout_s)
                 except Unreachable:
                     if connection.reused and not connection.started:
