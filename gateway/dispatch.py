@@ -216,7 +216,8 @@ class Dispatcher:
                 return result
             if 400 <= response.status_code < 500:
                 raise _client_error(response.status_code, response.content)
-            last_error = f"worker returned HTTP {response.status_code}: {response.content[:300]!r}"
+            said = response.content[:300].decode(errors="replace")
+            last_error = f"worker returned HTTP {response.status_code}: {said}"
             log.warning("worker %s: %s", worker.url, last_error)
 
     async def open_stream(self, request: UpstreamRequest, route: Route = Route()) -> AsyncIterator[bytes]:

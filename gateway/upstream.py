@@ -249,12 +249,13 @@ class PooledResponse:
 
     async def lines(self) -> AsyncIterator[str]:
         """The body's lines without their endings (LF or CRLF), decoded as UTF-8; the last one even without one."""
-        pending = b""
+        pending = bytearray()  # grown in place: a long line in many pieces is copied once, not once a piece
         while (piece := await self._connection.piece(self._client.timeout_s)) is not None:
             pending += piece
             if b"\n" not in piece:
                 continue
-            *complete, pending = pending.split(b"\n")
+            *complete, rest = pending.split(b"\n")
+            pending = bytearray(rest)
             for line in complete:
                 yield line.removesuffix(b"\r").decode("utf-8", errors="replace")
         self._release()

@@ -79,24 +79,31 @@ def client(**overrides) -> UpstreamClient:
     return UpstreamClient(**settings)
 
 
+@contextlib.asynccontextmanager
+async def connected(handler: Handler, **overrides) -> AsyncIterator[tuple[Server, UpstreamClient]]:
+    """A server on ``handler`` and a client (``overrides`` to its settings), the client closed when the block ends."""
+    async with serving(handler) as server:
+        upstream = client(**overrides)
+        try:
+            yield server, upstream
+        finally:
+            await upstream.aclose()
+
+
 async def post(upstream: UpstreamClient, url: str, payload: bytes = b"{}", stream: bool = False):
     return await upstream.post(url + "/v1/chat/completions", (payload,), len(payload), stream=stream)
 
 
 async def test_answers_are_read_whole_and_connections_kept_for_the_next_request():
-    async with serving(echo_forever) as server:
-        upstream = client(headers={"Authorization": "Bearer k"})
-        try:
-            for n in range(3):
-                payload = json.dumps({"n": n}).encode()
-                response = await post(upstream, server.url, payload)
-                echoed = json.loads(response.content)
-                assert response.status_code == 200
-                assert echoed == {"line": "POST /v1/chat/completions HTTP/1.1",
-                                  "sha": hashlib.sha256(payload).hexdigest(), "auth": "Bearer k"}
-                await response.aclose()  # read already: a no-op
-        finally:
-            await upstream.aclose()
+    async with connected(echo_forever, headers={"Authorization": "Bearer k"}) as (server, upstream):
+        for n in range(3):
+            payload = json.dumps({"n": n}).encode()
+            response = await post(upstream, server.url, payload)
+            echoed = json.loads(response.content)
+            assert response.status_code == 200
+            assert echoed == {"line": "POST /v1/chat/completions HTTP/1.1",
+                              "sha": hashlib.sha256(payload).hexdigest(), "auth": "Bearer k"}
+            await response.aclose()  # read already: a no-op
     assert server.connections == 1
 
 
@@ -109,12 +116,8 @@ async def test_a_body_in_pieces_reaches_the_worker_byte_for_byte():
                                    "messages": [{"role": "user", "content": content}]}).encode())
     request = await UpstreamRequest.encode(body, size_hint=4 << 20)
     assert len(request.pieces()) > 3
-    async with serving(echo_forever) as server:
-        upstream = client()
-        try:
-            response = await upstream.post(server.url + request.path, request.pieces(), request.size)
-        finally:
-            await upstream.aclose()
+    async with connected(echo_forever) as (server, upstream):
+        response = await upstream.post(server.url + request.path, request.pieces(), request.size)
     assert json.loads(response.content)["sha"] == hashlib.sha256(orjson.dumps(full_text(body))).hexdigest()
 
 
@@ -129,19 +132,15 @@ async def test_a_stream_is_read_as_lines_however_it_is_framed_and_cut():
             piece = events[start:start + 7001]
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             await writer.drain()
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # the client's turn: each piece read on its own, not all at once
         writer.write(b"0\r\n\r\n")
         await writer.drain()
         await reader.read()  # until the client closes the connection
 
-    async with serving(chunked) as server:
-        upstream = client()
-        try:
-            response = await post(upstream, server.url, stream=True)
-            lines = [line async for line in response.lines()]
-            await response.aclose()
-        finally:
-            await upstream.aclose()
+    async with connected(chunked) as (server, upstream):
+        response = await post(upstream, server.url, stream=True)
+        lines = [line async for line in response.lines()]
+        await response.aclose()
     assert lines == ["data: one", "", f"data: {long_line}", "", "data: [DONE]", "", "last, unended"]
 
 
@@ -157,18 +156,14 @@ async def test_a_response_closed_before_its_end_closes_its_connection_and_frees_
         await reader.read()  # EOF: the client left
         left.set()
 
-    async with serving(endless) as server:
-        upstream = client(connections=1, timeout_s=1.0)
-        try:
-            response = await post(upstream, server.url, stream=True)
-            lines = response.lines()
-            assert await lines.__anext__() == "data: one"
-            await response.aclose()
-            await asyncio.wait_for(left.wait(), 5)
-            second = await post(upstream, server.url, stream=True)  # the one slot is free again
-            await second.aclose()
-        finally:
-            await upstream.aclose()
+    async with connected(endless, connections=1, timeout_s=1.0) as (server, upstream):
+        response = await post(upstream, server.url, stream=True)
+        lines = response.lines()
+        assert await lines.__anext__() == "data: one"
+        await response.aclose()
+        await asyncio.wait_for(left.wait(), 5)
+        second = await post(upstream, server.url, stream=True)  # the one slot is free again
+        await second.aclose()
     assert server.connections == 2
 
 
@@ -179,25 +174,16 @@ async def test_a_connection_the_worker_closed_as_it_was_reused_is_sent_again_on_
         await writer.drain()
         await read_request(reader)  # the next request on it arrives: closed without a word (its idle timeout hit)
 
-    async with serving(once_per_connection) as server:
-        upstream = client()
-        try:
-            first = await post(upstream, server.url)
-            second = await post(upstream, server.url)
-        finally:
-            await upstream.aclose()
+    async with connected(once_per_connection) as (server, upstream):
+        first = await post(upstream, server.url)
+        second = await post(upstream, server.url)
     assert (json.loads(first.content), json.loads(second.content)) == ({"n": 1}, {"n": 2})
 
 
 async def test_an_idle_connection_past_its_keepalive_is_not_reused():
-    async with serving(echo_forever) as server:
-        upstream = client(keepalive_s=0.2)
-        try:
-            await post(upstream, server.url)
-            await asyncio.sleep(0.3)
-            await post(upstream, server.url)
-        finally:
-            await upstream.aclose()
+    async with connected(echo_forever, keepalive_s=0.0) as (server, upstream):  # any idle time is past it
+        await post(upstream, server.url)
+        await post(upstream, server.url)
     assert server.connections == 2
 
 
@@ -220,13 +206,14 @@ async def test_no_connection_within_the_connect_timeout_is_said_as_such():
         listener.listen(0)
         address = listener.getsockname()
         queued = []
-        for _ in range(4):  # fill the accept queue (connections not yet taken by accept())
+        while True:  # fill the accept queue (connections not yet taken by accept()) until one is not answered
             held = socket.socket()
-            held.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                held.connect(address)
+            held.settimeout(0.5)
             queued.append(held)
-        await asyncio.sleep(0.2)
+            try:
+                held.connect(address)
+            except TimeoutError:
+                break
         upstream = client(connect_timeout_s=0.5)
         try:
             with pytest.raises(ConnectTimedOut, match="no connection"):
@@ -245,13 +232,9 @@ async def test_a_connection_cut_before_the_answer_ended_is_unreachable(when):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"half\":")
             await writer.drain()
 
-    async with serving(cut) as server:
-        upstream = client()
-        try:
-            with pytest.raises(Unreachable, match="before its answer ended"):
-                await post(upstream, server.url)
-        finally:
-            await upstream.aclose()
+    async with connected(cut) as (server, upstream):
+        with pytest.raises(Unreachable, match="before its answer ended"):
+            await post(upstream, server.url)
 
 
 async def test_an_answer_that_does_not_come_in_time_times_out_and_its_connection_is_closed():
@@ -262,14 +245,10 @@ async def test_an_answer_that_does_not_come_in_time_times_out_and_its_connection
         await reader.read()  # nothing said; EOF when the client gives up
         gone.set()
 
-    async with serving(silent) as server:
-        upstream = client(timeout_s=0.3)
-        try:
-            with pytest.raises(AnswerTimedOut, match="no answer from the worker within 0.3 s"):
-                await post(upstream, server.url)
-            await asyncio.wait_for(gone.wait(), 5)
-        finally:
-            await upstream.aclose()
+    async with connected(silent, timeout_s=0.3) as (server, upstream):
+        with pytest.raises(AnswerTimedOut, match="no answer from the worker within 0.3 s"):
+            await post(upstream, server.url)
+        await asyncio.wait_for(gone.wait(), 5)
 
 
 async def test_an_answer_that_is_not_http_is_unreachable():
@@ -279,13 +258,9 @@ async def test_an_answer_that_is_not_http_is_unreachable():
         await writer.drain()
         await reader.read()
 
-    async with serving(garbage) as server:
-        upstream = client()
-        try:
-            with pytest.raises(Unreachable, match="not HTTP"):
-                await post(upstream, server.url)
-        finally:
-            await upstream.aclose()
+    async with connected(garbage) as (server, upstream):
+        with pytest.raises(Unreachable, match="not HTTP"):
+            await post(upstream, server.url)
 
 
 async def test_requests_past_the_connections_wait_for_one_and_time_out_as_answers_do():
@@ -296,17 +271,13 @@ async def test_requests_past_the_connections_wait_for_one_and_time_out_as_answer
             writer.write(b"b\r\ndata: one\n\n\r\n0\r\n\r\n")
             await writer.drain()
 
-    async with serving(streaming) as server:
-        upstream = client(connections=1, timeout_s=0.3)
-        try:
-            first = await post(upstream, server.url, stream=True)  # holds the one connection until read or closed
-            with pytest.raises(AnswerTimedOut, match="no connection to the workers free"):
-                await post(upstream, server.url, stream=True)
-            assert [line async for line in first.lines()] == ["data: one", ""]
-            second = await post(upstream, server.url, stream=True)  # the slot given back, the connection kept
-            await second.aclose()
-        finally:
-            await upstream.aclose()
+    async with connected(streaming, connections=1, timeout_s=0.3) as (server, upstream):
+        first = await post(upstream, server.url, stream=True)  # holds the one connection until read or closed
+        with pytest.raises(AnswerTimedOut, match="no connection to the workers free"):
+            await post(upstream, server.url, stream=True)
+        assert [line async for line in first.lines()] == ["data: one", ""]
+        second = await post(upstream, server.url, stream=True)  # the slot given back, the connection kept
+        await second.aclose()
     assert server.connections == 1
 
 
@@ -319,17 +290,13 @@ async def test_an_answer_larger_than_the_read_ahead_is_read_whole_when_read_slow
         await writer.drain()
         await reader.read()
 
-    async with serving(large) as server:
-        upstream = client()
-        try:
-            response = await post(upstream, server.url, stream=True)
-            read = b""
-            while (piece := await response._connection.piece(1.0)) is not None:
-                read += piece
-                await asyncio.sleep(0.001)
-            await response.aclose()
-        finally:
-            await upstream.aclose()
+    async with connected(large) as (server, upstream):
+        response = await post(upstream, server.url, stream=True)
+        connection = response._connection
+        async with asyncio.timeout(5):
+            while not connection._paused:  # past the read-ahead, unread: the socket is no longer read
+                await asyncio.sleep(0.01)
+        read = await response.aread()
     assert read == big
 
 
