@@ -18,8 +18,13 @@ its sibling, whose image K/V its text rows see below layer 3 (bundled.reader.swa
 ``--moved SHARE`` draws that share of the oracle's questions over moved panels (bundled.reader.panels.Placement:
 the content off the token grid by up to 14 pixels either way, down, right or both, inside one more row or column of
 cells, the way a scrolled page or a panned frame shows it; a question and its sibling moved alike); each image
-token is then labelled with the key and the value whose glyphs' centres it holds. Its own curriculum starts at 1-2
-pixels off the grid and widens by 2 each time the running accuracy on moved panels passes 85%. ``--fine-tune``
+token is then labelled with the key whose glyph's centre it holds and that key's value, wherever the value's glyph
+fell (``reading_targets``). Its own curriculum starts at 1-2 pixels off the grid and widens by 2 each time the
+running accuracy on moved panels passes 85%. ``--vision-steps N`` first trains the vision tower alone for N steps,
+on the auxiliary loss only (the token embeddings held as targets), over panels moved by every offset at once; the
+whole model then trains on every offset without the curriculum. Measured: 1,500 steps of the tower alone (0.45 s
+each, a third of a whole step) then 2,500 of the whole model read 86% of held-out panels moved 1-14 px, where the
+curriculum alone had reached 4 px in 2,000 steps (30%). ``--fine-tune``
 starts every weight from committed ones (and the field curriculum at full difficulty).
 
 A curriculum starts with panels of at most 2 fields and raises the cap by 2 each time the running accuracy passes
@@ -47,7 +52,7 @@ from safetensors.torch import save_file
 
 from bundled.build import build_recipe
 from bundled.reader import artifacts, swap
-from bundled.reader.panels import CELL, KEYS, MAX_SIDE, VALUES, Placement
+from bundled.reader.panels import CELL, KEYS, MAX_SIDE, VALUES, Panel, Placement, random_panel
 from bundled.reader.questions import FIELD, QUESTION_KINDS, Question, random_question, sibling
 from bundled.recipes import ORACLE, QWEN2_5_VL, READER, get_recipe
 from bundled.weights import checkpoint_name
@@ -56,6 +61,9 @@ DEFAULT_SEED = 20261129
 HELD_OUT_SEED = 7
 EMPTY = "-"  # the auxiliary class of an image token that shows no field
 REACH_STEP = 2  # pixels: how far the moved panels' curriculum widens at a time
+VISION, WHOLE = "vision", "whole"  # the phases of a run: the vision tower alone (--vision-steps), then every weight
+VISION_LR = 3e-3
+VISION_MOVED = 0.85  # the share of the vision phase's panels drawn moved
 
 
 class Batcher:
@@ -100,15 +108,35 @@ class Batcher:
             labels[rows, lengths - 2] = answers
             labels[rows, lengths - 1] = self.im_end
             inputs["labels"] = labels
-        keys, values = [], []
-        for panel, placement in shown:
-            key_at, value_at = placement.token_labels(panel)
-            grid_rows, grid_cols = placement.grid(panel)
-            for token in range(grid_rows * grid_cols):
-                keys.append(KEY_CLASSES.index(key_at.get(token, EMPTY)))
-                values.append(VALUE_CLASSES.index(value_at.get(token, EMPTY)))
-        inputs["token_keys"], inputs["token_values"] = torch.tensor(keys), torch.tensor(values)
+        inputs["token_keys"], inputs["token_values"] = token_targets(shown)
         return inputs
+
+
+def reading_targets(panel: Panel, placement: Placement) -> tuple[dict[int, str], dict[int, str]]:
+    """What each image token of ``panel`` drawn at ``placement`` is taught to say (the auxiliary loss): the token
+    holding a field's key glyph says that key and the field's value, wherever the value's glyph fell; a token holding
+    a value's glyph and no key says that value. As drawn, a field's first token holds both glyphs, so this is where
+    they are; moved, a key and its value may fall in neighbouring tokens (8 to 20 px right of the grid, a key's token
+    holds the previous field's value), and a token that said what it holds would pair a key with another field's
+    value: the vision tower is taught to carry the value to its key, and the language model reads a moved panel as
+    it reads an aligned one."""
+    key_at, value_at = placement.token_labels(panel)
+    values = dict(value_at)
+    for token, key in key_at.items():
+        values[token] = panel.value(key)
+    return key_at, values
+
+
+def token_targets(shown: list[tuple[Panel, Placement]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The auxiliary classes (KEY_CLASSES, VALUE_CLASSES) of every image token of ``shown``, in order."""
+    keys, values = [], []
+    for panel, placement in shown:
+        key_at, value_at = reading_targets(panel, placement)
+        grid_rows, grid_cols = placement.grid(panel)
+        for token in range(grid_rows * grid_cols):
+            keys.append(KEY_CLASSES.index(key_at.get(token, EMPTY)))
+            values.append(VALUE_CLASSES.index(value_at.get(token, EMPTY)))
+    return torch.tensor(keys), torch.tensor(values)
 
 
 KEY_CLASSES = (EMPTY, *KEYS)
@@ -198,9 +226,14 @@ def held_out_moved(count: int, task: Task, seed: int = HELD_OUT_SEED) -> tuple[l
 
 
 class Trainer:
-    def __init__(self, model, processor, *, task: Task, seed: int, batch: int, lr: float, steps: int) -> None:
+    def __init__(self, model, processor, *, task: Task, seed: int, batch: int, lr: float, steps: int,
+                 vision_steps: int = 0, vision_lr: float = VISION_LR) -> None:
         if task.swap_layers and batch % 2:
             raise ValueError("with a sibling swap the batch holds question/sibling pairs: it must be even")
+        if vision_steps and not task.moved:
+            raise ValueError("a vision phase teaches the tower to read moved panels: it needs a task with moved ones")
+        if not 0 <= vision_steps < steps:
+            raise ValueError(f"the vision phase ({vision_steps} steps) must leave steps for the whole model ({steps})")
         self.model, self.batcher, self.task = model, Batcher(processor), task
         if task.swap_layers:
             swap.install(model)
@@ -212,22 +245,36 @@ class Trainer:
         params = [*model.parameters(), self.no_field]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
         self.seed, self.batch, self.lr, self.steps = seed, batch, lr, steps
+        self.vision_steps, self.vision_lr = vision_steps, vision_lr
         self.step, self.level, self.running = 0, 2, 0.0
         # Moved panels' curriculum: offsets up to ``reach`` px off the grid, widened by REACH_STEP each time the
-        # running accuracy on them passes 85%, up to every offset.
-        self.reach, self.running_moved = REACH_STEP, 0.0
+        # running accuracy on them passes 85%, up to every offset. After a vision phase the tower reads every offset:
+        # no curriculum.
+        self.reach, self.running_moved = (CELL // 2 if vision_steps else REACH_STEP), 0.0
         self.elapsed = 0.0
         self._vision_out: list[torch.Tensor] = []
         model.model.visual.register_forward_hook(lambda _m, _i, out: self._vision_out.append(out.pooler_output))
 
+    @property
+    def phase(self) -> str:
+        return VISION if self.step < self.vision_steps else WHOLE
+
     def learning_rate(self) -> float:
-        warmup = min(200, self.steps // 10)
-        if self.step < warmup:
-            return self.lr * (self.step + 1) / warmup
-        progress = (self.step - warmup) / max(1, self.steps - warmup)
-        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+        """Warmup, then a cosine down to a tenth, over each phase: the vision phase at ``vision_lr``, the rest at
+        ``lr``."""
+        if self.phase == VISION:
+            peak, step, steps = self.vision_lr, self.step, self.vision_steps
+        else:
+            peak, step, steps = self.lr, self.step - self.vision_steps, self.steps - self.vision_steps
+        warmup = min(200, steps // 10)
+        if step < warmup:
+            return peak * (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
     def train_step(self) -> dict:
+        if self.phase == VISION:
+            return self.vision_step()
         rng = random.Random(f"{self.seed}:{self.step}")
         questions, placements = draw(rng, self.task, self.batch, self.level, self.reach)
         inputs = self.batcher(questions, placements=placements)
@@ -239,12 +286,7 @@ class Trainer:
             out = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                              pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
                              labels=inputs["labels"])
-        vision = self._vision_out[-1]
-        embeddings = self.model.get_input_embeddings().weight
-        key_table = torch.cat([self.no_field[:1], embeddings[self.key_ids]])
-        value_table = torch.cat([self.no_field[1:], embeddings[self.value_ids]])
-        aux = (F.cross_entropy(vision @ key_table.T, inputs["token_keys"])
-               + F.cross_entropy(vision @ value_table.T, inputs["token_values"]))
+        aux = self.reading_loss(self._vision_out[-1], inputs["token_keys"], inputs["token_values"])[0]
         # The question's key token itself (and each token that can name a value: bundled.reader.questions) is
         # taught to name the value: one content-matching hop, with its own signal; the answer position then only
         # has to look a fixed distance back.
@@ -269,6 +311,50 @@ class Trainer:
             self.level = min(len(KEYS), self.level + 2)
             self.running = 0.0
         return {"loss": out.loss.item(), "aux": aux.item(), "early": hops.item(), "accuracy": accuracy}
+
+    def reading_loss(self, vision: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     tables_fixed: bool = False) -> tuple[torch.Tensor, float]:
+        """The auxiliary loss of the tower's merged output (a row per image token) against each token's key and
+        value classes, and the share of the tokens showing a field whose key and value both came out right.
+        ``tables_fixed``: the token embeddings are targets only (the language model reads them as they are)."""
+        embeddings = self.model.get_input_embeddings().weight
+        if tables_fixed:
+            embeddings = embeddings.detach()
+        key_table = torch.cat([self.no_field[:1], embeddings[self.key_ids]])
+        value_table = torch.cat([self.no_field[1:], embeddings[self.value_ids]])
+        key_logits, value_logits = vision @ key_table.T, vision @ value_table.T
+        loss = F.cross_entropy(key_logits, keys) + F.cross_entropy(value_logits, values)
+        with torch.no_grad():
+            shown = (keys > 0) | (values > 0)
+            right = (key_logits.argmax(-1) == keys) & (value_logits.argmax(-1) == values)
+            read = right[shown].float().mean().item() if shown.any() else 1.0
+        return loss, read
+
+    def vision_step(self) -> dict:
+        """A step of the vision phase: the tower alone, on its auxiliary loss, over panels moved by any offset
+        (VISION_MOVED of them; the rest as drawn). ``accuracy`` is the share of field tokens read right."""
+        rng = random.Random(f"{self.seed}:vision:{self.step}")
+        shown = []
+        for _ in range(self.batch):
+            placement = random_placement(rng) if rng.random() < VISION_MOVED else Placement()
+            side = MAX_SIDE - 1 if placement.pad != (0, 0) else MAX_SIDE
+            shown.append((random_panel(rng, max_side=side), placement))
+        images = self.batcher.processor.image_processor(
+            images=[placement.render(panel) for panel, placement in shown], return_tensors="pt")
+        keys, values = token_targets(shown)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate()
+        visual = self.model.model.visual
+        visual.train()
+        self._vision_out.clear()
+        visual(images["pixel_values"], grid_thw=images["image_grid_thw"])
+        loss, read = self.reading_loss(self._vision_out[-1], keys, values, tables_fixed=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(visual.parameters(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        return {"loss": loss.item(), "aux": loss.item(), "early": 0.0, "accuracy": read}
 
     def _swap(self, input_ids: torch.Tensor) -> swap.Swap | None:
         """Each question's partner is its sibling, half a batch away (``draw``)."""
@@ -415,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moved", type=float, default=0.0, metavar="SHARE",
                         help="oracle: this share of the questions over panels moved off the token grid (a curriculum "
                              "from 2 px), so that it reads content moved by part of a token")
+    parser.add_argument("--vision-steps", type=int, default=0, metavar="STEPS",
+                        help="with --moved: train the vision tower alone for the first STEPS steps (of --steps), on "
+                             "its auxiliary loss over panels moved by any offset, before every weight")
+    parser.add_argument("--vision-lr", type=float, default=VISION_LR, help="the vision phase's peak learning rate")
     parser.add_argument("--export", type=Path, default=None,
                         help="when done, write the committed artifacts here (e.g. bundled/reader/trained/"
                              "qwen2_5_vl-<size>)")
@@ -435,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         if not task.swap_layers:
             parser.error(f"--moved is for the oracle's task (not {args.size})")
         task = dataclasses.replace(task, moved=args.moved)
+    if args.vision_steps and not args.moved:
+        parser.error("--vision-steps teaches the tower to read moved panels: it needs --moved")
+    if not 0 <= args.vision_steps < args.steps:
+        parser.error(f"--vision-steps {args.vision_steps} must be under --steps {args.steps}")
     start = build_recipe(dataclasses.replace(recipe, trained=""), on_progress=print)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(start, dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(start)
@@ -443,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
               f"tensors")
     if args.fine_tune:
         print(f"every weight from {args.fine_tune}: {fine_tune_start(model, recipe.arch, args.fine_tune)} tensors")
-    trainer = Trainer(model, processor, task=task, seed=args.seed, batch=args.batch, lr=args.lr, steps=args.steps)
+    trainer = Trainer(model, processor, task=task, seed=args.seed, batch=args.batch, lr=args.lr, steps=args.steps,
+                      vision_steps=args.vision_steps, vision_lr=args.vision_lr)
     if args.fine_tune:
         trainer.level = len(KEYS)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -467,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.step % 25 == 0 or last:
             mean = {key: sum(r[key] for r in window) / len(window) for key in window[0]}
             window.clear()
-            record = {"step": trainer.step, "minutes": round(trainer.elapsed / 60, 2), "level": trainer.level,
+            record = {"step": trainer.step, "minutes": round(trainer.elapsed / 60, 2),
+                      **({"phase": VISION} if trainer.step <= trainer.vision_steps else {}), "level": trainer.level,
                       **({"reach": trainer.reach} if task.moved else {}),
                       "lr": round(trainer.learning_rate(), 6), **{k: round(v, 4) for k, v in mean.items()}}
             if trainer.step % args.eval_every == 0 or last:
@@ -481,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         final = held_out_record(model, trainer.batcher, questions, moved)
         summary = {**final, "recipe": recipe.name, "seed": args.seed, "steps": args.steps, "batch": args.batch,
                    "lr": args.lr, "minutes": round(trainer.elapsed / 60, 1), "parameters": params,
+                   **({"vision_steps": args.vision_steps, "vision_lr": args.vision_lr} if args.vision_steps else {}),
                    "command": " ".join(["python -m bundled.reader.train",
                                         *(argv if argv is not None else sys.argv[1:])])}
         written = export(model, recipe, args.export, summary, log_path, start / "config.json")

@@ -2,10 +2,11 @@
 
 A page scrolled by 29 px, or a frame panned by 2, moves the content inside every token, so no digest stays in place
 and the fine stage (align.py) finds nothing alike: the pair is a miss. Whether the cached K/V may be reused for such
-content at all was measured by the oracle fine-tuned on moved panels (bench/moved_quality.py): it holds within 2
-points of a full prefill where the content sits up to 2 px off the token grid (after a move of whole tokens or
-none), each B token reusing the K/V of the cached token its pixels mostly came from; from 3 px on nothing says it
-holds. So ``MatchSettings.max_subtoken_px`` (2) bounds what is planned.
+content at all is measured by the oracle fine-tuned on moved panels (bench/moved_quality.py), each B token reusing
+the K/V of the cached token its pixels mostly came from: within 2 points of a full prefill up to 2 px off the token
+grid either way (after a move of whole tokens or none), where this bound was set; the judge trained since says
+scrolls hold at every offset and pans up to 5 px, not at half a token (README, Approximate matching). So
+``MatchSettings.max_subtoken_px`` (2, both axes) bounds what is planned.
 
 When no candidate matches in place within the guard, the matcher (matcher.Matcher.lookup) asks of each, in the
 coarse stage's order up to the first that matches so, how far the content moved (``MovedImage.find``):

@@ -111,8 +111,10 @@ def test_the_reader_tells_stale_kv_from_fresh(reference) -> None:
 
 
 @pytest.mark.parametrize(("size", "start"), [(READER, []), (ORACLE, ["--init-from", "qwen2_5_vl-reader"]),
-                                             (ORACLE, ["--fine-tune", "qwen2_5_vl-oracle", "--moved", "0.5"])],
-                         ids=["reader", "oracle", "oracle-moved"])
+                                             (ORACLE, ["--fine-tune", "qwen2_5_vl-oracle", "--moved", "0.5"]),
+                                             (ORACLE, ["--fine-tune", "qwen2_5_vl-oracle", "--moved", "0.5",
+                                                       "--vision-steps", "3"])],
+                         ids=["reader", "oracle", "oracle-moved", "oracle-vision-phase"])
 def test_training_logs_checkpoints_resumes_and_exports(size, start, tmp_path, capsys) -> None:
     common = ["--size", size, "--batch", "4", "--eval-every", "2", "--eval-questions", "3", "--threads", "1", *start]
     assert main(["--work", str(tmp_path / "straight"), "--steps", "4", *common]) == 0
@@ -129,6 +131,8 @@ def test_training_logs_checkpoints_resumes_and_exports(size, start, tmp_path, ca
     assert [line.split(",")[0] for line in log] == ['{"step": 2', '{"step": 4']
     assert '"held_out_accuracy"' in log[-1]
     assert ('"held_out_moved_accuracy"' in log[-1]) == ("--moved" in start)
+    vision_phase = "--vision-steps" in start  # steps 1-3 the tower alone, resumed inside that phase
+    assert [json.loads(line).get("phase") for line in log] == (["vision", None] if vision_phase else [None, None])
     for name, digest in artifacts.read_sums(out).items():
         assert artifacts.file_sha256(out / name) == digest
     assert set(artifacts.read_sums(out)) == {artifacts.WEIGHTS, artifacts.CONFIG, artifacts.LOG, artifacts.SUMMARY}
