@@ -190,7 +190,7 @@ REFERENCE_PLANS: dict[str, ReferencePlan] = {
 
 def answer_ids(tokenizer) -> dict[int, str]:
     """Token id -> answer, to read the reader's greedy token."""
-    from bundled.reader.train import value_token_ids
+    from bundled.reader.batches import value_token_ids
 
     return {token: value for value, token in value_token_ids(tokenizer).items()}
 

@@ -52,107 +52,18 @@ from safetensors.torch import save_file
 
 from bundled.build import build_recipe
 from bundled.reader import artifacts, swap
-from bundled.reader.panels import CELL, KEYS, MAX_SIDE, VALUES, Panel, Placement, random_panel
+from bundled.reader.batches import Batcher, single_token, token_targets
+from bundled.reader.panels import CELL, KEYS, MAX_SIDE, VALUES, Placement, random_panel
 from bundled.reader.questions import FIELD, QUESTION_KINDS, Question, random_question, sibling
 from bundled.recipes import ORACLE, QWEN2_5_VL, READER, get_recipe
 from bundled.weights import checkpoint_name
 
 DEFAULT_SEED = 20261129
 HELD_OUT_SEED = 7
-EMPTY = "-"  # the auxiliary class of an image token that shows no field
 REACH_STEP = 2  # pixels: how far the moved panels' curriculum widens at a time
 VISION, WHOLE = "vision", "whole"  # the phases of a run: the vision tower alone (--vision-steps), then every weight
 VISION_LR = 3e-3
 VISION_MOVED = 0.85  # the share of the vision phase's panels drawn moved
-
-
-class Batcher:
-    """Turns questions into model inputs with the bundled processor and chat template."""
-
-    def __init__(self, processor) -> None:
-        self.processor = processor
-        tokenizer = processor.tokenizer
-        tokenizer.padding_side = "right"
-        self.value_ids = value_token_ids(tokenizer)
-        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.vision_end = tokenizer.convert_tokens_to_ids("<|vision_end|>")
-
-    def prompt(self, question: Question) -> str:
-        content: list[dict] = [{"type": "image"} for _ in question.panels]
-        messages = [{"role": "user", "content": [*content, {"type": "text", "text": question.text}]}]
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-    def __call__(self, questions: list[Question], with_answers: bool = True,
-                 placements: list[Placement] | None = None) -> dict:
-        """Model inputs for ``questions``, each question's panels drawn at its placement (default: as drawn)."""
-        placements = placements or [Placement()] * len(questions)
-        shown = [(panel, placement) for q, placement in zip(questions, placements, strict=True) for panel in q.panels]
-        texts = [self.prompt(q) + (q.answer + "<|im_end|>" if with_answers else "") for q in questions]
-        images = [placement.render(panel) for panel, placement in shown]
-        inputs = self.processor(text=texts, images=images, padding=True, return_tensors="pt")
-        lengths = inputs["attention_mask"].sum(1)
-        answers = torch.tensor([self.value_ids[q.answer] for q in questions])
-        offset = 2 if with_answers else 0
-        # The position whose logits predict the answer: the last prompt token.
-        inputs["answer_at"] = lengths - 1 - offset
-        # The question's first token, right after the last image.
-        ids = inputs["input_ids"]
-        question_at = ((ids == self.vision_end) * torch.arange(ids.shape[1])).argmax(1) + 1
-        hops = [(row, int(question_at[row]) + at, self.value_ids[value])
-                for row, q in enumerate(questions) for at, value in q.hops]
-        inputs["hop_rows"], inputs["hop_at"], inputs["hop_values"] = torch.tensor(hops).T
-        inputs["answers"] = answers
-        if with_answers:
-            labels = torch.full_like(ids, -100)
-            rows = torch.arange(len(questions))
-            labels[rows, lengths - 2] = answers
-            labels[rows, lengths - 1] = self.im_end
-            inputs["labels"] = labels
-        inputs["token_keys"], inputs["token_values"] = token_targets(shown)
-        return inputs
-
-
-def reading_targets(panel: Panel, placement: Placement) -> tuple[dict[int, str], dict[int, str]]:
-    """What each image token of ``panel`` drawn at ``placement`` is taught to say (the auxiliary loss): the token
-    holding a field's key glyph says that key and the field's value, wherever the value's glyph fell; a token holding
-    a value's glyph and no key says that value. As drawn, a field's first token holds both glyphs, so this is where
-    they are; moved, a key and its value may fall in neighbouring tokens (8 to 20 px right of the grid, a key's token
-    holds the previous field's value), and a token that said what it holds would pair a key with another field's
-    value: the vision tower is taught to carry the value to its key, and the language model reads a moved panel as
-    it reads an aligned one."""
-    key_at, value_at = placement.token_labels(panel)
-    values = dict(value_at)
-    for token, key in key_at.items():
-        values[token] = panel.value(key)
-    return key_at, values
-
-
-def token_targets(shown: list[tuple[Panel, Placement]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The auxiliary classes (KEY_CLASSES, VALUE_CLASSES) of every image token of ``shown``, in order."""
-    keys, values = [], []
-    for panel, placement in shown:
-        key_at, value_at = reading_targets(panel, placement)
-        grid_rows, grid_cols = placement.grid(panel)
-        for token in range(grid_rows * grid_cols):
-            keys.append(KEY_CLASSES.index(key_at.get(token, EMPTY)))
-            values.append(VALUE_CLASSES.index(value_at.get(token, EMPTY)))
-    return torch.tensor(keys), torch.tensor(values)
-
-
-KEY_CLASSES = (EMPTY, *KEYS)
-VALUE_CLASSES = (EMPTY, *VALUES)
-
-
-def value_token_ids(tokenizer) -> dict[str, int]:
-    """Every answer's token id (each answer is one token)."""
-    return {value: _single_token(tokenizer, value) for value in VALUES}
-
-
-def _single_token(tokenizer, text: str) -> int:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(f"answer {text!r} is {len(ids)} tokens in the bundled tokenizer; answers must be one")
-    return ids[0]
 
 
 @dataclass(frozen=True)
@@ -188,6 +99,12 @@ def random_placement(rng: random.Random, reach: int = CELL // 2) -> Placement:
     return Placement(top=offset(pad[0]), left=offset(pad[1]), pad=pad)
 
 
+def max_side(placement: Placement) -> int:
+    """The most cells a side of a panel drawn at ``placement`` may have: a moved panel's image has one more row or
+    column of cells, at most MAX_SIDE with it."""
+    return MAX_SIDE - 1 if placement.pad != (0, 0) else MAX_SIDE
+
+
 def examples(rng: random.Random, count: int, max_fields: int) -> list[Question]:
     """The reader's questions: ``field`` only."""
     return [random_question(rng, FIELD, max_fields=max_fields) for _ in range(count)]
@@ -202,9 +119,8 @@ def draw(rng: random.Random, task: Task, count: int, max_fields: int,
     questions, placements = [], []
     for _ in range(count // 2):
         placement = random_placement(rng, reach) if task.moved and rng.random() < task.moved else Placement()
-        # A moved panel's image has one more row or column of cells: at most MAX_SIDE with it.
-        side = MAX_SIDE - 1 if placement.pad != (0, 0) else MAX_SIDE
-        questions.append(random_question(rng, rng.choice(task.kinds), max_fields=max_fields, max_side=side))
+        questions.append(random_question(rng, rng.choice(task.kinds), max_fields=max_fields,
+                                         max_side=max_side(placement)))
         placements.append(placement)
     return questions + [sibling(q, rng) for q in questions], placements + placements
 
@@ -239,7 +155,7 @@ class Trainer:
             swap.install(model)
         hidden = model.config.text_config.hidden_size
         tokenizer = processor.tokenizer
-        self.key_ids = torch.tensor([_single_token(tokenizer, key) for key in KEYS])
+        self.key_ids = torch.tensor([single_token(tokenizer, key) for key in KEYS])
         self.value_ids = torch.tensor([self.batcher.value_ids[value] for value in VALUES])
         self.no_field = torch.nn.Parameter(torch.zeros(2, hidden))
         params = [*model.parameters(), self.no_field]
@@ -337,8 +253,7 @@ class Trainer:
         shown = []
         for _ in range(self.batch):
             placement = random_placement(rng) if rng.random() < VISION_MOVED else Placement()
-            side = MAX_SIDE - 1 if placement.pad != (0, 0) else MAX_SIDE
-            shown.append((random_panel(rng, max_side=side), placement))
+            shown.append((random_panel(rng, max_side=max_side(placement)), placement))
         images = self.batcher.processor.image_processor(
             images=[placement.render(panel) for panel, placement in shown], return_tensors="pt")
         keys, values = token_targets(shown)
@@ -525,10 +440,6 @@ def main(argv: list[str] | None = None) -> int:
         if not task.swap_layers:
             parser.error(f"--moved is for the oracle's task (not {args.size})")
         task = dataclasses.replace(task, moved=args.moved)
-    if args.vision_steps and not args.moved:
-        parser.error("--vision-steps teaches the tower to read moved panels: it needs --moved")
-    if not 0 <= args.vision_steps < args.steps:
-        parser.error(f"--vision-steps {args.vision_steps} must be under --steps {args.steps}")
     start = build_recipe(dataclasses.replace(recipe, trained=""), on_progress=print)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(start, dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(start)
@@ -537,8 +448,11 @@ def main(argv: list[str] | None = None) -> int:
               f"tensors")
     if args.fine_tune:
         print(f"every weight from {args.fine_tune}: {fine_tune_start(model, recipe.arch, args.fine_tune)} tensors")
-    trainer = Trainer(model, processor, task=task, seed=args.seed, batch=args.batch, lr=args.lr, steps=args.steps,
-                      vision_steps=args.vision_steps, vision_lr=args.vision_lr)
+    try:
+        trainer = Trainer(model, processor, task=task, seed=args.seed, batch=args.batch, lr=args.lr,
+                          steps=args.steps, vision_steps=args.vision_steps, vision_lr=args.vision_lr)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.fine_tune:
         trainer.level = len(KEYS)
     args.work.mkdir(parents=True, exist_ok=True)

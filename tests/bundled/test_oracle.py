@@ -12,19 +12,10 @@ import torch
 from bundled import ORACLE, QWEN2_5_VL, build_model
 from bundled.build import build_recipe
 from bundled.reader import swap
+from bundled.reader.batches import Batcher, reading_targets, value_token_ids
 from bundled.reader.panels import CELL, KEYS, MAX_SIDE, Panel, Placement, kind_of
 from bundled.reader.questions import EQUAL, FIELD, NO, QUESTION_KINDS, TWO_IMAGES, YES, random_question, sibling
-from bundled.reader.train import (
-    TASKS,
-    Batcher,
-    accuracy,
-    accuracy_by_kind,
-    draw,
-    fine_tune_start,
-    reading_targets,
-    value_token_ids,
-    warm_start,
-)
+from bundled.reader.train import TASKS, accuracy, accuracy_by_kind, draw, fine_tune_start, warm_start
 from bundled.recipes import MOVED_ORACLE, get_recipe
 from offline.layer_probe import CHANGED_DROPPED, CHANGED_RECOMPUTED, STALE_ABOVE, probe
 from offline.reader_eval import fresh_questions, make_pairs

@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from bundled import ORACLE, QWEN2_5_VL, READER, build_model
 from bundled.errors import BuildError
 from bundled.reader import artifacts
+from bundled.reader.batches import Batcher
 from bundled.reader.panels import CELL, KEYS, VALUES, changed, random_panel
-from bundled.reader.train import Batcher, accuracy, main
+from bundled.reader.train import accuracy, main
 from offline.reader_eval import (
     CHANGED,
     UNCHANGED,
