@@ -32,10 +32,10 @@ def halves(pairs: list[Pair]) -> list[str]:
 
 
 def in_reach(pair: Pair, settings: MatchSettings) -> bool:
-    """Whether a plan may be made for the pair at all: its content moved by whole tokens, or no more than
-    max_subtoken_px off the grid, or the pair does not say how it moved."""
+    """Whether a plan may be made for the pair at all: its content moved by whole tokens, or off the grid within
+    the bounds planned (max_subtoken_px_y and _x), or the pair does not say how it moved."""
     off = off_grid(pair)
-    return off is None or off <= settings.max_subtoken_px
+    return off is None or off == (0, 0) or settings.plans_offset(off)
 
 
 def tune(extractor: Extractor, settings: MatchSettings, pairs: list[Pair]) -> dict[str, Any]:
@@ -98,8 +98,8 @@ def print_tune(result: dict[str, Any]) -> None:
             print()
     print(f"  chosen on the tune half: match threshold {chosen['match_threshold']}, guard "
           f"{chosen['max_changed_share']} (current: {current['match_threshold']}, {current['max_changed_share']})")
-    print(f"  evaluation half, matched / pairs (near-duplicates in reach: content moved by whole tokens or at most "
-          f"max_subtoken_px off the grid):\n  {'family':22s} {'chosen':>9s} {'current':>9s}")
+    print(f"  evaluation half, matched / pairs (near-duplicates in reach: content moved by whole tokens or off "
+          f"the grid within the bounds planned):\n  {'family':22s} {'chosen':>9s} {'current':>9s}")
     for family in FAMILIES:
         a, b = result["eval_chosen"].get(family), result["eval_current"].get(family)
         if a or b:

@@ -63,7 +63,7 @@ from offline.reference import Approximate, Fresh, ReferenceModel, capture, prefi
 from offline.reference.approximate import execute  # noqa: E402
 from plan import APPROXIMATE, ATTENTION_ONLY, ImagePlan  # noqa: E402
 
-OFFSETS = (0, 1, 2, 3, 5, 7, 10, 14, 18, 21, 24, 25, 26, 27, 28, 29, 30, 33, 42, 54, 55, 56)
+OFFSETS = (0, 1, 2, 3, 5, 7, 10, 13, 14, 15, 18, 21, 24, 25, 26, 27, 28, 29, 30, 33, 41, 42, 43, 54, 55, 56)
 DIRECTIONS = ("scroll", "pan")
 BAND = 2  # blank cells the content can move into: offsets up to BAND * CELL keep every field in view
 CHANGED_LEVEL = 24  # a token is changed where a pixel differs from A's moved content by more (as the labelled set)

@@ -27,6 +27,7 @@ from store.config import StoreConfig, Tier
 
 MATCH_ENV_PREFIX = ENV_PREFIX + "MATCH_"
 EXTRACTORS = ("pixel", "encoder", "clip")  # gateway/matching/pixel.py, encoder.py, clip.py
+MAX_SUBTOKEN_PX = 13  # under half a token of Qwen2.5-VL's 28 pixels: at half, which token content came from is a tie
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +39,8 @@ class MatchSettings:
     ``match_threshold``; a token is similar at ``patch_threshold`` when none of its shades (4 x 4-pixel grey
     levels) moved by more than ``max_shade_change``; tokens under ``blank_entropy`` bits are blank.
     A candidate that falls short in place is aligned again when the content moved by part of a token, at most
-    ``max_subtoken_px`` off the grid, with a motion of at least ``min_motion_confidence``.
+    ``max_subtoken_px_y`` off the grid vertically and ``max_subtoken_px_x`` horizontally, with a motion of at least
+    ``min_motion_confidence``.
     Plans: B = the lowest-entropy ``reuse_share`` of the tokens, R = ``recompute_share`` of them, ``warmup_layers``
     layers on every token first; the guard plans a miss when more than ``max_changed_share`` of the tokens changed.
     ``selector`` is the default selector (plan.SELECTORS); a request may name another in the ``x-revisit-selector``
@@ -67,9 +69,12 @@ class MatchSettings:
     warmup_layers: int = 3
     max_changed_share: float = 0.35  # measured: near-duplicates changed <= 0.29, a form with every value redrawn 0.41
     # Content moved by part of a token (gateway/matching/moved.py) is planned only this many pixels off the token
-    # grid (0: never): measured by the oracle fine-tuned on moved panels (bench/moved_quality.py), reuse holds within
-    # 2 points of a full prefill up to 2 px off the grid, and nothing says it holds from 3 px on.
-    max_subtoken_px: int = 2
+    # grid, per axis (0: never on that axis; 13: every remainder but half a 28-pixel token). Measured by the oracle
+    # fine-tuned on moved panels (bench/moved_quality.py): reuse holds within 2 points of a full prefill for content
+    # scrolled by any remainder, and panned up to 5 px off the grid; not at half a token, where the gateway's own
+    # plans of a scroll by 42 px answered 24% of changed fields right against a full prefill's 91%.
+    max_subtoken_px_y: int = 13
+    max_subtoken_px_x: int = 5
     # The motion's confidence (motion.find_motion on the two images' shades) under which no sub-token move is tried:
     # on the moved panels the right move scored 0.29 and more; a move tried wrongly costs a decode and an extraction,
     # not a wrong plan (the realigned tokens must still match).
@@ -107,30 +112,45 @@ class MatchSettings:
                 raise ConfigError(f"match {name} must be in [0, 1], got {getattr(self, name)}")
         if not 0 <= self.max_shade_change <= 255:
             raise ConfigError(f"match max_shade_change must be a grey level in [0, 255], got {self.max_shade_change}")
-        if not 0 <= self.max_subtoken_px <= 13 or self.min_motion_confidence < 0:
-            raise ConfigError("match max_subtoken_px must be in [0, 13] (half a token) and min_motion_confidence "
-                              f"not negative, got {self.max_subtoken_px} and {self.min_motion_confidence}")
+        for name in ("max_subtoken_px_y", "max_subtoken_px_x"):
+            if not 0 <= getattr(self, name) <= MAX_SUBTOKEN_PX:
+                raise ConfigError(f"match {name} must be in [0, {MAX_SUBTOKEN_PX}] (pixels off the token grid, "
+                                  f"under half a token), got {getattr(self, name)}")
+        if self.min_motion_confidence < 0:
+            raise ConfigError(f"match min_motion_confidence must not be negative, got {self.min_motion_confidence}")
         if self.candidates < 1 or self.scan_limit < 1 or self.warmup_layers < 0:
             raise ConfigError("match candidates and scan_limit must be positive, warmup_layers not negative")
         if self.blank_entropy < 0 or self.feature_cache_bytes < 0 or self.pending_grace_s < 0:
             raise ConfigError("match blank_entropy, feature_cache_bytes and pending_grace_s must not be negative")
 
+    def plans_moves(self) -> bool:
+        """Whether content moved by part of a token is ever lined up again (a bound above 0 on an axis)."""
+        return self.max_subtoken_px_y > 0 or self.max_subtoken_px_x > 0
+
+    def plans_offset(self, offset: tuple[int, int]) -> bool:
+        """Whether content ``offset`` (dy, dx) pixels off the token grid (after whole tokens) is planned: off the
+        grid, and within each axis' bound."""
+        return offset != (0, 0) and abs(offset[0]) <= self.max_subtoken_px_y and \
+            abs(offset[1]) <= self.max_subtoken_px_x
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, model_dir: str | Path | None = None) -> \
             MatchSettings:
         env = EnvReader(environ, error=ConfigError)
-        for old, new in RENAMED.items():
+        for old, instead in RETIRED.items():
             if env.raw(old) is not None:
-                raise ConfigError(f"{old} is now {new} (the same values); set {new} instead")
+                raise ConfigError(f"{old} {instead}")
         fields = env.fields(cls, MATCH_ENV_PREFIX)
         if fields.get("extractor") == "encoder" and fields.get("extractor_path") is None and model_dir is not None:
             fields["extractor_path"] = Path(model_dir)
         return cls(**fields)
 
 
-# Settings given new names: a gateway started with the old one stops with the new one's name rather than ignore it.
-RENAMED = {"REVISIT_MATCH_STRATEGY": "REVISIT_MATCH_SELECTOR",
-           "REVISIT_MATCH_ALLOW_STRATEGY_HEADER": "REVISIT_MATCH_ALLOW_SELECTOR_HEADER"}
+# Settings read no more, and what to set instead: a gateway started with one stops and says so rather than ignore it.
+RETIRED = {"REVISIT_MATCH_STRATEGY": "is now REVISIT_MATCH_SELECTOR (the same values)",
+           "REVISIT_MATCH_ALLOW_STRATEGY_HEADER": "is now REVISIT_MATCH_ALLOW_SELECTOR_HEADER (the same values)",
+           "REVISIT_MATCH_MAX_SUBTOKEN_PX": "is now one bound per axis: set REVISIT_MATCH_MAX_SUBTOKEN_PX_Y "
+                                            "(vertical) and REVISIT_MATCH_MAX_SUBTOKEN_PX_X (horizontal)"}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@
 - :mod:`gateway.matching.motion`: motion at pixel level (phase correlation), parts of a token included, over the
   whole frame or per region.
 - :mod:`gateway.matching.moved`: content moved by part of a token, found from the shades and lined up again (planned
-  up to ``max_subtoken_px`` off the grid).
+  within ``max_subtoken_px_y`` and ``_x`` of the grid).
 - :mod:`gateway.matching.matcher`: ``Matcher``, coarse to fine, with the features persisted beside the store.
 - :mod:`gateway.matching.plans`: from a match to an approximate ``plan.ImagePlan`` (reuse set, guard).
 """

@@ -294,8 +294,15 @@ def in_place(features: TokenFeatures, alias_features: TokenFeatures, settings: M
 def moved_alignment(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings,
                     moved: MovedImage) -> Alignment | None:
     """The alignment of the new image's content moved back by part of a token (gateway/matching/moved.py), when it
-    moved so; None otherwise."""
+    moved so: as a whole, or else (no match within the guard that way) region by region; None when neither."""
     move = moved.find(features, alias_features)
-    if move is None:
-        return None
-    return moved_by(_aligned(moved.realigned(move.offset), alias_features, move.shift, settings), move.offset)
+    alignment = None
+    if move is not None:
+        alignment = moved_by(_aligned(moved.realigned(move.offset), alias_features, move.shift, settings), move.offset)
+        if _planned(alignment, settings):
+            return alignment
+    regional = moved.find_regions(features, alias_features)
+    if regional is None:
+        return alignment
+    again = moved_by(_aligned(moved.realigned_regions(regional), alias_features, (0, 0), settings), regional.offset)
+    return again if alignment is None else max(alignment, again, key=lambda a: (_planned(a, settings), a.similarity))

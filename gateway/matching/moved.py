@@ -3,10 +3,12 @@
 A page scrolled by 29 px, or a frame panned by 2, moves the content inside every token, so no digest stays in place
 and the fine stage (align.py) finds nothing alike: the pair is a miss. Whether the cached K/V may be reused for such
 content at all is measured by the oracle fine-tuned on moved panels (bench/moved_quality.py), each B token reusing
-the K/V of the cached token its pixels mostly came from: within 2 points of a full prefill up to 2 px off the token
-grid either way (after a move of whole tokens or none), where this bound was set; the judge trained since says
-scrolls hold at every offset and pans up to 5 px, not at half a token (README, Approximate matching). So
-``MatchSettings.max_subtoken_px`` (2, both axes) bounds what is planned.
+the K/V of the cached token its pixels mostly came from: within 2 points of a full prefill for content scrolled by
+any part of a token (after a move of whole tokens or none), and for content panned up to 5 px off the grid, not by
+half a token (README, Approximate matching), where which cached token a token's content came from is a tie (the
+gateway's own plans of a scroll by 42 px answered 24% of changed fields right). So
+``MatchSettings.max_subtoken_px_y`` (13: every remainder but half a token) and ``max_subtoken_px_x`` (5) bound what
+is planned, per axis (``MatchSettings.plans_offset``).
 
 When no candidate matches in place within the guard, the matcher (matcher.Matcher.lookup) asks of each, in the
 coarse stage's order up to the first that matches so, how far the content moved (``MovedImage.find``):
@@ -16,7 +18,8 @@ coarse stage's order up to the first that matches so, how far the content moved 
     2. the exact pixel count, among the motion found rounded and its two neighbours on each axis: the one whose new
        image, moved back by it, has shades closest to the cached image's at the whole-token shift;
     3. the move as whole tokens (the plan's shift) and what is left over (``offset``, in pixels, each axis in
-       (-token / 2, token / 2]); planned only when the offset is not zero and within ``max_subtoken_px``;
+       [-token / 2, token / 2], half a token going either way by Python's round, to even); planned only when the
+       offset is not zero and within each axis' bound;
     4. not even then when the move leaves more of the tokens changed than the guard plans (``max_changed_share``:
        no cached token under the move, or a shade moved by more than ``max_shade_change``), counted from the
        shades before any extraction: look-alike pages of one layout line up as well as the page itself does.
@@ -27,9 +30,20 @@ token of moved content is never the same as the cached one (the model sees other
 plan runs the vision pass over the whole new image (gateway/matching/plans.py): the cached encoder output is of
 the content where it was, and what was measured was B's own encoder output.
 
+A video frame may hold more than one motion (a camera moving with parallax, a subject across the frame): when the
+whole frame's motion does not line it up within the guard, ``MovedImage.find_regions`` finds one per region of a
+REGIONS x REGIONS grid of tokens over the frame (phase correlation on the region's shades, the exact pixel count as
+above), each region moved back by its own offset where that is sure enough and within the bounds, the rest left
+in place; the plan keeps every token where it is (no whole-token shift), so a token reuses the cached token at its
+own position whose content is that region's offset away, as with one motion. Measured on the next frames of a
+moving camera (bench/matching.py --sections video); each region's offset is within the bounds the oracle measured
+for one motion, but regions moved apart were not judged on their own. ``MovedImage.realigned_regions`` is the new
+image's features with each region's pixels moved back by its offset.
+
 Cost, only for a candidate that fell short in place: the new image decoded again (once per request, from the bytes
 the worker is sent), the shade search (nine candidate moves at most: sums over shifted windows of the image, one
-pass over it per vertical offset) and one more extraction.
+pass over it per vertical offset) and one more extraction; where one motion falls short, REGIONS x REGIONS phase
+correlations on the regions' shades, nine candidate offsets each, and one more extraction.
 """
 
 from __future__ import annotations
@@ -48,6 +62,12 @@ from gateway.matching.motion import find_motion
 
 log = logging.getLogger(__name__)
 
+# The side of the grid of regions (token-aligned) a frame's motions are found in when one motion does not line it up.
+# Measured on opencv-doc's Megamind.avi, next frames with the camera moving, with every region's motion allowed up
+# to 14 px either way: 2 x 2 lined up 45 of 57 within the guard, 3 x 3 54, 4 x 4 56 (one motion: 41); 6 x 6 gained
+# one pair more than 4 x 4 within the bounds planned (bench/matching.py --sections video).
+REGIONS = 4
+
 
 @dataclass(frozen=True)
 class SubTokenMove:
@@ -57,6 +77,20 @@ class SubTokenMove:
     shift: tuple[int, int]
     offset: tuple[int, int]
     confidence: float
+
+
+@dataclass(frozen=True)
+class RegionalMove:
+    """Content moved by part of a token region by region: ``offsets[i]`` (dy, dx) pixels in region ``boxes[i]``
+    (token rows top, bottom and columns left, right; bottom and right excluded), (0, 0) where it stays in place."""
+
+    boxes: tuple[tuple[int, int, int, int], ...]
+    offsets: tuple[tuple[int, int], ...]
+
+    @property
+    def offset(self) -> tuple[int, int]:
+        """The regions' largest offset (by its larger axis): what the alignment says the content moved by."""
+        return max(self.offsets, key=lambda o: max(abs(o[0]), abs(o[1])))
 
 
 def shade_image(features: TokenFeatures) -> np.ndarray:
@@ -80,15 +114,15 @@ def moved_back(pixels: np.ndarray, offset: tuple[int, int]) -> np.ndarray:
 @dataclass(frozen=True)
 class MovedImages:
     """What the planner needs to line new images up again: the extractor intake used, the pixels per token, and the
-    match settings (their bounds: max_subtoken_px, min_motion_confidence, and the guard's)."""
+    match settings (their bounds: max_subtoken_px_y and _x, min_motion_confidence, and the guard's)."""
 
     extractor: Extractor
     factor: int
     settings: MatchSettings
 
     def of(self, payload: bytes, grid: tuple[int, int]) -> MovedImage | None:
-        """The new image sent as ``payload``; None when no sub-token move is planned (max_subtoken_px 0)."""
-        if self.settings.max_subtoken_px <= 0:
+        """The new image sent as ``payload``; None when no sub-token move is planned (both bounds 0)."""
+        if not self.settings.plans_moves():
             return None
         return MovedImage.of_payload(payload, self.extractor, grid=grid, factor=self.factor, settings=self.settings)
 
@@ -107,7 +141,7 @@ class MovedImage:
         self.extractor = extractor
         self.grid, self.factor = grid, factor
         self.settings = settings
-        self._realigned: dict[tuple[int, int], TokenFeatures] = {}
+        self._realigned: dict[object, TokenFeatures] = {}  # an offset, or a RegionalMove's offsets -> features
 
     @classmethod
     def of_payload(cls, payload: bytes, extractor: Extractor, *, grid: tuple[int, int], factor: int,
@@ -131,11 +165,11 @@ class MovedImage:
         return self._pixels
 
     def find(self, features: TokenFeatures, alias_features: TokenFeatures) -> SubTokenMove | None:
-        """How the new image (its ``features``) moved against the cached one, when by part of a token within
-        ``max_subtoken_px`` of the grid, surely enough (``min_motion_confidence``) and with few enough tokens changed
-        under the move for the guard to plan it; None otherwise."""
+        """How the new image (its ``features``) moved against the cached one, when by part of a token within each
+        axis' bound off the grid, surely enough (``min_motion_confidence``) and with few enough tokens changed under
+        the move for the guard to plan it; None otherwise."""
         settings = self.settings
-        if settings.max_subtoken_px <= 0 or features.grid != self.grid:
+        if not settings.plans_moves() or features.grid != self.grid:
             return None
         cell = self.factor / SHADE_SIDE  # pixels per shade
         alias = shade_image(alias_features)
@@ -159,7 +193,7 @@ class MovedImage:
         if best is None:
             return None
         _, shift, offset, compared = best
-        if offset == (0, 0) or max(abs(offset[0]), abs(offset[1])) > settings.max_subtoken_px:
+        if not settings.plans_offset(offset):
             return None
         if self._changed_share(*compared) > settings.max_changed_share:
             return None  # the guard would plan a miss: not worth an extraction (look-alike pages of one layout)
@@ -181,6 +215,71 @@ class MovedImage:
         if found is None:
             image = Image.fromarray(moved_back(self.pixels, offset))
             found = self._realigned[offset] = self.extractor.extract(image, self.grid, self.factor)
+        return found
+
+    def find_regions(self, features: TokenFeatures, alias_features: TokenFeatures) -> RegionalMove | None:
+        """How the new image moved against the cached one region by region (REGIONS x REGIONS, token-aligned), each
+        region by part of a token within the bounds and surely enough, or not at all; None when no region moved so,
+        the grid is smaller than the regions, or the moves leave more tokens changed than the guard plans.
+
+        The regions' motions come from the shades alone; the new image is decoded again only when some region
+        moved within reach and the regions left in place do not already change more tokens than the guard plans
+        (an unrelated image stops there)."""
+        settings = self.settings
+        rows, cols = self.grid
+        if not settings.plans_moves() or features.grid != self.grid or alias_features.grid != self.grid or \
+                min(rows, cols) < REGIONS:
+            return None
+        alias, new = shade_image(alias_features), shade_image(features)
+        side, cell = SHADE_SIDE, self.factor / SHADE_SIDE
+        # Each region's box and its motion in whole pixels (None: the region stays in place).
+        regions: list[tuple[tuple[int, int, int, int], tuple[int, int] | None]] = []
+        for region_row in range(REGIONS):
+            top, bottom = region_row * rows // REGIONS, (region_row + 1) * rows // REGIONS
+            for region_col in range(REGIONS):
+                left, right = region_col * cols // REGIONS, (region_col + 1) * cols // REGIONS
+                motion = find_motion(alias[top * side:bottom * side, left * side:right * side],
+                                     new[top * side:bottom * side, left * side:right * side])
+                around = (round(motion.dy * cell), round(motion.dx * cell))
+                within = abs(around[0]) <= settings.max_subtoken_px_y + 1 and \
+                    abs(around[1]) <= settings.max_subtoken_px_x + 1 and around != (0, 0)
+                sure = motion.confidence >= settings.min_motion_confidence
+                regions.append(((top, bottom, left, right), around if within and sure else None))
+        if all(found is None for _, found in regions):
+            return None
+        staying = np.zeros((rows, cols), dtype=bool)
+        for (top, bottom, left, right), found in regions:
+            staying[top:bottom, left:right] = found is None
+        if self._changed_share(new, alias, among=staying.reshape(-1)) > settings.max_changed_share:
+            return None
+        if not self._decoded():
+            return None
+        moved = new.copy()
+        offsets = []
+        for (top, bottom, left, right), found in regions:
+            offset = (0, 0)
+            cells = (slice(top * side, bottom * side), slice(left * side, right * side))
+            if found is not None:
+                offset = min(((found[0] + y, found[1] + x) for y in (-1, 0, 1) for x in (-1, 0, 1)),
+                             key=lambda o: float(np.abs(self._shades_moved_back(o)[cells] - alias[cells]).mean()))
+                offset = offset if settings.plans_offset(offset) else (0, 0)
+                moved[cells] = self._shades_moved_back(offset)[cells]
+            offsets.append(offset)
+        if not any(offsets) or self._changed_share(moved, alias) > settings.max_changed_share:
+            return None
+        return RegionalMove(boxes=tuple(box for box, _ in regions), offsets=tuple(offsets))
+
+    def realigned_regions(self, move: RegionalMove) -> TokenFeatures:
+        """The new image's features with each region's content moved back by its own offset."""
+        found = self._realigned.get(move.offsets)
+        if found is None:
+            pixels = self.pixels.copy()
+            factor = self.factor
+            for (top, bottom, left, right), offset in zip(move.boxes, move.offsets, strict=True):
+                if offset != (0, 0):
+                    box = (slice(top * factor, bottom * factor), slice(left * factor, right * factor))
+                    pixels[box] = moved_back(self.pixels, offset)[box]
+            found = self._realigned[move.offsets] = self.extractor.extract(Image.fromarray(pixels), self.grid, factor)
         return found
 
     def _moved_shades(self, alias: np.ndarray, shift: tuple[int, int], offset: tuple[int, int]) -> \
@@ -218,10 +317,11 @@ class MovedImage:
             band = self._bands[dy] = np.add.reduceat(padded[factor + dy:factor + dy + height], tops, axis=0)
         return np.add.reduceat(band[:, factor + dx:factor + dx + width], lefts, axis=1) / areas
 
-    def _changed_share(self, new: np.ndarray, alias: np.ndarray) -> float:
+    def _changed_share(self, new: np.ndarray, alias: np.ndarray, among: np.ndarray | None = None) -> float:
         """The share of the new image's tokens a move leaves changed, as the fine stage would count them from the
         shades (``new`` and ``alias`` as _moved_shades gives them): those with no cached token under the move, and
-        those one of whose shades moved by more than max_shade_change (features.shade_change)."""
+        those one of whose shades moved by more than max_shade_change (features.shade_change); ``among``: count
+        only these tokens (a mask over the whole grid, ``new`` and ``alias`` being whole), the rest as unchanged."""
         side = SHADE_SIDE
 
         def tokens(cells: np.ndarray) -> np.ndarray:  # (h * side, w * side) -> (h * w, side * side)
@@ -229,6 +329,7 @@ class MovedImage:
             return cells.reshape(h, side, w, side).transpose(0, 2, 1, 3).reshape(h * w, side * side)
 
         new_tokens = tokens(new)
-        changed = int((shade_change(new_tokens, tokens(alias)) > self.settings.max_shade_change).sum())
+        differs = shade_change(new_tokens, tokens(alias)) > self.settings.max_shade_change
+        changed = int((differs & among).sum() if among is not None else differs.sum())
         n = self.grid[0] * self.grid[1]
         return (changed + n - len(new_tokens)) / n

@@ -115,6 +115,28 @@ def video_pairs(rng: random.Random, count: int, large: bool, notes: list[str]) -
     return {"video_next": interleave([nexts], count), "video_distant": interleave([distants], count)}
 
 
+def next_frames(clip: Path, count: int, rng: random.Random, large: bool = False) -> list[Pair]:
+    """Up to ``count`` pairs of consecutive frames (t, t + 1) of ``clip`` at random instants, cuts left out (more
+    than half the tokens changed), in the clip's order: the next frames a stream sends, more of them than the
+    labelled set's video_next holds."""
+    starts = sorted(rng.sample(range(frame_count(clip) - 1), min(frame_count(clip) - 1, count)))
+    decoded: dict[int, Image.Image] = {}
+    for first in range(0, len(starts), 10):  # ffmpeg's select expression, a few frames at a time
+        decoded.update(decode(clip, [t for start in starts[first:first + 10] for t in (start, start + 1)]))
+    if not decoded:
+        return []
+    any_frame = next(iter(decoded.values()))
+    rows, cols, scale = _frame_grid(any_frame.width, any_frame.height, large)
+    pairs = []
+    for t in starts:
+        if t in decoded and t + 1 in decoded:
+            a, b = _centre(decoded[t], rows, cols, scale), _centre(decoded[t + 1], rows, cols, scale)
+            changed = changed_video(a, b)
+            if changed.mean() <= 0.5:
+                pairs.append(Pair(f"video-next/{clip.name}/{t}-{t + 1}", "video_next", a, b, True, changed, (0, 0)))
+    return pairs
+
+
 def _pan_pairs(rng: random.Random, count: int, large: bool) -> dict[str, list[Pair]]:
     """Synthetic video: a window panning over a large photo, a few pixels a frame (not a whole token)."""
     names = [name for name in ("hubble_deep_field.jpg", "retina.jpg", "astronaut.png", "coffee.png")

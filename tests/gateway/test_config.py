@@ -19,6 +19,8 @@ def test_from_env_reads_prefixed_variables(tmp_path):
             "REVISIT_ALLOW_PRIVATE_IMAGE_URLS": "1",
             "REVISIT_MAX_IMAGES_PER_REQUEST": "3",
             "REVISIT_HEALTH_TIMEOUT_S": "2.5",
+            "REVISIT_MATCH_MAX_SUBTOKEN_PX_Y": "7",
+            "REVISIT_MATCH_MAX_SUBTOKEN_PX_X": "0",
         }
     )
     assert config.workers == ("http://a:1", "http://b:2")
@@ -26,6 +28,9 @@ def test_from_env_reads_prefixed_variables(tmp_path):
     assert config.tenants == TenantSettings.open({"k1": "team"})
     assert config.images.allow_private_urls and config.images.max_images_per_request == 3
     assert config.health_timeout_s == 2.5
+    match = config.reuse.match
+    assert (match.max_subtoken_px_y, match.max_subtoken_px_x) == (7, 0)
+    assert match.plans_offset((-7, 0)) and not match.plans_offset((-8, 0)) and not match.plans_offset((0, 1))
 
 
 @pytest.mark.parametrize(
@@ -42,6 +47,11 @@ def test_from_env_reads_prefixed_variables(tmp_path):
         ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_MATCH_ALLOW_STRATEGY_HEADER": "1"},
          "REVISIT_MATCH_ALLOW_SELECTOR_HEADER"),
         ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_MATCH_SELECTOR": "magic"}, "selector"),
+        # one bound for both axes became one per axis: the old name says so
+        ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_MATCH_MAX_SUBTOKEN_PX": "2"},
+         "REVISIT_MATCH_MAX_SUBTOKEN_PX_Y"),
+        ({"REVISIT_MODEL": "m", "REVISIT_WORKERS": "http://a:1", "REVISIT_MATCH_MAX_SUBTOKEN_PX_X": "15"},
+         r"max_subtoken_px_x must be in \[0, 13\]"),
     ],
 )
 def test_bad_settings_fail_loudly(env, message):

@@ -15,7 +15,7 @@ import pytest
 
 import settings
 from gateway.config import GatewayConfig
-from gateway.config.reuse import RENAMED
+from gateway.config.reuse import RETIRED
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("gateway", "store", "engine_ext", "launcher", "bundled", "settings", "plan", "dashboards")
@@ -61,7 +61,7 @@ def names_read(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> set[str]:
     for package in PRODUCT:
         for path in (ROOT / package).rglob("*.py"):
             names |= set(NAME.findall(path.read_text()))
-    return {name for name in names if name not in RENAMED}
+    return {name for name in names if name not in RETIRED}
 
 
 def documented(name: str, rows: list[str]) -> bool:

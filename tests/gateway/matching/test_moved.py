@@ -1,7 +1,7 @@
 """Content moved by part of a token (gateway/matching/moved.py): found from the two images' shades to the pixel,
-lined up again, and matched only within MatchSettings.max_subtoken_px of the token grid; a scanned page scrolled
-by a few pixels, windows of it at its own resolution (text as crisp as a screenshot's; the same page scaled up
-is smooth enough that a 1 px scroll still matches in place)."""
+lined up again, and matched only within MatchSettings.max_subtoken_px_y and _x of the token grid; a scanned page
+scrolled or panned by a few pixels, windows of it at its own resolution (text as crisp as a screenshot's; the same
+page scaled up is smooth enough that a 1 px scroll still matches in place)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ def scrolled(offset: int) -> tuple[Image.Image, Image.Image]:
             page.crop((0, offset, COLS * CELL, offset + ROWS * CELL)))
 
 
+def panned(offset: int) -> tuple[Image.Image, Image.Image]:
+    """(A, B): a window of a scanned page, and the window ``offset`` px further right (its content moved left)."""
+    page = load("page.png").convert("RGB")  # 384 x 191
+    return (page.crop((0, 0, COLS * CELL, ROWS * CELL)),
+            page.crop((offset, 0, offset + COLS * CELL, ROWS * CELL)))
+
+
 def moved_image(image: Image.Image, settings: MatchSettings = SETTINGS) -> MovedImage:
     return MovedImage.of_image(image, EXTRACTOR, grid=(ROWS, COLS), factor=CELL, settings=settings)
 
@@ -52,10 +59,14 @@ def test_moving_back_undoes_a_move_and_repeats_the_edge() -> None:
     assert (moved_back(pixels, (0, -1))[:, 0] == pixels[:, 0]).all()
 
 
-@pytest.mark.parametrize(("offset", "shift", "rest"), [(1, (0, 0), (-1, 0)), (2, (0, 0), (-2, 0)),
-                                                        (26, (-1, 0), (2, 0)), (29, (-1, 0), (-1, 0))])
-def test_a_scroll_up_to_2_px_off_the_grid_is_found_lined_up_and_matched(offset, shift, rest) -> None:
-    a, b = scrolled(offset)
+@pytest.mark.parametrize(("move", "offset", "shift", "rest"), [
+    (scrolled, 1, (0, 0), (-1, 0)), (scrolled, 2, (0, 0), (-2, 0)), (scrolled, 7, (0, 0), (-7, 0)),
+    (scrolled, 13, (0, 0), (-13, 0)), (scrolled, 15, (-1, 0), (13, 0)),
+    (scrolled, 24, (-1, 0), (4, 0)), (scrolled, 26, (-1, 0), (2, 0)), (scrolled, 29, (-1, 0), (-1, 0)),
+    (panned, 2, (0, 0), (0, -2)), (panned, 5, (0, 0), (0, -5))])
+def test_a_scroll_by_any_part_of_a_token_but_half_or_a_pan_up_to_5_px_is_found_lined_up_and_matched(
+        move, offset, shift, rest) -> None:
+    a, b = move(offset)
     fa, fb = features(a), features(b)
     in_place = compare(fb, fa, SETTINGS)
     assert in_place.similarity < SETTINGS.match_threshold  # every token's content moved within it
@@ -72,9 +83,10 @@ def test_a_scroll_up_to_2_px_off_the_grid_is_found_lined_up_and_matched(offset, 
     assert plan is not None and plan.shift == shift and plan.vision == FULL_PASS  # its own encoder output
 
 
-@pytest.mark.parametrize("offset", [3, 5, 14, 24])
-def test_a_scroll_further_off_the_grid_is_not_matched(offset) -> None:
-    a, b = scrolled(offset)
+@pytest.mark.parametrize(("move", "offset"), [(panned, 7), (panned, 10), (panned, 14), (scrolled, 14)])
+def test_a_pan_further_off_the_grid_or_a_move_by_half_a_token_is_not_matched(move, offset) -> None:
+    """At half a token (14 px) which cached token a token's content came from is a tie: never planned."""
+    a, b = move(offset)
     fa, fb = features(a), features(b)
     assert moved_image(b).find(fb, fa) is None
     alignment = compare(fb, fa, SETTINGS, moved_image(b))
@@ -84,9 +96,13 @@ def test_a_scroll_further_off_the_grid_is_not_matched(offset) -> None:
 def test_sub_token_moves_can_be_switched_off_and_leave_in_place_matches_alone() -> None:
     a, b = scrolled(1)
     fa, fb = features(a), features(b)
-    off = MatchSettings(max_subtoken_px=0)
+    off = MatchSettings(max_subtoken_px_y=0, max_subtoken_px_x=0)
     assert moved_image(b, off).find(fb, fa) is None
-    assert MovedImages(EXTRACTOR, CELL, MatchSettings(max_subtoken_px=0)).of(encode_png(b), (ROWS, COLS)) is None
+    assert MovedImages(EXTRACTOR, CELL, off).of(encode_png(b), (ROWS, COLS)) is None
+    # Either axis off alone: a scroll is not planned without the vertical bound, a pan still is.
+    assert moved_image(b, MatchSettings(max_subtoken_px_y=0)).find(fb, fa) is None
+    pa, pb = panned(2)
+    assert moved_image(pb, MatchSettings(max_subtoken_px_y=0)).find(features(pb), features(pa)) is not None
     assert compare(fb, fa, off, moved_image(b, off)).similarity < off.match_threshold
     # An edit in place matches as before, with the alias' encoder output where nothing changed.
     near = edited(a, (5 * CELL + 3, 2 * CELL + 3, 7 * CELL + 10, 2 * CELL + 24))
@@ -177,3 +193,55 @@ def test_a_look_alike_of_one_layout_is_refused_from_its_shades_before_any_extrac
     image = MovedImage.of_image(b, counting, grid=grid, factor=CELL, settings=SETTINGS)  # type: ignore[arg-type]
     assert image.find(fb, fa) is None
     assert compare(fb, fa, SETTINGS, image).similarity < SETTINGS.match_threshold and counting.calls == 0
+
+
+def two_motions(image: Image.Image, top: tuple[int, int], bottom: tuple[int, int]) -> Image.Image:
+    """``image`` with the content of its top half moved by ``top`` pixels (dy, dx) and of its bottom half by
+    ``bottom``: a camera's motion with parallax, or a subject across the frame."""
+    pixels = np.asarray(image)
+    half = pixels.shape[0] // 2
+    out = moved_back(pixels, (-top[0], -top[1])).copy()
+    out[half:] = moved_back(pixels, (-bottom[0], -bottom[1]))[half:]
+    return Image.fromarray(out)
+
+
+def test_a_frame_whose_halves_moved_apart_is_lined_up_region_by_region() -> None:
+    """One motion lines up one half and leaves the other's tokens changed (past the guard); a motion per region
+    (moved.REGIONS) lines up both, each region's content moved back by its own offset, every token kept where it is."""
+    a = aligned("astronaut.png", 8, 8)
+    b = two_motions(a, top=(-3, 0), bottom=(0, 4))
+    fa, fb = features(a), features(b)
+    moved = MovedImage.of_image(b, EXTRACTOR, grid=(8, 8), factor=CELL, settings=SETTINGS)
+    regions = moved.find_regions(fb, fa)
+    assert regions is not None and len(regions.offsets) == 16
+    assert set(regions.offsets[:8]) == {(-3, 0)} and set(regions.offsets[8:]) == {(0, 4)}
+    whole = moved.find(fb, fa)
+    if whole is not None:  # one motion alone: not within the guard
+        once = compare(features(Image.fromarray(moved_back(np.asarray(b), whole.offset))), fa, SETTINGS)
+        assert once.changed_share > SETTINGS.max_changed_share
+    alignment = compare(fb, fa, SETTINGS, moved)
+    assert alignment.similarity >= SETTINGS.match_threshold and alignment.changed_share <= SETTINGS.max_changed_share
+    assert alignment.shift == (0, 0) and alignment.offset in ((-3, 0), (0, 4))
+    plan = plan_against(fb, fa, alias="a" * 64, key="b" * 64, settings=SETTINGS, selector="attention_only",
+                        layers=8, moved=moved)
+    assert plan is not None and plan.shift == (0, 0) and plan.vision == FULL_PASS
+    # A region panned further than the horizontal bound stays where it is: its tokens changed, past the guard here.
+    far = two_motions(a, top=(-3, 0), bottom=(0, 9))
+    assert compare(features(far), fa, SETTINGS, moved_image_of(far)).changed_share > SETTINGS.max_changed_share
+
+
+def test_unrelated_images_are_refused_region_by_region_from_the_shades_without_a_decode() -> None:
+    """The regions' motions come from the shades; where the regions left in place change more tokens than the guard
+    plans, the new image is not decoded again (what a miss costs)."""
+    for rows, cols in ((5, 13), (8, 8)):
+        cached = aligned("page.png", rows, cols)
+        for name in ("text.png", "camera.png", "coffee.png", "astronaut.png"):
+            other = aligned(name, rows, cols)
+            never = MovedImage(lambda: pytest.fail("decoded again for an unrelated image"), EXTRACTOR,  # type: ignore
+                               grid=(rows, cols), factor=CELL, settings=SETTINGS)
+            assert never.find_regions(features(other), features(cached)) is None
+
+
+def moved_image_of(image: Image.Image) -> MovedImage:
+    return MovedImage.of_image(image, EXTRACTOR, grid=(image.height // CELL, image.width // CELL), factor=CELL,
+                               settings=SETTINGS)

@@ -366,15 +366,15 @@ def test_a_near_duplicate_predicted_not_to_pay_is_planned_as_a_storing_miss(cach
 def test_the_planner_plans_a_page_scrolled_by_a_token_and_a_pixel_against_the_page_before(cache) -> None:
     """A scroll of 29 px (one token and one pixel) moves every token's content within it; the planner lines it up
     again from the bytes it forwards (gateway/matching/moved.py) and plans it with the whole-token shift and a full
-    vision pass. Off (max_subtoken_px 0) or 5 px off the grid, it is a miss."""
+    vision pass. Off (max_subtoken_px_y 0), it is a miss; so is a pan 7 px off the grid."""
     from gateway.matching.moved import MovedImages
     from tests.images_lib import load
 
     manager, matcher = cache
     page = load("page.png").convert("RGB")  # text at its own resolution: crisp, as a screenshot's
     a, b = page.crop((0, 0, 13 * CELL, 5 * CELL)), page.crop((0, 29, 13 * CELL, 29 + 5 * CELL))
-    for max_px, kinds in ((0, ("miss",)), (2, ("approximate",))):
-        settings = ReuseSettings(store=StoreConfig(), layers=8, match=MatchSettings(max_subtoken_px=max_px))
+    for max_px, kinds in ((0, ("miss",)), (13, ("approximate",))):
+        settings = ReuseSettings(store=StoreConfig(), layers=8, match=MatchSettings(max_subtoken_px_y=max_px))
         planner = Planner(manager, settings, matcher,
                           moved=MovedImages(EXTRACTOR, CELL, settings.match))
         store_like_a_worker(manager, plan(planner, a, "ns").plan.images[0].key, (5, 13))  # type: ignore[union-attr]
@@ -383,8 +383,8 @@ def test_the_planner_plans_a_page_scrolled_by_a_token_and_a_pixel_against_the_pa
     image_plan = planned.plan.images[0]  # type: ignore[union-attr]
     assert image_plan.shift == (-1, 0) and image_plan.vision == FULL_PASS
     assert set(image_plan.change_map[-13:]) == {"x"}  # the row scrolled in
-    farther = page.crop((0, 33, 13 * CELL, 33 + 5 * CELL))
-    assert plan(planner, farther, "ns").kinds == ("miss",)
+    panned = page.crop((7, 29, 7 + 13 * CELL, 29 + 5 * CELL))
+    assert plan(planner, panned, "ns").kinds == ("miss",)
 
 
 # --- a video's temporal patches ---
