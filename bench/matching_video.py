@@ -23,6 +23,7 @@ from gateway.config import MatchSettings
 from gateway.matching.features import Extractor
 from gateway.matching.matcher import Matcher
 from gateway.matching.motion import find_motion, grey_of
+from offline.near_duplicates import Pair
 from offline.near_duplicates.video import find_clips, next_frames
 
 FRAMES = 80  # pairs of consecutive frames per clip, at most
@@ -32,20 +33,26 @@ MOVING_PX = 1.0  # a global motion this large on either axis: the camera moved
 def video_next(extractor: Extractor, settings: MatchSettings, frames: int = FRAMES, seed: int = 1) -> dict[str, Any]:
     rows: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for clip in find_clips():
-        for i, pair in enumerate(next_frames(clip, frames, random.Random(seed))):
-            motion = find_motion(grey_of(pair.a), grey_of(pair.b))
-            camera = "moving" if max(abs(motion.dy), abs(motion.dx)) >= MOVING_PX else "still"
-            matcher = Matcher(settings, scope="bench", features=None)
-            matcher.add(key(("a", i)), "ns", extract(extractor, pair.a))
-            match, plan, _ = planned(matcher, settings, key(("b", i)), extract(extractor, pair.b),
-                                     moved_of(extractor, settings, pair.b))
-            row = rows[f"{clip.name} {camera}"]
-            half = "tune" if i % 2 == 0 else "eval"
-            row[f"{half}_pairs"] += 1
-            row[f"{half}_matched"] += plan is not None
-            if plan is None:
-                row["similarity" if match is None else "changed_share"] += 1
+        tally(rows, clip.name, next_frames(clip, frames, random.Random(seed)), extractor, settings)
     return {name: dict(row) for name, row in sorted(rows.items())}
+
+
+def tally(rows: dict[str, dict[str, int]], clip: str, pairs: list[Pair], extractor: Extractor,
+          settings: MatchSettings) -> None:
+    """Each pair of ``clip`` planned (B against A alone), counted in ``rows`` under "<clip> still|moving"."""
+    for i, pair in enumerate(pairs):
+        motion = find_motion(grey_of(pair.a), grey_of(pair.b))
+        camera = "moving" if max(abs(motion.dy), abs(motion.dx)) >= MOVING_PX else "still"
+        matcher = Matcher(settings, scope="bench", features=None)
+        matcher.add(key(("a", i)), "ns", extract(extractor, pair.a))
+        match, plan, _ = planned(matcher, settings, key(("b", i)), extract(extractor, pair.b),
+                                 moved_of(extractor, settings, pair.b))
+        row = rows[f"{clip} {camera}"]
+        half = "tune" if i % 2 == 0 else "eval"
+        row[f"{half}_pairs"] += 1
+        row[f"{half}_matched"] += plan is not None
+        if plan is None:
+            row["similarity" if match is None else "changed_share"] += 1
 
 
 def print_video_next(result: dict[str, Any]) -> None:

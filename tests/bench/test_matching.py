@@ -58,3 +58,31 @@ def test_the_crowd_section_finds_each_image_moved_by_a_pixel_or_two_among_the_ot
         assert families["doc_edit"] == {"moves": 1, "own": 1}, move
         assert families["photo_jpeg"] == {"moves": 2, "own": 2}, move
     assert result["misses"]["looked_up"] == 1 and result["misses"]["matched"] == result["misses"]["same_picture"] == 0
+
+
+def test_the_video_section_counts_next_frames_by_camera_and_half_and_says_why_the_rest_were_refused() -> None:
+    from collections import defaultdict
+
+    import numpy as np
+    from PIL import Image
+
+    from bench.matching_video import tally
+    from gateway.matching.moved import moved_back
+    from gateway.matching.pixel import PixelExtractor
+    from tests.gateway.matching.pairs import aligned
+
+    frame = aligned("astronaut.png", 8, 8)
+    panned = Image.fromarray(moved_back(np.asarray(frame), (0, 3)))  # the camera moved: content 3 px left
+    unrelated = aligned("camera.png", 8, 8)
+    pairs = [Pair("still", "video_next", frame, frame, True, None, None),
+             Pair("moving", "video_next", frame, panned, True, None, None),
+             Pair("cut", "video_next", frame, unrelated, True, None, None)]
+    rows: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    tally(rows, "clip", pairs, PixelExtractor(), MatchSettings())
+    assert dict(rows["clip still"]) == {"tune_pairs": 1, "tune_matched": 1}  # the same frame: every other pair tunes
+    moving = dict(rows["clip moving"])
+    assert moving["eval_pairs"] == moving["eval_matched"] == 1  # the pan, lined up again
+    # The cut (its junk motion may say either) is the one refused: no alignment reached the match threshold.
+    assert sum(row.get("similarity", 0) for row in rows.values()) == 1
+    assert sum(row.get("tune_pairs", 0) - row.get("tune_matched", 0) for row in rows.values()) == 1
+    assert not any(row.get("changed_share") for row in rows.values())
