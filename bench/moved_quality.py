@@ -1,7 +1,7 @@
 """Is reusing K/V safe for content moved by part of a token? The reading model that depends on late-layer image KV
 (the oracle) decides, through the reference (offline.reference.approximate: the rule the workers run).
 
-    .venv/bin/python bench/moved_quality.py [--pairs 100] [--offsets 0 1 2 ...] [--trained NAME] [--json FILE]
+    .venv/bin/python bench/moved_quality.py [--pairs 100] [--offsets 0 1 2 ...] [--split] [--trained NAME] [--json FILE]
 
 For each offset k (pixels the content moved: a page scrolled, its content up by k; a frame panned, its content
 left by k; whole tokens plus a remainder too) and each pair of offline.reader_eval (A cached; B = A with one field
@@ -17,6 +17,12 @@ in view; B is asked about its changed field and an unchanged one:
              (attention_only, rho 0.3 widened to the changed share, W 3, B's own encoder output)
     gateway  B as the gateway plans it (below), over the pairs it plans: its own change map and shift; beside it
              the full prefill's answers on those same pairs
+
+``--split`` puts two motions in one image instead (a camera's with parallax, a page scrolled under a fixed
+header): B's top half (down to the middle token row) shows the content scrolled by the offset, its bottom half the
+content panned by SPLIT_PAN px, A the panel unmoved; the bench's plan keeps every token where it is (each
+motion under half a token) and marks changed what differs from A moved the same way, half by half; the gateway
+plans such images region by region (gateway/matching/moved.py, find_regions).
 
 Beside each offset, what the gateway plans for B with A stored (its pixel features, the coarse and fine stages, the
 sub-token move of gateway/matching/moved.py and the guard at the default settings): the share of pairs planned
@@ -65,6 +71,9 @@ from plan import APPROXIMATE, ATTENTION_ONLY, ImagePlan  # noqa: E402
 
 OFFSETS = (0, 1, 2, 3, 5, 7, 10, 13, 14, 15, 18, 21, 24, 25, 26, 27, 28, 29, 30, 33, 41, 42, 43, 54, 55, 56)
 DIRECTIONS = ("scroll", "pan")
+SPLIT = "split"  # two motions in one image: the top half's content scrolled by the offset, the bottom half's panned
+SPLIT_PAN = 3  # pixels the bottom half's content is panned left by, in a split
+SPLIT_OFFSETS = (0, 1, 3, 5, 7, 10, 13)  # a split's scroll stays under half a token: no whole-token shift
 BAND = 2  # blank cells the content can move into: offsets up to BAND * CELL keep every field in view
 CHANGED_LEVEL = 24  # a token is changed where a pixel differs from A's moved content by more (as the labelled set)
 RHO, WARMUP = 0.3, 3
@@ -80,11 +89,34 @@ def placement(direction: str, offset: int) -> Placement:
     return Placement(top=rest, pad=(BAND, 0)) if direction == "scroll" else Placement(left=rest, pad=(0, BAND))
 
 
+def cached_view(direction: str, panel) -> Image.Image:
+    """A as cached: the panel where BAND blank cells put it (both ways for a split)."""
+    if direction == SPLIT:
+        return Placement(top=BAND * CELL, left=BAND * CELL, pad=(BAND, BAND)).render(panel)
+    return placement(direction, 0).render(panel)
+
+
+def moved_view(direction: str, offset: int, panel) -> Image.Image:
+    """The panel's content moved by ``offset`` px (a scroll or a pan), or, in a split, the top half of the image
+    scrolled by ``offset`` and the bottom half (from the middle token row) panned by SPLIT_PAN: two motions, as a
+    camera's with parallax or a page under a fixed header makes, each within the bounds planned for one."""
+    if direction != SPLIT:
+        return placement(direction, offset).render(panel)
+    if not 0 <= offset < CELL // 2:
+        raise ValueError(f"a split's scroll of {offset} px: 0 to {CELL // 2 - 1} (under half a token)")
+    rest = BAND * CELL
+    top = Placement(top=rest - offset, left=rest, pad=(BAND, BAND)).render(panel)
+    image = Placement(top=rest, left=rest - SPLIT_PAN, pad=(BAND, BAND)).render(panel)
+    middle = image.height // CELL // 2 * CELL
+    image.paste(top.crop((0, 0, top.width, middle)), (0, 0))
+    return image
+
+
 def moved_plan(a_moved: Image.Image, b_image: Image.Image, grid: tuple[int, int], direction: str,
                offset: int) -> ImagePlan:
     """The approximate plan of B against A under the known motion (see the module docstring)."""
     rows, cols = grid
-    whole = round(offset / CELL)
+    whole = round(offset / CELL)  # a split's scroll: none
     shift = (-whole, 0) if direction == "scroll" else (0, -whole)
     diff = np.abs(np.asarray(b_image, np.int16) - np.asarray(a_moved, np.int16)).max(axis=2)
     differs = diff.reshape(rows, CELL, cols, CELL).max(axis=(1, 3)).reshape(-1) > CHANGED_LEVEL
@@ -116,21 +148,21 @@ def gateway_plan(a_image: Image.Image, b_image: Image.Image, grid: tuple[int, in
                             settings=settings, selector=ATTENTION_ONLY, layers=None)
 
 
-def evaluate(model: ReferenceModel, pairs, offsets, progress: bool = True) -> dict:
+def evaluate(model: ReferenceModel, pairs, offsets, directions=DIRECTIONS, progress: bool = True) -> dict:
     names = answer_ids(model.processor.tokenizer)
     tallies: dict[tuple[str, int, str], dict[str, Tally]] = defaultdict(lambda: defaultdict(Tally))
     planned: dict[tuple[str, int], int] = defaultdict(int)
     started = time.perf_counter()
     for done, pair in enumerate(pairs, 1):
-        for direction in DIRECTIONS:
-            a_image = placement(direction, 0).render(pair.cached)
+        for direction in directions:
+            a_image = cached_view(direction, pair.cached)
             a_prompt = model.prompt([a_image, field(pair.cached, pair.unchanged).text])
             a_encoder = model.encode(a_prompt)[0]
             entry = capture(prefill(model, a_prompt, [Fresh(a_encoder)]).state, a_prompt.images[0], a_encoder)
-            grid = placement(direction, 0).grid(pair.cached)  # every offset's: the band is whole cells
+            grid = (a_image.height // CELL, a_image.width // CELL)  # every offset's: the band is whole cells
             for offset in offsets:
-                b_image = placement(direction, offset).render(pair.asked)
-                a_moved = placement(direction, offset).render(pair.cached)
+                b_image = moved_view(direction, offset, pair.asked)
+                a_moved = moved_view(direction, offset, pair.cached)
                 planned_b = gateway_plan(a_image, b_image, grid)
                 planned[(direction, offset)] += planned_b is not None
                 for kind, key in pair.questions():
@@ -139,7 +171,8 @@ def evaluate(model: ReferenceModel, pairs, offsets, progress: bool = True) -> di
                     encoder = model.encode(prompt)[0]
                     right, stale = pair.asked.value(key), (pair.cached.value(key) if kind == CHANGED else None)
                     for name, plan in (("full", None),
-                                       ("moved", moved_plan(a_moved, b_image, (h, w), direction, offset)),
+                                       ("moved", moved_plan(a_moved, b_image, (h, w), direction,
+                                                            max(offset, SPLIT_PAN) if direction == SPLIT else offset)),
                                        ("gateway", planned_b)):
                         if name == "gateway" and plan is None:
                             continue
@@ -159,15 +192,15 @@ def rate(tally: Tally, what: str = "right") -> float:
     return 100 * getattr(tally, what) / tally.asked if tally.asked else float("nan")
 
 
-def table(result: dict, offsets) -> tuple[str, dict[str, list[int]]]:
+def table(result: dict, offsets, directions=DIRECTIONS) -> tuple[str, dict[str, list[int]]]:
     """The table, and per direction the offsets within 2 points of a full prefill on both kinds of question (where
     the full prefill reads B: module docstring)."""
     tallies = result["tallies"]
     lines = ["| motion | offset (px) | full: changed / unchanged right | moved: changed / unchanged right | "
              "moved: changed stale | within 2 points | gateway plans | gateway's plans: changed / unchanged right, "
              "changed stale (full prefill of the same pairs) |", "|---|---|---|---|---|---|---|---|"]
-    safe: dict[str, list[int]] = {direction: [] for direction in DIRECTIONS}
-    for direction in DIRECTIONS:
+    safe: dict[str, list[int]] = {direction: [] for direction in directions}
+    for direction in directions:
         for offset in offsets:
             full, plan = tallies[(direction, offset, "full")], tallies[(direction, offset, "moved")]
             ours, bar = tallies.get((direction, offset, "gateway"), {}), tallies.get((direction, offset,
@@ -191,23 +224,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=100)
     parser.add_argument("--seed", type=int, default=17)
-    parser.add_argument("--offsets", type=int, nargs="+", default=list(OFFSETS), help=f"0 to {BAND * CELL}")
+    parser.add_argument("--offsets", type=int, nargs="+", help=f"0 to {BAND * CELL} (a split's: 0 to {CELL // 2 - 1}; "
+                                                                 f"default {OFFSETS}, a split's {SPLIT_OFFSETS})")
+    parser.add_argument("--split", action="store_true",
+                        help="two motions in one image (the top half scrolled by the offset, the bottom half panned "
+                             f"by {SPLIT_PAN} px) instead of one scroll or pan")
     parser.add_argument("--trained", default=MOVED_ORACLE,
                         help="the committed weights of the oracle's recipe to judge with (qwen2_5_vl-oracle: the one "
                              "trained on the token grid only)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    directions = (SPLIT,) if args.split else DIRECTIONS
+    offsets = args.offsets or list(SPLIT_OFFSETS if args.split else OFFSETS)
+    top = CELL // 2 - 1 if args.split else BAND * CELL
+    if bad := [offset for offset in offsets if not 0 <= offset <= top]:
+        parser.error(f"offsets {bad}: 0 to {top} px")
     model = ReferenceModel.load(build_recipe(dataclasses.replace(get_recipe(QWEN2_5_VL, ORACLE),
                                                                  trained=args.trained)))
-    if bad := [offset for offset in args.offsets if not 0 <= offset <= BAND * CELL]:
-        parser.error(f"offsets {bad}: 0 to {BAND * CELL} px keep the panel in view")
     pairs = make_pairs(args.pairs, seed=args.seed, max_side=MAX_SIDE - BAND)
-    result = evaluate(model, pairs, args.offsets)
-    text, safe = table(result, args.offsets)
+    result = evaluate(model, pairs, offsets, directions)
+    text, safe = table(result, offsets, directions)
     print(text)
-    for direction, offsets in safe.items():
-        mostly = [o for o in args.offsets if result["planned"][(direction, o)] >= 0.5]
-        print(f"{direction}: within 2 points of a full prefill at {offsets or 'no offset'}; the gateway plans most "
+    for direction, holding in safe.items():
+        mostly = [o for o in offsets if result["planned"][(direction, o)] >= 0.5]
+        print(f"{direction}: within 2 points of a full prefill at {holding or 'no offset'}; the gateway plans most "
               f"pairs at {mostly or 'no offset'}")
     print(f"({len(pairs)} pairs, two questions each, {result['seconds']:.0f} s)")
     if args.json:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from bench.moved_quality import BAND, gateway_plan, moved_plan, placement
+from bench.moved_quality import BAND, SPLIT, SPLIT_PAN, cached_view, gateway_plan, moved_plan, moved_view, placement
 from bundled.reader.panels import CELL, MAX_SIDE, Placement, changed, random_panel
 
 
@@ -75,3 +75,26 @@ def test_the_gateway_plans_scrolls_by_any_part_of_a_token_but_half_and_pans_up_t
             for offset in (14, 42) if direction == "scroll" else (7, 10, 14, 18, 21, 42):  # 14, 42: half a token
                     assert gateway_plan(cached, placement(direction, offset).render(b), grid) is None, \
                         (seed, direction, offset)
+
+
+def test_a_split_moves_the_top_half_and_the_bottom_half_apart_and_the_gateway_plans_it_region_by_region() -> None:
+    import numpy as np
+
+    panel = random_panel(random.Random(3), min_fields=6, max_fields=10, max_side=MAX_SIDE - BAND)
+    cached = cached_view(SPLIT, panel)
+    grid = (cached.height // CELL, cached.width // CELL)
+    assert grid == (panel.rows + BAND, panel.cols + BAND)
+    split = moved_view(SPLIT, 5, panel)
+    middle = grid[0] // 2 * CELL
+    rest = BAND * CELL
+    scrolled = Placement(top=rest - 5, left=rest, pad=(BAND, BAND)).render(panel)
+    panned = Placement(top=rest, left=rest - SPLIT_PAN, pad=(BAND, BAND)).render(panel)
+    assert np.array_equal(np.asarray(split)[:middle], np.asarray(scrolled)[:middle])
+    assert np.array_equal(np.asarray(split)[middle:], np.asarray(panned)[middle:])
+    with pytest.raises(ValueError, match="under half a token"):
+        moved_view(SPLIT, 14, panel)
+    b, _ = changed(panel, random.Random(3), 1)
+    plan = gateway_plan(cached, moved_view(SPLIT, 5, b), grid)
+    assert plan is not None and plan.shift == (0, 0)  # one motion lines up neither half; a motion per region does
+    ideal = moved_plan(moved_view(SPLIT, 5, panel), moved_view(SPLIT, 5, b), grid, SPLIT, 5)
+    assert ideal.shift == (0, 0) and "x" in ideal.change_map
