@@ -19,10 +19,10 @@ in view; B is asked about its changed field and an unchanged one:
              the full prefill's answers on those same pairs
 
 ``--split`` puts two motions in one image instead (a camera's with parallax, a page scrolled under a fixed
-header): B's top half (down to the middle token row) shows the content scrolled by the offset, its bottom half the
-content panned by SPLIT_PAN px, A the panel unmoved; the bench's plan keeps every token where it is (each
-motion under half a token) and marks changed what differs from A moved the same way, half by half; the gateway
-plans such images region by region (gateway/matching/moved.py, find_regions).
+header): B's top half (down to the middle token row) shows the content panned by SPLIT_PAN px, its bottom half the
+content scrolled by the offset (up under the top half), A the panel unmoved; the bench's plan keeps every token
+where it is (each motion under half a token) and marks changed what differs from A moved the same way, half by
+half; the gateway plans such images region by region (gateway/matching/moved.py, find_regions).
 
 Beside each offset, what the gateway plans for B with A stored (its pixel features, the coarse and fine stages, the
 sub-token move of gateway/matching/moved.py and the guard at the default settings): the share of pairs planned
@@ -71,8 +71,8 @@ from plan import APPROXIMATE, ATTENTION_ONLY, ImagePlan  # noqa: E402
 
 OFFSETS = (0, 1, 2, 3, 5, 7, 10, 13, 14, 15, 18, 21, 24, 25, 26, 27, 28, 29, 30, 33, 41, 42, 43, 54, 55, 56)
 DIRECTIONS = ("scroll", "pan")
-SPLIT = "split"  # two motions in one image: the top half's content scrolled by the offset, the bottom half's panned
-SPLIT_PAN = 3  # pixels the bottom half's content is panned left by, in a split
+SPLIT = "split"  # two motions in one image: the top half's content panned by SPLIT_PAN, the bottom half's scrolled
+SPLIT_PAN = 3  # pixels the top half's content is panned left by, in a split
 SPLIT_OFFSETS = (0, 1, 3, 5, 7, 10, 13)  # a split's scroll stays under half a token: no whole-token shift
 BAND = 2  # blank cells the content can move into: offsets up to BAND * CELL keep every field in view
 CHANGED_LEVEL = 24  # a token is changed where a pixel differs from A's moved content by more (as the labelled set)
@@ -98,15 +98,16 @@ def cached_view(direction: str, panel) -> Image.Image:
 
 def moved_view(direction: str, offset: int, panel) -> Image.Image:
     """The panel's content moved by ``offset`` px (a scroll or a pan), or, in a split, the top half of the image
-    scrolled by ``offset`` and the bottom half (from the middle token row) panned by SPLIT_PAN: two motions, as a
-    camera's with parallax or a page under a fixed header makes, each within the bounds planned for one."""
+    panned by SPLIT_PAN and the bottom half (from the middle token row) scrolled by ``offset``, under the top half
+    (a strip of ``offset`` px hidden at the seam, as under a page's fixed header): two motions, each within the
+    bounds planned for one."""
     if direction != SPLIT:
         return placement(direction, offset).render(panel)
     if not 0 <= offset < CELL // 2:
         raise ValueError(f"a split's scroll of {offset} px: 0 to {CELL // 2 - 1} (under half a token)")
     rest = BAND * CELL
-    top = Placement(top=rest - offset, left=rest, pad=(BAND, BAND)).render(panel)
-    image = Placement(top=rest, left=rest - SPLIT_PAN, pad=(BAND, BAND)).render(panel)
+    top = Placement(top=rest, left=rest - SPLIT_PAN, pad=(BAND, BAND)).render(panel)
+    image = Placement(top=rest - offset, left=rest, pad=(BAND, BAND)).render(panel)
     middle = image.height // CELL // 2 * CELL
     image.paste(top.crop((0, 0, top.width, middle)), (0, 0))
     return image
@@ -227,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offsets", type=int, nargs="+", help=f"0 to {BAND * CELL} (a split's: 0 to {CELL // 2 - 1}; "
                                                                  f"default {OFFSETS}, a split's {SPLIT_OFFSETS})")
     parser.add_argument("--split", action="store_true",
-                        help="two motions in one image (the top half scrolled by the offset, the bottom half panned "
-                             f"by {SPLIT_PAN} px) instead of one scroll or pan")
+                        help=f"two motions in one image (the top half panned by {SPLIT_PAN} px, the bottom half "
+                             "scrolled by the offset) instead of one scroll or pan")
     parser.add_argument("--trained", default=MOVED_ORACLE,
                         help="the committed weights of the oracle's recipe to judge with (qwen2_5_vl-oracle: the one "
                              "trained on the token grid only)")
