@@ -275,10 +275,13 @@ class MovedImage:
         if found is None:
             pixels = self.pixels.copy()
             factor = self.factor
+            moved: dict[tuple[int, int], np.ndarray] = {}  # regions that moved alike share one moved copy
             for (top, bottom, left, right), offset in zip(move.boxes, move.offsets, strict=True):
                 if offset != (0, 0):
                     box = (slice(top * factor, bottom * factor), slice(left * factor, right * factor))
-                    pixels[box] = moved_back(self.pixels, offset)[box]
+                    if offset not in moved:
+                        moved[offset] = moved_back(self.pixels, offset)
+                    pixels[box] = moved[offset][box]
             found = self._realigned[move.offsets] = self.extractor.extract(Image.fromarray(pixels), self.grid, factor)
         return found
 
