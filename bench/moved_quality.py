@@ -19,7 +19,8 @@ in view; B is asked about its changed field and an unchanged one:
              the full prefill's answers on those same pairs
 
 ``--split`` puts two motions in one image instead (a camera's with parallax, a page scrolled under a fixed
-header): B's top half (down to the middle token row) shows the content panned by SPLIT_PAN px, its bottom half the
+header): B's top half (down to the middle token row) shows the content panned by SPLIT_PAN px (``--split-pan``),
+its bottom half the
 content scrolled by the offset (up under the top half), A the panel unmoved; the bench's plan keeps every token
 where it is (each motion under half a token) and marks changed what differs from A moved the same way, half by
 half; the gateway plans such images region by region (gateway/matching/moved.py, find_regions).
@@ -96,9 +97,9 @@ def cached_view(direction: str, panel) -> Image.Image:
     return placement(direction, 0).render(panel)
 
 
-def moved_view(direction: str, offset: int, panel) -> Image.Image:
+def moved_view(direction: str, offset: int, panel, split_pan: int = SPLIT_PAN) -> Image.Image:
     """The panel's content moved by ``offset`` px (a scroll or a pan), or, in a split, the top half of the image
-    panned by SPLIT_PAN and the bottom half (from the middle token row) scrolled by ``offset``, under the top half
+    panned by ``split_pan`` and the bottom half (from the middle token row) scrolled by ``offset``, under the top half
     (a strip of ``offset`` px hidden at the seam, as under a page's fixed header): two motions, each within the
     bounds planned for one."""
     if direction != SPLIT:
@@ -106,7 +107,7 @@ def moved_view(direction: str, offset: int, panel) -> Image.Image:
     if not 0 <= offset < CELL // 2:
         raise ValueError(f"a split's scroll of {offset} px: 0 to {CELL // 2 - 1} (under half a token)")
     rest = BAND * CELL
-    top = Placement(top=rest, left=rest - SPLIT_PAN, pad=(BAND, BAND)).render(panel)
+    top = Placement(top=rest, left=rest - split_pan, pad=(BAND, BAND)).render(panel)
     image = Placement(top=rest - offset, left=rest, pad=(BAND, BAND)).render(panel)
     middle = image.height // CELL // 2 * CELL
     image.paste(top.crop((0, 0, top.width, middle)), (0, 0))
@@ -149,7 +150,8 @@ def gateway_plan(a_image: Image.Image, b_image: Image.Image, grid: tuple[int, in
                             settings=settings, selector=ATTENTION_ONLY, layers=None)
 
 
-def evaluate(model: ReferenceModel, pairs, offsets, directions=DIRECTIONS, progress: bool = True) -> dict:
+def evaluate(model: ReferenceModel, pairs, offsets, directions=DIRECTIONS, progress: bool = True,
+             split_pan: int = SPLIT_PAN) -> dict:
     names = answer_ids(model.processor.tokenizer)
     tallies: dict[tuple[str, int, str], dict[str, Tally]] = defaultdict(lambda: defaultdict(Tally))
     planned: dict[tuple[str, int], int] = defaultdict(int)
@@ -162,8 +164,8 @@ def evaluate(model: ReferenceModel, pairs, offsets, directions=DIRECTIONS, progr
             entry = capture(prefill(model, a_prompt, [Fresh(a_encoder)]).state, a_prompt.images[0], a_encoder)
             grid = (a_image.height // CELL, a_image.width // CELL)  # every offset's: the band is whole cells
             for offset in offsets:
-                b_image = moved_view(direction, offset, pair.asked)
-                a_moved = moved_view(direction, offset, pair.cached)
+                b_image = moved_view(direction, offset, pair.asked, split_pan)
+                a_moved = moved_view(direction, offset, pair.cached, split_pan)
                 planned_b = gateway_plan(a_image, b_image, grid)
                 planned[(direction, offset)] += planned_b is not None
                 for kind, key in pair.questions():
@@ -173,7 +175,7 @@ def evaluate(model: ReferenceModel, pairs, offsets, directions=DIRECTIONS, progr
                     right, stale = pair.asked.value(key), (pair.cached.value(key) if kind == CHANGED else None)
                     for name, plan in (("full", None),
                                        ("moved", moved_plan(a_moved, b_image, (h, w), direction,
-                                                            max(offset, SPLIT_PAN) if direction == SPLIT else offset)),
+                                                            max(offset, split_pan) if direction == SPLIT else offset)),
                                        ("gateway", planned_b)):
                         if name == "gateway" and plan is None:
                             continue
@@ -230,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", action="store_true",
                         help=f"two motions in one image (the top half panned by {SPLIT_PAN} px, the bottom half "
                              "scrolled by the offset) instead of one scroll or pan")
+    parser.add_argument("--split-pan", type=int, default=SPLIT_PAN, metavar="PX",
+                        help=f"how far a split's top half is panned (default {SPLIT_PAN}; past the horizontal bound "
+                             "the gateway recomputes that half where it changed, and reuses the rest)")
     parser.add_argument("--trained", default=MOVED_ORACLE,
                         help="the committed weights of the oracle's recipe to judge with (qwen2_5_vl-oracle: the one "
                              "trained on the token grid only)")
@@ -240,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     top = CELL // 2 - 1 if args.split else BAND * CELL
     if bad := [offset for offset in offsets if not 0 <= offset <= top]:
         parser.error(f"offsets {bad}: 0 to {top} px")
+    if not 0 <= args.split_pan <= CELL // 2:
+        parser.error(f"--split-pan {args.split_pan}: 0 to {CELL // 2} px (the split keeps every token in place)")
     model = ReferenceModel.load(build_recipe(dataclasses.replace(get_recipe(QWEN2_5_VL, ORACLE),
                                                                  trained=args.trained)))
     pairs = make_pairs(args.pairs, seed=args.seed, max_side=MAX_SIDE - BAND)
-    result = evaluate(model, pairs, offsets, directions)
+    result = evaluate(model, pairs, offsets, directions, split_pan=args.split_pan)
     text, safe = table(result, offsets, directions)
     print(text)
     for direction, holding in safe.items():

@@ -18,7 +18,9 @@ Each new token is then
 and the image's similarity is the mean cosine over the aligned tokens, leaving out positions that are blank in
 both images (a blank margin is equal in unrelated pages and says nothing about whether they are the same page).
 Tokens with no aligned token (a page scrolled by a fifth of its height brings a fifth in new) are not part of the
-similarity: they are changed, and how many changed is the planner's guard's to judge.
+similarity: they are changed, and how many changed is the planner's guard's to judge. Nor are changed tokens whose
+content is known to have moved out of reach (``out_of_reach``: a region of a video frame whose motion was found but
+is not planned, gateway/matching/moved.py): their content is elsewhere, not different, and they are recomputed.
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ def find_shift(new: TokenFeatures, alias: TokenFeatures, *, min_votes: int = 4, 
 
 
 def align(new: TokenFeatures, alias: TokenFeatures, *, shift: tuple[int, int], patch_threshold: float,
-          max_shade_change: int, blank_entropy: float) -> Alignment:
-    """Compare new with alias under the given shift (see the module docstring)."""
+          max_shade_change: int, blank_entropy: float, out_of_reach: np.ndarray | None = None) -> Alignment:
+    """Compare new with alias under the given shift (see the module docstring); ``out_of_reach``: (n,) bool, the new
+    tokens whose content moved where it is not lined up again, left out of the similarity where they changed."""
     rows, cols = new.grid
     r, c = np.divmod(np.arange(rows * cols), cols)
     ar, ac = r - shift[0], c - shift[1]
@@ -121,6 +124,8 @@ def align(new: TokenFeatures, alias: TokenFeatures, *, shift: tuple[int, int], p
     alias_entropy = np.zeros(rows * cols, np.float32)
     alias_entropy[inside] = alias.entropy[aligned]
     informative = inside & ((new.entropy.astype(np.float32) > blank_entropy) | (alias_entropy > blank_entropy))
+    if out_of_reach is not None:
+        informative &= ~(out_of_reach & (changes == CHANGED))
     scored = informative if informative.any() else inside
     similarity = float(cosine[scored].mean()) if scored.any() else 0.0
     return Alignment(shift=shift, alias_index=alias_index, cosine=cosine, changes=changes, similarity=similarity)

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from gateway.config import MatchSettings
 from gateway.matching.align import Alignment, align, find_shift, moved_by
 from gateway.matching.features import TokenFeatures
@@ -281,9 +283,10 @@ def _planned(alignment: Alignment, settings: MatchSettings) -> bool:
 
 
 def _aligned(features: TokenFeatures, alias_features: TokenFeatures, shift: tuple[int, int],
-             settings: MatchSettings) -> Alignment:
+             settings: MatchSettings, out_of_reach: np.ndarray | None = None) -> Alignment:
     return align(features, alias_features, shift=shift, patch_threshold=settings.patch_threshold,
-                 max_shade_change=settings.max_shade_change, blank_entropy=settings.blank_entropy)
+                 max_shade_change=settings.max_shade_change, blank_entropy=settings.blank_entropy,
+                 out_of_reach=out_of_reach)
 
 
 def in_place(features: TokenFeatures, alias_features: TokenFeatures, settings: MatchSettings) -> Alignment:
@@ -304,5 +307,10 @@ def moved_alignment(features: TokenFeatures, alias_features: TokenFeatures, sett
     regional = moved.find_regions(features, alias_features)
     if regional is None:
         return alignment
-    again = moved_by(_aligned(moved.realigned_regions(regional), alias_features, (0, 0), settings), regional.offset)
+    out_of_reach = regional.out_of_reach_tokens(features.grid)
+    if regional.moves:
+        again = moved_by(_aligned(moved.realigned_regions(regional), alias_features, (0, 0), settings, out_of_reach),
+                         regional.offset)
+    else:  # only regions out of reach: the new image's own features, in place
+        again = _aligned(features, alias_features, (0, 0), settings, out_of_reach)
     return again if alignment is None else max(alignment, again, key=lambda a: (_planned(a, settings), a.similarity))

@@ -35,7 +35,12 @@ whole frame's motion does not line it up within the guard, ``MovedImage.find_reg
 REGIONS x REGIONS grid of tokens over the frame (phase correlation on the region's shades, the exact pixel count as
 above), each region moved back by its own offset where that is sure enough and within the bounds, the rest left
 in place; the plan keeps every token where it is (no whole-token shift), so a token reuses the cached token at its
-own position whose content is that region's offset away, as with one motion. Measured on the next frames of a
+own position whose content is that region's offset away, as with one motion. A region whose content surely moved
+further than the bounds plan (a subject crossing the frame, a near object's parallax: over 5 px sideways) is
+out of reach: left in place, its tokens that changed are recomputed and, their content being elsewhere rather than
+different, not scored in the similarity (align.align's ``out_of_reach``), as tokens with no cached token are not;
+the guard still counts them. Without that, a frame whose background stood still while a quarter of it panned 9 px
+scored under the match threshold over the tokens of that quarter alone. Measured on the next frames of a
 moving camera (bench/matching.py --sections video); each region's offset is within the bounds the oracle measured
 for one motion, but regions moved apart were not judged on their own. ``MovedImage.realigned_regions`` is the new
 image's features with each region's pixels moved back by its offset.
@@ -86,11 +91,26 @@ class RegionalMove:
 
     boxes: tuple[tuple[int, int, int, int], ...]
     offsets: tuple[tuple[int, int], ...]
+    # Per region: its content surely moved, by more than the bounds plan (a pan of 8 px); left in place, and its
+    # tokens that changed so are recomputed, not counted against the similarity (align.align's out_of_reach).
+    out_of_reach: tuple[bool, ...]
 
     @property
     def offset(self) -> tuple[int, int]:
         """The regions' largest offset (by its larger axis): what the alignment says the content moved by."""
         return max(self.offsets, key=lambda o: max(abs(o[0]), abs(o[1])))
+
+    @property
+    def moves(self) -> bool:
+        """Whether some region's content is moved back (its offset not (0, 0))."""
+        return any(offset != (0, 0) for offset in self.offsets)
+
+    def out_of_reach_tokens(self, grid: tuple[int, int]) -> np.ndarray:
+        """(rows * cols,) bool: the tokens of the regions out of reach."""
+        mask = np.zeros(grid, dtype=bool)
+        for (top, bottom, left, right), gone in zip(self.boxes, self.out_of_reach, strict=True):
+            mask[top:bottom, left:right] = gone
+        return mask.reshape(-1)
 
 
 def shade_image(features: TokenFeatures) -> np.ndarray:
@@ -219,8 +239,9 @@ class MovedImage:
 
     def find_regions(self, features: TokenFeatures, alias_features: TokenFeatures) -> RegionalMove | None:
         """How the new image moved against the cached one region by region (REGIONS x REGIONS, token-aligned), each
-        region by part of a token within the bounds and surely enough, or not at all; None when no region moved so,
-        the grid is smaller than the regions, or the moves leave more tokens changed than the guard plans.
+        region by part of a token within the bounds and surely enough, surely by more (out of reach: left in place),
+        or not at all; None when no region moved either way, the grid is smaller than the regions, or the moves
+        leave more tokens changed than the guard plans.
 
         The regions' motions come from the shades alone; the new image is decoded again only when some region
         moved within reach and the regions left in place do not already change more tokens than the guard plans
@@ -232,8 +253,10 @@ class MovedImage:
             return None
         alias, new = shade_image(alias_features), shade_image(features)
         side, cell = SHADE_SIDE, self.factor / SHADE_SIDE
-        # Each region's box and its motion in whole pixels (None: the region stays in place).
+        # Each region's box and its motion in whole pixels (None: the region stays in place), and whether it surely
+        # moved by more than the bounds plan.
         regions: list[tuple[tuple[int, int, int, int], tuple[int, int] | None]] = []
+        beyond: list[bool] = []
         for region_row in range(REGIONS):
             top, bottom = region_row * rows // REGIONS, (region_row + 1) * rows // REGIONS
             for region_col in range(REGIONS):
@@ -245,29 +268,32 @@ class MovedImage:
                     abs(around[1]) <= settings.max_subtoken_px_x + 1 and around != (0, 0)
                 sure = motion.confidence >= settings.min_motion_confidence
                 regions.append(((top, bottom, left, right), around if within and sure else None))
-        if all(found is None for _, found in regions):
+                beyond.append(sure and not within and around != (0, 0))
+        if all(found is None for _, found in regions) and not any(beyond):
             return None
         staying = np.zeros((rows, cols), dtype=bool)
         for (top, bottom, left, right), found in regions:
             staying[top:bottom, left:right] = found is None
         if self._changed_share(new, alias, among=staying.reshape(-1)) > settings.max_changed_share:
             return None
-        if not self._decoded():
+        if any(found is not None for _, found in regions) and not self._decoded():
             return None
         moved = new.copy()
         offsets = []
-        for (top, bottom, left, right), found in regions:
+        for index, ((top, bottom, left, right), found) in enumerate(regions):
             offset = (0, 0)
             cells = (slice(top * side, bottom * side), slice(left * side, right * side))
             if found is not None:
                 offset = min(((found[0] + y, found[1] + x) for y in (-1, 0, 1) for x in (-1, 0, 1)),
                              key=lambda o: float(np.abs(self._shades_moved_back(o)[cells] - alias[cells]).mean()))
-                offset = offset if settings.plans_offset(offset) else (0, 0)
+                if offset != (0, 0) and not settings.plans_offset(offset):
+                    offset, beyond[index] = (0, 0), True
                 moved[cells] = self._shades_moved_back(offset)[cells]
             offsets.append(offset)
-        if not any(offsets) or self._changed_share(moved, alias) > settings.max_changed_share:
+        move = RegionalMove(boxes=tuple(box for box, _ in regions), offsets=tuple(offsets), out_of_reach=tuple(beyond))
+        if not move.moves and not any(beyond) or self._changed_share(moved, alias) > settings.max_changed_share:
             return None
-        return RegionalMove(boxes=tuple(box for box, _ in regions), offsets=tuple(offsets))
+        return move
 
     def realigned_regions(self, move: RegionalMove) -> TokenFeatures:
         """The new image's features with each region's content moved back by its own offset."""

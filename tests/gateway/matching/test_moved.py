@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 from gateway.config import MatchSettings
-from gateway.matching.align import SAME, SIMILAR
+from gateway.matching.align import CHANGED, SAME, SIMILAR
 from gateway.matching.features import SHADE_SIDE, cell_means, grey
-from gateway.matching.matcher import Matcher, compare
+from gateway.matching.matcher import Matcher, compare, in_place
 from gateway.matching.moved import MovedImage, MovedImages, moved_back
 from gateway.matching.plans import plan_against
 from plan import FULL_PASS, PARTIAL_PASS
@@ -195,13 +195,13 @@ def test_a_look_alike_of_one_layout_is_refused_from_its_shades_before_any_extrac
     assert compare(fb, fa, SETTINGS, image).similarity < SETTINGS.match_threshold and counting.calls == 0
 
 
-def two_motions(image: Image.Image, top: tuple[int, int], bottom: tuple[int, int]) -> Image.Image:
-    """``image`` with the content of its top half moved by ``top`` pixels (dy, dx) and of its bottom half by
-    ``bottom``: a camera's motion with parallax, or a subject across the frame."""
+def banded(image: Image.Image, moves: list[tuple[int, int]]) -> Image.Image:
+    """``image`` cut into len(moves) bands of rows, band i's content moved by moves[i] (dy, dx) pixels."""
     pixels = np.asarray(image)
-    half = pixels.shape[0] // 2
-    out = moved_back(pixels, (-top[0], -top[1])).copy()
-    out[half:] = moved_back(pixels, (-bottom[0], -bottom[1]))[half:]
+    out, height = pixels.copy(), pixels.shape[0]
+    for i, (dy, dx) in enumerate(moves):
+        band = slice(i * height // len(moves), (i + 1) * height // len(moves))
+        out[band] = moved_back(pixels, (-dy, -dx))[band]
     return Image.fromarray(out)
 
 
@@ -209,7 +209,7 @@ def test_a_frame_whose_halves_moved_apart_is_lined_up_region_by_region() -> None
     """One motion lines up one half and leaves the other's tokens changed (past the guard); a motion per region
     (moved.REGIONS) lines up both, each region's content moved back by its own offset, every token kept where it is."""
     a = aligned("astronaut.png", 8, 8)
-    b = two_motions(a, top=(-3, 0), bottom=(0, 4))
+    b = banded(a, [(-3, 0), (0, 4)])
     fa, fb = features(a), features(b)
     moved = MovedImage.of_image(b, EXTRACTOR, grid=(8, 8), factor=CELL, settings=SETTINGS)
     regions = moved.find_regions(fb, fa)
@@ -226,7 +226,7 @@ def test_a_frame_whose_halves_moved_apart_is_lined_up_region_by_region() -> None
                         layers=8, moved=moved)
     assert plan is not None and plan.shift == (0, 0) and plan.vision == FULL_PASS
     # A region panned further than the horizontal bound stays where it is: its tokens changed, past the guard here.
-    far = two_motions(a, top=(-3, 0), bottom=(0, 9))
+    far = banded(a, [(-3, 0), (0, 9)])
     assert compare(features(far), fa, SETTINGS, moved_image_of(far)).changed_share > SETTINGS.max_changed_share
 
 
@@ -245,3 +245,57 @@ def test_unrelated_images_are_refused_region_by_region_from_the_shades_without_a
 def moved_image_of(image: Image.Image) -> MovedImage:
     return MovedImage.of_image(image, EXTRACTOR, grid=(image.height // CELL, image.width // CELL), factor=CELL,
                                settings=SETTINGS)
+
+
+def test_a_region_moved_out_of_reach_is_recomputed_and_left_out_of_the_similarity() -> None:
+    """A frame still but for its bottom quarter, panned 9 px (a subject crossing it, past the horizontal bound): in
+    place its similarity falls under the threshold (a miss before regions out of reach were told apart). Those
+    regions' changed tokens are recomputed and not scored; the rest is reused in place, the guard judging the
+    share. Nothing moved within reach, so the regions' search does not decode the image again."""
+    a = aligned("astronaut.png", 8, 8)
+    b = banded(a, [(0, 0), (0, 0), (0, 0), (0, 9)])
+    fa, fb = features(a), features(b)
+    assert in_place(fb, fa, SETTINGS).similarity < SETTINGS.match_threshold
+    never = MovedImage(lambda: pytest.fail("decoded again with no region to move back"), EXTRACTOR,  # type: ignore
+                       grid=(8, 8), factor=CELL, settings=SETTINGS)
+    regions = never.find_regions(fb, fa)
+    assert regions is not None and set(regions.offsets) == {(0, 0)}
+    assert regions.out_of_reach == (False,) * 12 + (True,) * 4
+    alignment = compare(fb, fa, SETTINGS, moved_image_of(b))
+    assert alignment.similarity >= SETTINGS.match_threshold and alignment.offset == (0, 0)
+    gone = regions.out_of_reach_tokens((8, 8))
+    assert (alignment.changes[gone] == CHANGED).mean() > 0.9 and (alignment.changes[~gone] == SAME).all()
+    plan = plan_against(fb, fa, alias="a" * 64, key="b" * 64, settings=SETTINGS, selector="attention_only",
+                        layers=8, moved=moved_image_of(b))
+    assert plan is not None and plan.shift == (0, 0)
+    assert all(plan.change_map[i] == "x" for i in np.flatnonzero(gone & (alignment.changes == CHANGED)))
+    assert not set(plan.reuse) & set(np.flatnonzero(gone & (alignment.changes == CHANGED)).tolist())
+
+
+def test_regions_moved_within_reach_and_out_of_it_in_one_frame() -> None:
+    """The top three quarters panned 2 px (lined up again), the bottom quarter 9 px (out of reach: recomputed)."""
+    a = aligned("camera.png", 8, 8)
+    b = banded(a, [(0, 2), (0, 2), (0, 2), (0, 9)])
+    fa, fb = features(a), features(b)
+    moved = moved_image_of(b)
+    regions = moved.find_regions(fb, fa)
+    assert regions is not None and regions.out_of_reach == (False,) * 12 + (True,) * 4
+    assert set(regions.offsets[:12]) <= {(0, 2), (0, 0)} and regions.offsets[:12].count((0, 2)) >= 8
+    assert set(regions.offsets[12:]) == {(0, 0)}
+    alignment = compare(fb, fa, SETTINGS, moved)
+    assert alignment.similarity >= SETTINGS.match_threshold and alignment.changed_share <= SETTINGS.max_changed_share
+    assert alignment.offset == (0, 2)
+    # Without the regions out of reach told apart, their changed tokens would be scored: a miss.
+    scored = (alignment.changes != CHANGED) | ~regions.out_of_reach_tokens((8, 8))
+    assert float(alignment.cosine[scored].mean()) > float(alignment.cosine.mean())
+
+
+def test_an_unrelated_image_is_not_matched_by_calling_its_regions_out_of_reach() -> None:
+    """Regions out of reach need a sure motion: unrelated images stay misses (the similarity over the rest)."""
+    for rows, cols in ((5, 13), (8, 8)):
+        cached = aligned("page.png", rows, cols)
+        for name in ("text.png", "camera.png", "coffee.png", "astronaut.png"):
+            other = aligned(name, rows, cols)
+            alignment = compare(features(other), features(cached), SETTINGS, moved_image_of(other))
+            assert alignment.similarity < SETTINGS.match_threshold or \
+                alignment.changed_share > SETTINGS.max_changed_share
