@@ -1,7 +1,8 @@
 """Is reusing K/V safe for content moved by part of a token? The reading model that depends on late-layer image KV
 (the oracle) decides, through the reference (offline.reference.approximate: the rule the workers run).
 
-    .venv/bin/python bench/moved_quality.py [--pairs 100] [--offsets 0 1 2 ...] [--split] [--trained NAME] [--json FILE]
+    .venv/bin/python bench/moved_quality.py [--pairs 100] [--offsets 0 1 2 ...] [--split [--split-pan PX]]
+                                            [--trained NAME] [--json FILE]
 
 For each offset k (pixels the content moved: a page scrolled, its content up by k; a frame panned, its content
 left by k; whole tokens plus a remainder too) and each pair of offline.reader_eval (A cached; B = A with one field
