@@ -91,7 +91,7 @@ class RegionalMove:
 
     boxes: tuple[tuple[int, int, int, int], ...]
     offsets: tuple[tuple[int, int], ...]
-    # Per region: its content surely moved, by more than the bounds plan (a pan of 8 px); left in place, and its
+    # Per region: its content surely moved, by more than the bounds plan (a pan of over 5 px); left in place, and its
     # tokens that changed so are recomputed, not counted against the similarity (align.align's out_of_reach).
     out_of_reach: tuple[bool, ...]
 
