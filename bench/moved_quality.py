@@ -21,10 +21,10 @@ in view; B is asked about its changed field and an unchanged one:
 
 ``--split`` puts two motions in one image instead (a camera's with parallax, a page scrolled under a fixed
 header): B's top half (down to the middle token row) shows the content panned by SPLIT_PAN px (``--split-pan``),
-its bottom half the
-content scrolled by the offset (up under the top half), A the panel unmoved; the bench's plan keeps every token
-where it is (each motion under half a token) and marks changed what differs from A moved the same way, half by
-half; the gateway plans such images region by region (gateway/matching/moved.py, find_regions).
+its bottom half the content scrolled by the offset (up under the top half), A the panel unmoved; the bench's plan
+keeps every token where it is (each motion under half a token) and marks changed what differs from A moved the
+same way, half by half; the gateway plans such images region by region (gateway/matching/moved.py, find_regions;
+a top half panned past the horizontal bound is out of reach there: recomputed where it changed).
 
 Beside each offset, what the gateway plans for B with A stored (its pixel features, the coarse and fine stages, the
 sub-token move of gateway/matching/moved.py and the guard at the default settings): the share of pairs planned
