@@ -329,7 +329,8 @@ class _Connection:
             return {"type": "http.disconnect"}
         remaining = self._deadline - asyncio.get_running_loop().time()
         try:
-            message = await asyncio.wait_for(self._receive(), max(remaining, 0.0))
+            async with asyncio.timeout(max(remaining, 0.0)):  # no task of its own, as wait_for would make
+                message = await self._receive()
         except TimeoutError:
             raise BodyTimeout(self._timeout_s) from None
         if message["type"] == "http.disconnect":

@@ -12,6 +12,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
 from gateway.metrics import RequestTimer
 from gateway.routes import admin, dashboard, health, openai_api
+from gateway.routes.direct import DirectRoutes
 from gateway.services import Services
 
 
@@ -30,6 +31,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="revisit gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(DirectRoutes)  # the completion endpoints past FastAPI's routing (gateway/routes/direct.py)
     app.add_middleware(AdmissionMiddleware)  # who calls, and how much they have in flight (gateway/admission.py)
     app.add_middleware(RequestTimer)  # revisit_requests_total and the latency histograms (gateway/metrics.py)
     app.include_router(openai_api.router)

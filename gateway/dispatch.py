@@ -201,7 +201,7 @@ class Dispatcher:
                     except TransportFailure as exc:
                         last_error = self._not_sent(worker, exc)
                         continue
-                if waiting.cancelled_caught:
+                if waiting.taken_out:
                     last_error = _TAKEN_OUT
                     continue
             if response.status_code == 200:
@@ -252,9 +252,10 @@ class Dispatcher:
                         self._pool.mark_failed(worker, last_error)
                         raise _Retry
                     _first(route, worker, time.perf_counter() - sent, alone and worker.inflight == 1)
-                if waiting.cancelled_caught:
+                if waiting.taken_out:
                     last_error = _TAKEN_OUT
                     raise _Retry
+                assert response is not None and first is not None  # the block ran to its end
             except _Retry:
                 await _close(response, lease)
                 continue

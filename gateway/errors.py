@@ -116,12 +116,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param + ': ' if param else ''}{first.get('msg', 'invalid value')}", param
 
 
+def gateway_error_response(exc: GatewayError) -> JSONResponse:
+    """The answer to a GatewayError (a server error logged)."""
+    if exc.status_code >= 500:
+        log.warning("%s: %s", type(exc).__name__, exc.message)
+    return JSONResponse(exc.body(), status_code=exc.status_code)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
-        if exc.status_code >= 500:
-            log.warning("%s: %s", type(exc).__name__, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return gateway_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -145,8 +145,11 @@ class Intake:
         text_tokens = size.text_tokens(text_chars) if size is not None else 0
         if size is not None:  # before any image is fetched: a prompt its text alone makes too long
             size.check(text_tokens, param="messages")
-        images, videos = await _both(self._resolve_images(refs, namespace),
-                                     _all(*(self._resolve_video(ref, namespace) for ref in video_refs)))
+        if video_refs:
+            images, videos = await _both(self._resolve_images(refs, namespace),
+                                         _all(*(self._resolve_video(ref, namespace) for ref in video_refs)))
+        else:
+            images, videos = await self._resolve_images(refs, namespace) if refs else [], []
         if size is not None:
             size.check(text_tokens + sum(image.grid.tokens for image in images), param="messages")
         media: list[tuple[MediaPartRef, CanonicalImage | CanonicalVideo]] = [
@@ -232,7 +235,10 @@ class Intake:
 
 
 async def _all(*aws: Awaitable[T]) -> list[T]:
-    """asyncio.gather, but the first failure cancels the rest (their work not yet started on the pool is dropped)."""
+    """asyncio.gather, but the first failure cancels the rest (their work not yet started on the pool is dropped).
+    One awaitable is awaited as it is (no task of its own)."""
+    if len(aws) <= 1:
+        return [await aw for aw in aws]
     tasks = [asyncio.ensure_future(aw) for aw in aws]
     try:
         return await asyncio.gather(*tasks)

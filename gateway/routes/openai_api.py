@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import uuid
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
+import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse as _StandardJSONResponse
+from fastapi.responses import Response, StreamingResponse
 
 from gateway.config import RESPONSE_CACHE_LEVELS, RESPONSE_CACHE_OFF, MatchSettings
 from gateway.costs import ModelFacts, Work, image_in, prompt_through, request_work
@@ -46,6 +48,19 @@ REUSE_MODE_HEADER = "x-revisit-reuse-mode"  # what a request lets the planner re
 RESPONSE_CACHE_HEADER = "x-revisit-response-cache"
 # SGLang request fields the gateway owns: a client's value would name another request or another tenant's cache.
 _GATEWAY_FIELDS = frozenset({"rid", "extra_key"})
+
+
+class JSONResponse(_StandardJSONResponse):
+    """A JSON answer written by orjson (Starlette's is the standard library's json, eighteen times its time for a
+    completion)."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def _new_id() -> str:
+    """A request's id: 128 random bits in hex (uuid4's text without its object, a quarter of its time)."""
+    return os.urandom(16).hex()
 
 
 def _services(request: Request) -> Services:
@@ -108,7 +123,7 @@ async def chat_completions(request: Request) -> Any:
     request.state.reuse = reuse_label(planned.kinds, videos=len(intake.videos))
     request.state.image_kinds = planned.kinds  # the operator page's hit rate (metrics.LastHour)
     request.state.stream = intake.params.stream
-    request_id = uuid.uuid4().hex
+    request_id = _new_id()
     public_id = f"chatcmpl-{request_id}"
     plan = scoped_plan(planned.plan, intake, caller.scope)
     body = upstream_body(intake.upstream_body, scope=caller.scope,
@@ -197,7 +212,7 @@ def _cached_answer(request: Request, services: Services, found: Found, intake: I
     assert found.entry is not None and services.responses is not None
     request.state.reuse = RESPONSE_CACHED
     request.state.stream = intake.params.stream
-    public_id = f"chatcmpl-{uuid.uuid4().hex}"
+    public_id = f"chatcmpl-{_new_id()}"
     services.responses.served(public_id, found)
     answer = found.entry.answer
     if intake.params.stream:
@@ -241,7 +256,7 @@ async def completions(request: Request) -> Any:
         size.check(prompt_tokens_at_least(params.prompt, size), param="prompt")
     request.state.reuse = reuse_label(())
     request.state.stream = params.stream
-    request_id = uuid.uuid4().hex
+    request_id = _new_id()
     public_id = f"cmpl-{request_id}"
     # A batch of prompts is a batch of SGLang requests: one id each.
     rid: str | list[str] = public_id if params.prompts == 1 else [f"{public_id}-{i}" for i in range(params.prompts)]
