@@ -162,9 +162,10 @@ def full_text(value: Any) -> Any:
     return value
 
 
-# Bodies from this size have their long base64 strings cut out before they are parsed (see _LongStrings).
-LONG_STRINGS_BODY = 1 << 20
 LONG_STRING = 64 * 1024  # bytes of a string's content, from which it is cut out
+# Bodies from this size (any that may hold a long string) have their long base64 strings cut out before they are
+# parsed (see _LongStrings): a 118 KB body with one 224-px PNG parsed in 217 us whole, 66 us with it cut out.
+LONG_STRINGS_BODY = LONG_STRING
 _BASE64_MARK = b";base64,"
 _SLICE = 1 << 20  # bytes checked per call: ~1.4 ms of holding the GIL
 # What a cut string may hold: printable ASCII but the quote and the backslash (so JSON reads it as the bytes it is).

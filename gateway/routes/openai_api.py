@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -13,6 +13,8 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse as _StandardJSONResponse
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from gateway.config import RESPONSE_CACHE_LEVELS, RESPONSE_CACHE_OFF, MatchSettings
 from gateway.costs import ModelFacts, Work, image_in, prompt_through, request_work
@@ -56,6 +58,22 @@ class JSONResponse(_StandardJSONResponse):
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events, sent by the request's own task. Starlette's StreamingResponse runs a second task beside
+    it to notice the client leaving (uvicorn speaks ASGI 2.3): a task group and a task for every stream. Every
+    ``/v1/`` request has that watch already (gateway/admission.py), which cancels this one's task."""
+
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:
+            raise ClientDisconnect() from None
 
 
 def _new_id() -> str:
@@ -217,10 +235,8 @@ def _cached_answer(request: Request, services: Services, found: Found, intake: I
     answer = found.entry.answer
     if intake.params.stream:
         options = intake.params.stream_options
-        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(replay_stream(answer, public_id,
-                                               include_usage=bool(options and options.include_usage)),
-                                 media_type="text/event-stream", headers=headers)
+        return EventStream(replay_stream(answer, public_id, include_usage=bool(options and options.include_usage)),
+                           headers)
     return JSONResponse(answer.completion(public_id), headers=headers)
 
 
@@ -280,8 +296,7 @@ async def _answer(request: Request, services: Services, upstream: UpstreamReques
             await after_prefill()
         if keep is not None:
             relayed = recorded(relayed, keep)
-        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(relayed, media_type="text/event-stream", headers=headers)
+        return EventStream(relayed, headers)
     # A client that leaves meanwhile cancels this (gateway/admission.py), and so the upstream request.
     result = await services.dispatcher.complete(upstream, route)
     if after_prefill is not None:
