@@ -123,7 +123,7 @@ def serve_embedded(args: argparse.Namespace, run_gateway: Callable[..., None]) -
             say(f"ready: http://{args.host}:{args.port}/v1 serves {model_id} "
                 f"with {len(workers)} worker(s) (started in {elapsed:.0f} s); Ctrl-C stops")
 
-        run_gateway(config, args.host, args.port, args.log_level, on_ready=ready)
+        run_gateway(config, args.host, args.port, args.log_level, on_ready=ready, access_log=args.access_log)
         return 0
     except (LauncherError, BuildError) as exc:
         say(f"a worker failed to start: {exc}")
