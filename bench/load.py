@@ -4,16 +4,21 @@ Starts one SGLang CPU worker on a bundled model and a gateway process in front o
 bench/gateway_overhead.py: this measures what the gateway adds under concurrency, not what reuse saves). For each
 number of clients and each request kind (text, a repeated PNG, a PNG never sent before, a streamed answer's first
 token), each path gets ``--requests`` requests (at least one per client) sent by that many clients at once, each
-client sending its next request when the last one is answered; the paths take turns going first. Per row:
+client sending its next request when the last one is answered, in ``--rounds`` batches, the paths taking turns
+going first (a machine's drift over the run falls on each path alike). Per row:
 
-    throughput   requests answered per second of the batch's wall time
+    throughput   requests answered per second of the batches' wall time
     p50 / p99    latency per request (for streams: to the first content token, i.e. TTFT)
     gateway CPU  the gateway process's CPU time (user + system) over the batch, per request
 
-and per (clients, kind) the gateway's throughput over direct's and its p99 added.
+and per (clients, kind) the gateway's throughput over direct's (over all batches, and the least and most of a
+round's) and its p99 added.
 
-    .venv/bin/python bench/load.py [--size tiny] [--clients 1 8 32 64] [--requests 64] [--image-side 224]
-                                   [--kinds text "repeated png" ...] [--profile FILE]
+    .venv/bin/python bench/load.py [--size tiny] [--clients 1 8 32 64] [--requests 64] [--rounds 1]
+                                   [--image-side 224] [--kinds text "repeated png" ...] [--compare-with REF]
+                                   [--profile FILE]
+
+``--compare-with REF`` adds the gateway of commit REF (a git worktree of it) as a third path, in the same turns.
 
 ``--profile FILE`` samples the gateway process with py-spy through the measured batches (collapsed stacks to FILE)
 and prints where its time went: the functions of the project's own code, and the libraries under them, by the
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import signal
 import statistics
@@ -39,7 +45,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import MODEL_ID, percentile, request_kinds  # noqa: E402
+from bench.gateway_overhead import MODEL_ID, checkout, percentile, request_kinds  # noqa: E402
 from bench.harness import gateway_process, scratch_store  # noqa: E402
 from bundled import DEFAULT_ARCH, build_model  # noqa: E402
 from launcher import WorkerSpec, start_worker  # noqa: E402
@@ -85,11 +91,12 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-async def measure(args, worker_url: str, gateway) -> list[dict]:
-    paths = {"direct": worker_url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
+async def measure(args, worker_url: str, gateways: dict) -> list[dict]:
+    paths = {"direct": worker_url + "/v1/chat/completions",
+             **{name: gateway.url + "/v1/chat/completions" for name, gateway in gateways.items()}}
     builders = request_kinds(args.image_side)
     serial = itertools.count(1)
-    gateway_process_ = psutil.Process(gateway.pid)
+    processes = {name: psutil.Process(gateway.pid) for name, gateway in gateways.items()}
     for name in KINDS.values():  # warm-up: connections, caches, lazy imports
         for url in paths.values():
             await batch(url, builders[name], serial, 2, 2)
@@ -97,28 +104,41 @@ async def measure(args, worker_url: str, gateway) -> list[dict]:
     for clients in args.clients:
         requests = max(args.requests, clients)
         for turn, (kind, name) in enumerate((k, n) for k, n in KINDS.items() if k in args.kinds):
-            order = list(paths.items())[turn % 2:] + list(paths.items())[:turn % 2]
-            for path, url in order:
-                cpu = cpu_seconds(gateway_process_)
-                latencies, wall = await batch(url, builders[name], serial, clients, requests)
-                rows.append({"clients": clients, "kind": kind, "path": path, "requests": requests,
-                             "throughput": requests / wall, "p50": statistics.median(latencies),
-                             "p99": percentile(latencies, 99),
-                             "gateway_cpu": (cpu_seconds(gateway_process_) - cpu) / requests})
+            runs: dict[str, list[tuple[list[float], float, float]]] = {path: [] for path in paths}
+            for round_ in range(args.rounds):  # the paths take turns going first
+                first = (turn + round_) % len(paths)
+                for path, url in list(paths.items())[first:] + list(paths.items())[:first]:
+                    process = processes.get(path)
+                    cpu = cpu_seconds(process) if process is not None else 0.0
+                    latencies, wall = await batch(url, builders[name], serial, clients, requests)
+                    runs[path].append((latencies, wall, cpu_seconds(process) - cpu if process is not None else 0.0))
+            for path, measured in runs.items():
+                latencies = [latency for run in measured for latency in run[0]]
+                rows.append({"clients": clients, "kind": kind, "path": path, "requests": requests * args.rounds,
+                             "throughput": requests * args.rounds / sum(run[1] for run in measured),
+                             "round_throughputs": [requests / run[1] for run in measured],
+                             "p50": statistics.median(latencies), "p99": percentile(latencies, 99),
+                             "gateway_cpu": sum(run[2] for run in measured) / (requests * args.rounds)})
             print(f"  {clients} clients, {kind}: done", file=sys.stderr, flush=True)
     return rows
 
 
 def report(rows: list[dict]) -> None:
-    print(f"\n{'clients':>7} {'kind':16} {'path':8} {'req/s':>8} {'p50':>9} {'p99':>9} {'gateway CPU/req':>16}")
+    print(f"\n{'clients':>7} {'kind':16} {'path':20} {'req/s':>8} {'p50':>9} {'p99':>9} {'gateway CPU/req':>16}")
     for row in rows:
-        print(f"{row['clients']:7d} {row['kind']:16} {row['path']:8} {row['throughput']:8.1f} "
-              f"{row['p50'] * 1e3:7.1f}ms {row['p99'] * 1e3:7.1f}ms {row['gateway_cpu'] * 1e3:14.2f}ms")
-    print(f"\n{'clients':>7} {'kind':16} {'throughput gateway/direct':>26} {'p50 added':>10} {'p99 added':>10}")
+        cpu = f"{row['gateway_cpu'] * 1e3:14.2f}ms" if row["path"] != "direct" else f"{'':16}"
+        print(f"{row['clients']:7d} {row['kind']:16} {row['path']:20} {row['throughput']:8.1f} "
+              f"{row['p50'] * 1e3:7.1f}ms {row['p99'] * 1e3:7.1f}ms {cpu}")
+    print(f"\n{'clients':>7} {'kind':16} {'path':20} {'throughput /direct':>18} {'by round':>16} {'p50 added':>10} "
+          f"{'p99 added':>10}")
     by = {(r["clients"], r["kind"], r["path"]): r for r in rows}
-    for clients, kind in dict.fromkeys((r["clients"], r["kind"]) for r in rows):
-        direct, via = by[(clients, kind, "direct")], by[(clients, kind, "gateway")]
-        print(f"{clients:7d} {kind:16} {via['throughput'] / direct['throughput']:25.3f}x "
+    for (clients, kind, path), via in by.items():
+        if path == "direct":
+            continue
+        direct = by[(clients, kind, "direct")]
+        rounds = [v / d for v, d in zip(via["round_throughputs"], direct["round_throughputs"], strict=True)]
+        spread = f"{min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds) > 1 else ""
+        print(f"{clients:7d} {kind:16} {path:20} {via['throughput'] / direct['throughput']:17.3f}x {spread:>16} "
               f"{(via['p50'] - direct['p50']) * 1e3:+8.1f}ms {(via['p99'] - direct['p99']) * 1e3:+8.1f}ms")
 
 
@@ -150,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64, help="per clients, kind and path (at least the clients)")
     parser.add_argument("--image-side", type=int, default=224)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="batches per clients, kind and path, the paths taking turns (throughput over all of them)")
+    parser.add_argument("--compare-with", metavar="REF", help="also measure the gateway of this git commit")
     parser.add_argument("--profile", type=Path, help="py-spy's collapsed stacks of the gateway go here")
     args = parser.parse_args(argv)
     model_path = build_model(DEFAULT_ARCH, args.size, on_progress=print)
@@ -163,7 +186,14 @@ def main(argv: list[str] | None = None) -> int:
                # the load is one caller's: the per-key limits would queue it, as they should for a tenant
                "REVISIT_ADMISSION_MAX_REQUESTS_PER_KEY": "1024", "REVISIT_ADMISSION_WORKER_REQUESTS_PER_KEY": "1024",
                **scratch_store(logs / "store", "bench-load-")}
-        with gateway_process(env, logs / "gateway.log") as gateway:
+        with contextlib.ExitStack() as running:
+            gateway = running.enter_context(gateway_process(env, logs / "gateway.log"))
+            gateways = {"gateway": gateway}
+            if args.compare_with:  # a store of its own: an older gateway may write another entry format
+                code = running.enter_context(checkout(args.compare_with, logs))
+                gateways[f"gateway@{args.compare_with}"] = running.enter_context(gateway_process(
+                    {**env, **scratch_store(logs / "store-compared", "bench-load-")}, logs / "gateway-compared.log",
+                    code=code))
             spy = None
             if args.profile is not None:
                 spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
@@ -171,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                                         str(args.profile), "--nonblocking"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
-                rows = asyncio.run(measure(args, worker.url, gateway))
+                rows = asyncio.run(measure(args, worker.url, gateways))
             finally:
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)
@@ -179,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         worker.stop()
     print(f"model {model_path.name}, image {args.image_side}x{args.image_side}, max_completion_tokens=1, "
-          f"{args.requests} requests per row (at least one per client)")
+          f"{args.requests} requests per batch (at least one per client), {args.rounds} batch(es) per row")
     report(rows)
     if args.profile is not None:
         print(f"\nthe gateway, sampled through every batch ({args.profile}):\n{profile_summary(args.profile)}")
