@@ -179,14 +179,15 @@ class _Connection(asyncio.Protocol):
             self._waiter.set_result(None)
 
     async def _wait(self, timeout_s: float) -> None:
-        """Until the parser says more, or the connection failed; AnswerTimedOut after ``timeout_s``."""
-        self._waiter = asyncio.get_running_loop().create_future()
+        """Until the parser says more, or the connection failed; AnswerTimedOut after ``timeout_s`` (a timer that
+        fails the wait: half the time of an ``asyncio.timeout``, which cancels the task and takes it back)."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        expiry = loop.call_later(timeout_s, _expire, waiter, timeout_s)
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._waiter
-        except TimeoutError:
-            raise AnswerTimedOut(f"no answer from the worker within {timeout_s:g} s") from None
+            await waiter
         finally:
+            expiry.cancel()
             self._waiter = None
 
     async def send(self, pieces: Iterable[bytes | memoryview]) -> None:
@@ -228,6 +229,11 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[None], timeout_s: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(AnswerTimedOut(f"no answer from the worker within {timeout_s:g} s"))
 
 
 class PooledResponse:
@@ -303,11 +309,14 @@ class UpstreamClient:
                 % (path, origin.header, length, self._extra))
         # A small body goes in one write with its head (one system call); a large one in its pieces.
         pieces = (head + body[0],) if len(body) == 1 and length <= _ONE_WRITE else (head, *body)
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise AnswerTimedOut(f"no connection to the workers free within {self.timeout_s:g} s") from None
+        if self._slots.locked():  # every connection taken: wait for one (or none is waited for, nor timed)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise AnswerTimedOut(f"no connection to the workers free within {self.timeout_s:g} s") from None
+        else:
+            await self._slots.acquire()
         connection: _Connection | None = None
         try:
             while True:
