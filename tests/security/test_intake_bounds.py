@@ -322,6 +322,7 @@ def test_keys_hashed_in_strips_are_the_keys_stores_already_hold(monkeypatch, str
     import gateway.images as images
 
     monkeypatch.setattr(images, "_KEY_STRIP_BYTES", strip_bytes)
+    monkeypatch.setattr(images, "_KEY_WHOLE_BYTES", 0 if strip_bytes < 2 << 20 else images._KEY_WHOLE_BYTES)
     rgb = noise_image(61, 37, seed=3)
     processor = config().processor
     old = hashlib.blake2b(digest_size=32)  # content_key as it was: one tobytes() of the whole image
