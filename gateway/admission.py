@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -270,13 +270,13 @@ class AdmissionMiddleware:
             return
         services = scope["app"].state.services
         try:
-            caller = services.tenants.identify(_header(scope, b"authorization"))
+            caller = services.tenants.identify(scope_header(scope, b"authorization"))
             ticket = services.admission.admit(caller)
         except GatewayError as exc:
             await _refuse(send, exc)
             return
         try:
-            declared = _header(scope, b"content-length")
+            declared = scope_header(scope, b"content-length")
             if declared is not None and declared.isdigit():
                 await ticket.hold_declared(int(declared), services.admission.limits.body_timeout_s)
         except GatewayError as exc:
@@ -361,7 +361,9 @@ class _Connection:
             self._task.cancel()
 
 
-def _header(scope: Message, name: bytes) -> str | None:
+def scope_header(scope: Mapping[str, Any], name: bytes) -> str | None:
+    """A request header's value from the ASGI scope (``name`` lowercase, as servers give them), without building
+    Starlette's Headers for it."""
     for key, value in scope["headers"]:
         if key == name:
             return value.decode("latin-1")

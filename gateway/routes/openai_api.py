@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from gateway.admission import scope_header
 from gateway.config import RESPONSE_CACHE_LEVELS, RESPONSE_CACHE_OFF, MatchSettings
 from gateway.costs import ModelFacts, Work, image_in, prompt_through, request_work
 from gateway.dispatch import COMPLETIONS_PATH, Route, UpstreamRequest
@@ -93,15 +94,20 @@ def _caller(request: Request) -> Caller:
 async def _read_body(request: Request, limit: int) -> bytearray:
     """The whole body, in one buffer grown in place as it arrives (a large one is resized where it lies, not copied:
     chunks joined at the end held the body twice)."""
-    declared = request.headers.get("content-length")
+    declared = scope_header(request.scope, b"content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
+    while True:  # the server's messages read as Starlette's Request.stream() does, without an async generator
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         if len(body) + len(chunk) > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         body += chunk
-    return body
+        if not message.get("more_body", False):
+            return body
 
 
 @router.post("/v1/chat/completions")
@@ -328,7 +334,7 @@ async def _what_ran(services: Services, planned: Planned, request_id: str) -> tu
 
 def _requested_selector(request: Request, settings: MatchSettings) -> str | None:
     """The selector a request names in its header, checked; None when it names none."""
-    name = request.headers.get(SELECTOR_HEADER)
+    name = scope_header(request.scope, SELECTOR_HEADER.encode())
     if name is None:
         return None
     if not settings.allow_selector_header:
@@ -343,7 +349,7 @@ def _requested_selector(request: Request, settings: MatchSettings) -> str | None
 
 def _requested_response_level(request: Request) -> str | None:
     """The response-cache level a request names in its header, checked; None when it names none."""
-    level = request.headers.get(RESPONSE_CACHE_HEADER)
+    level = scope_header(request.scope, RESPONSE_CACHE_HEADER.encode())
     if level is None:
         return None
     if level not in (RESPONSE_CACHE_OFF, *RESPONSE_CACHE_LEVELS):
@@ -354,7 +360,8 @@ def _requested_response_level(request: Request) -> str | None:
 
 
 def _requested_mode(request: Request) -> str:
-    mode = request.headers.get(REUSE_MODE_HEADER, "all")
+    mode = scope_header(request.scope, REUSE_MODE_HEADER.encode())
+    mode = "all" if mode is None else mode
     if mode not in REUSE_MODES:
         raise InvalidRequest(f"{REUSE_MODE_HEADER} must be one of {', '.join(REUSE_MODES)}, got {mode[:40]!r}",
                              param=REUSE_MODE_HEADER, code="invalid_reuse_mode")
