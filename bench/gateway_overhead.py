@@ -3,7 +3,9 @@
 Starts one SGLang CPU worker on a bundled model and a gateway process in front of it,
 then sends each request twice in alternation (direct, gateway, direct, gateway, ...),
 so drift in machine load hits both paths alike. Prints p50/p95 latency per request
-kind and path, the overhead, worker start time and peak memory.
+kind and path, the overhead (the p50s' difference, and ``paired``: the median of each
+round's gateway minus direct, which drift between rounds moves less), worker start
+time and peak memory.
 
     .venv/bin/python bench/gateway_overhead.py [--size tiny|bench] [--rounds 30] [--compare-with REF]
 
@@ -178,12 +180,14 @@ def measure(args, model_name: str, worker, gateways: dict, worker_start_s: float
     for gateway in gateways:
         print(f"\n{gateway}:")
         print(f"{'request':26} {'direct p50':>11} {'gateway p50':>12} {'direct p95':>11} {'gateway p95':>12}"
-              f" {'overhead p50':>13} {'ratio p50':>10}")
+              f" {'overhead p50':>13} {'paired':>8} {'ratio p50':>10}")
         for kind in kinds:
             direct, via = results[(kind, "direct")], results[(kind, gateway)]
             d50, g50 = statistics.median(direct), statistics.median(via)
+            paired = statistics.median(g - d for g, d in zip(via, direct, strict=True))
             print(f"{kind:26} {d50 * 1e3:9.1f}ms {g50 * 1e3:10.1f}ms {percentile(direct, 95) * 1e3:9.1f}ms "
-                  f"{percentile(via, 95) * 1e3:10.1f}ms {(g50 - d50) * 1e3:+11.1f}ms {g50 / d50:9.3f}x")
+                  f"{percentile(via, 95) * 1e3:10.1f}ms {(g50 - d50) * 1e3:+11.1f}ms {paired * 1e3:+6.1f}ms "
+                  f"{g50 / d50:9.3f}x")
     print(f"\nworker start to /health 200: {worker_start_s:.1f} s")
     print(f"peak RSS: worker process tree {worker_peak.peak / 2**30:.2f} GiB, " + ", ".join(
         f"{name} {peak.peak / 2**20:.0f} MiB" for name, peak in gateway_peaks.items()))
