@@ -149,7 +149,7 @@ class Intake:
             images, videos = await _both(self._resolve_images(refs, namespace),
                                          _all(*(self._resolve_video(ref, namespace) for ref in video_refs)))
         else:
-            images, videos = await self._resolve_images(refs, namespace) if refs else [], []
+            images, videos = await self._resolve_images(refs, namespace), []
         if size is not None:
             size.check(text_tokens + sum(image.grid.tokens for image in images), param="messages")
         media: list[tuple[MediaPartRef, CanonicalImage | CanonicalVideo]] = [

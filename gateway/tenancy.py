@@ -8,6 +8,7 @@ default) any other key is refused with OpenAI's 401 before the request's body is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import NamedTuple
 
@@ -18,7 +19,7 @@ from settings.secret import DataPlaneSecret
 # The part of a key's digest that names a caller in limits and logs: enough to tell callers apart, useless to
 # find the key.
 CALLER_ID_CHARS = 16
-SCOPES_KEPT = 4096  # namespaces whose cache scope Tenants remembers
+SCOPES_KEPT = 4096  # namespaces whose cache scope Tenants remembers (the most recently used)
 
 
 class Caller(NamedTuple):
@@ -45,7 +46,8 @@ class Tenants:
     def __init__(self, settings: TenantSettings, secret: DataPlaneSecret | None = None) -> None:
         self.settings = settings
         self._scope_key = (secret or DataPlaneSecret()).key("cache-scope")
-        self._scopes: dict[str, str] = {}  # namespace -> cache_scope, the most recent SCOPES_KEPT
+        # cache_scope of a namespace, remembered (a keyed BLAKE2b is a microsecond a request)
+        self._scope = functools.lru_cache(maxsize=SCOPES_KEPT)(functools.partial(cache_scope, key=self._scope_key))
 
     @property
     def open(self) -> bool:
@@ -69,15 +71,6 @@ class Tenants:
             # Open mode: one namespace per key; the key itself never appears in keys, logs or metrics.
             namespace = "key-" + digest[:24]
         return Caller(namespace, digest[:CALLER_ID_CHARS], self._scope(namespace))
-
-    def _scope(self, namespace: str) -> str:
-        """:func:`cache_scope` of a namespace, remembered: a keyed BLAKE2b is a microsecond a request."""
-        scope = self._scopes.get(namespace)
-        if scope is None:
-            if len(self._scopes) >= SCOPES_KEPT:  # open mode: one namespace per key, any number of keys
-                self._scopes.clear()
-            scope = self._scopes[namespace] = cache_scope(namespace, self._scope_key)
-        return scope
 
 
 def bearer_key(authorization: str | None) -> str | None:

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.errors import InvalidRequest
 from gateway.routes.direct import ROUTES, DirectRoutes
 from tests.http_server import serve_handler
+from tests.waiting import wait_until
 
 
 class Inner:
@@ -125,7 +126,7 @@ class _SlowStream(BaseHTTPRequestHandler):
             for _ in range(200):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(self.EVENT), self.EVENT))
                 self.wfile.flush()
-                time.sleep(0.05)
+                time.sleep(0.05)  # the worker's pace: a token every 50 ms
             self.wfile.write(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
         except OSError:
             type(self).closed_at.append(time.monotonic())
@@ -156,10 +157,7 @@ def test_a_client_that_leaves_a_stream_closes_the_workers_stream_through_the_who
                     seen += sock.recv(65536)
                 assert seen.startswith(b"HTTP/1.1 200") and b"text/event-stream" in seen
             left = time.monotonic()
-            deadline = left + 5
-            while not _SlowStream.closed_at and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert _SlowStream.closed_at, "the worker's stream went on after the client left"
+            wait_until(lambda: _SlowStream.closed_at, "the worker's stream closed after the client left", timeout=5)
             assert _SlowStream.closed_at[0] - left < 2.0
             assert httpx.get(gateway.url + "/health").status_code == 200
         finally:
