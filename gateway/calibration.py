@@ -24,7 +24,6 @@ sample (``WorkerCosts.observe``), and the worker's costs are refitted to its rec
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import secrets
 import time
@@ -36,7 +35,7 @@ import numpy as np
 import pybase64
 from PIL import Image
 
-from gateway.config import ProcessorSettings
+from gateway.config import ImageLimits, ProcessorSettings
 from gateway.costs import (
     FEATURES,
     CostModel,
@@ -49,7 +48,7 @@ from gateway.costs import (
     request_work,
     text_work,
 )
-from gateway.images import token_grid
+from gateway.images import encode_pixels, token_grid
 from gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -72,10 +71,11 @@ class WorkerCosts:
     may be asked from any thread (CostModel locks)."""
 
     def __init__(self, facts: ModelFacts, model: str, processor: ProcessorSettings, pool: WorkerPool,
-                 client: httpx.AsyncClient) -> None:
+                 client: httpx.AsyncClient, images: ImageLimits | None = None) -> None:
         self.facts = facts
         self._model = model
         self._processor = processor
+        self._images = images if images is not None else ImageLimits()  # how image probes are sent, as requests'
         self._pool = pool
         self._client = client
         self.models: dict[str, CostModel] = {}
@@ -181,9 +181,9 @@ class WorkerCosts:
             best, prompt_tokens = None, 0
             for _ in range(2):
                 noise = Image.fromarray(rng.integers(0, 256, size=(pixels, pixels, 3), dtype=np.uint8))
-                # Encoded on a thread: a noise PNG of 24 x 24 tokens takes tens of milliseconds, which the event
-                # loop's requests would wait out.
-                url = await asyncio.to_thread(_png_data_url, noise)
+                # Sent as the gateway sends a request's decoded image; encoded on a thread (as a PNG, a noise image
+                # of 24 x 24 tokens takes tens of milliseconds, which the event loop's requests would wait out).
+                url = await asyncio.to_thread(_data_url, noise, self._images)
                 content: list[dict] = [{"type": "image_url", "image_url": {"url": url}},
                            {"type": "text", "text": _IMAGE_QUESTION}]
                 seconds, prompt_tokens = await self._timed(worker, content)
@@ -229,10 +229,9 @@ class WorkerCosts:
         return {"workers": workers, "predicted": self.accuracy(), "recent": recent}
 
 
-def _png_data_url(image: Image.Image) -> str:
-    out = io.BytesIO()
-    image.save(out, format="PNG", compress_level=1)
-    return "data:image/png;base64," + pybase64.b64encode_as_string(out.getvalue())
+def _data_url(image: Image.Image, limits: ImageLimits) -> str:
+    payload, mime = encode_pixels(image, limits)
+    return f"data:{mime};base64," + pybase64.b64encode_as_string(payload)
 
 
 def _text_line(samples: list[tuple[Work, float]]) -> tuple[float, float]:

@@ -129,7 +129,7 @@ class Services:
         cache = CacheManager(policy, store=store, on_gone=matcher.remove if matcher is not None else None)
         # Each worker's costs, measured when it comes up (gateway/calibration.py): the planner sends only plans
         # predicted to pay.
-        costs = WorkerCosts(config.model_facts, config.model, config.processor, pool, client) \
+        costs = WorkerCosts(config.model_facts, config.model, config.processor, pool, client, config.images) \
             if config.model_facts is not None and config.calibrate else None
         if costs is not None:
             pool.on_up = costs.came_up

@@ -186,6 +186,7 @@ class GatewayConfig:
                 ("max_request_pixels", get("MAX_REQUEST_PIXELS", int)),
                 ("max_decoding_pixels", get("MAX_DECODING_PIXELS", int)),
                 ("resize_to_model", get("RESIZE_IMAGES_TO_MODEL", bool)),
+                ("forward_decoded", get("FORWARD_DECODED_IMAGES", bool)),
                 ("allow_private_urls", get("ALLOW_PRIVATE_IMAGE_URLS", bool)),
                 ("fetch_deadline_s", get("FETCH_DEADLINE_S", float)),
             )

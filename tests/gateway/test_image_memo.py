@@ -22,7 +22,7 @@ def test_memo_returns_what_was_put_per_namespace():
 
 def test_memo_stays_within_its_budget_evicting_least_recently_used():
     images = [encode(small(name)) for name in ("astronaut.png", "coffee.png", "chelsea.png")]
-    one = len(images[0]) + 512
+    one = canon(images[0], "a").nbytes + 512
     memo = CanonicalMemo(budget_bytes=int(one * 2.5))
     digests = [CanonicalMemo.digest(d) for d in images]
     memo.put("a", digests[0], canon(images[0], "a"))

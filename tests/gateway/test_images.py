@@ -68,28 +68,44 @@ def test_key_depends_on_namespace_model_and_pixels():
     assert canon(encode(changed)).key != base
 
 
-def test_rotated_jpeg_is_forwarded_as_png_of_the_keyed_pixels():
+def test_rotated_jpeg_is_forwarded_as_the_keyed_pixels_uncompressed():
     exif = Image.Exif()
     exif[0x0112] = 6
     jpeg = encode(load("astronaut.png").convert("RGB"), "JPEG", quality=80, exif=exif)
     image = canon(jpeg)
     decoded = Image.open(io.BytesIO(image.payload))
-    assert image.mime == "image/png" and decoded.format == "PNG" and decoded.mode == "RGB"
+    assert image.mime == "image/bmp" and decoded.format == "BMP" and decoded.mode == "RGB"
+    assert len(image.payload) >= 3 * decoded.width * decoded.height  # nothing to inflate at the worker
     assert canon(image.payload).key == image.key
 
 
-@pytest.mark.parametrize("fmt,mime", [("PNG", "image/png"), ("JPEG", "image/jpeg")])
-def test_canonical_rgb_png_and_jpeg_are_forwarded_as_they_came(fmt, mime):
-    data = encode(load("astronaut.png").convert("RGB"), fmt)
-    image = canon(data)
-    assert image.payload is data and image.mime == mime
-    assert image.data_url.startswith(f"data:{mime};base64,")
+def test_a_png_is_forwarded_decoded_and_a_jpeg_as_it_came():
+    rgb = load("astronaut.png").convert("RGB")
+    png, jpeg = encode(rgb, "PNG"), encode(rgb, "JPEG")
+    forwarded = canon(png)
+    assert forwarded.mime == "image/bmp" and not forwarded.as_uploaded
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(forwarded.payload))), np.asarray(rgb))
+    assert forwarded.key == canon(forwarded.payload).key == canon(encode(rgb, "WEBP", lossless=True)).key
+    image = canon(jpeg)
+    assert image.payload is jpeg and image.mime == "image/jpeg" and image.as_uploaded
+    assert image.data_url.startswith("data:image/jpeg;base64,")
 
 
-def test_palette_and_alpha_images_are_forwarded_as_rgb_png():
+def test_with_forward_decoded_off_a_png_goes_as_it_came_and_re_encodes_as_png():
+    limits = ImageLimits(forward_decoded=False)
+    rgb = load("astronaut.png").convert("RGB")
+    png = encode(rgb, "PNG")
+    image = canon(png, limits=limits)
+    assert image.payload is png and image.mime == "image/png" and image.as_uploaded
+    rgba = canon(encode(rgb.convert("RGBA")), limits=limits)
+    assert rgba.mime == "image/png" and Image.open(io.BytesIO(rgba.payload)).format == "PNG"
+    assert rgba.key == image.key == canon(png).key  # the same pixels, the same key, whatever the worker gets
+
+
+def test_palette_and_alpha_images_are_forwarded_as_rgb():
     for source in (load("astronaut.png").convert("RGBA"), load("astronaut.png").convert("P")):
         image = canon(encode(source))
-        assert image.mime == "image/png"
+        assert image.mime == "image/bmp"
         assert Image.open(io.BytesIO(image.payload)).mode == "RGB"
 
 
@@ -140,7 +156,7 @@ def test_an_image_larger_than_the_model_keeps_is_forwarded_at_the_models_size():
     image = tiny(encode(source))
     h_bar, w_bar = smart_resize(1800, 2400, TINY)
     forwarded = Image.open(io.BytesIO(image.payload))
-    assert forwarded.size == (w_bar, h_bar) and forwarded.mode == "RGB" and image.mime == "image/png"
+    assert forwarded.size == (w_bar, h_bar) and forwarded.mode == "RGB" and image.mime == "image/bmp"
     assert not image.as_uploaded
     assert (image.width, image.height) == (2400, 1800)  # what the request's pixels are counted by
     assert (image.grid.rows * 28, image.grid.cols * 28) == (h_bar, w_bar)

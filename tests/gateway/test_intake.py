@@ -23,18 +23,21 @@ def body(*urls: str) -> bytes:
 async def test_data_urls_forwarded_as_uploaded_are_not_encoded_again() -> None:
     config = GatewayConfig(model="m", workers=("http://127.0.0.1:1",))
     intake = Intake(config, ImageFetcher(config.images))
-    png = encode(small("astronaut.png").convert("RGB"))  # an RGB PNG: forwarded as it came
-    # Labelled with another type, so that a re-encoded copy (always labelled image/png) would show.
-    as_uploaded = data_url(png, "application/octet-stream")
-    padded = data_url(png, "application/octet-stream") + "\n"  # accepted here, refused by SGLang's strict decode
-    rgba = data_url(encode(load("astronaut.png").convert("RGBA")))  # composited over white: a new PNG
-    result = await intake.process(body(as_uploaded, padded, rgba), namespace="n")
-    urls = [part["image_url"]["url"] for part in result.upstream_body["messages"][0]["content"][:3]]
+    jpeg = encode(small("astronaut.png").convert("RGB"), "JPEG")  # an RGB JPEG: forwarded as it came
+    # Labelled with another type, so that a re-encoded copy (labelled image/bmp) would show.
+    as_uploaded = data_url(jpeg, "application/octet-stream")
+    padded = data_url(jpeg, "application/octet-stream") + "\n"  # accepted here, refused by SGLang's strict decode
+    rgba = data_url(encode(load("astronaut.png").convert("RGBA")))  # composited over white: new pixels
+    png = data_url(encode(small("coffee.png").convert("RGB")))  # forwarded decoded (ImageLimits.forward_decoded)
+    result = await intake.process(body(as_uploaded, padded, rgba, png), namespace="n")
+    urls = [part["image_url"]["url"] for part in result.upstream_body["messages"][0]["content"][:4]]
     assert urls[0] == as_uploaded  # the client's own string, not a re-encoded copy
-    assert urls[1] == data_url(png, "image/png") and urls[2] != rgba
-    rewritten = base64.b64decode(urls[2].partition(",")[2])
-    assert rewritten == result.images[2].payload and Image.open(io.BytesIO(rewritten)).mode == "RGB"
-    assert [image.as_uploaded for image in result.images] == [True, True, False]
+    assert urls[1] == data_url(jpeg, "image/jpeg") and urls[2] != rgba
+    for url, image in zip(urls[2:], result.images[2:], strict=True):
+        assert url.startswith("data:image/bmp;base64,")
+        rewritten = base64.b64decode(url.partition(",")[2])
+        assert rewritten == image.payload and Image.open(io.BytesIO(rewritten)).mode == "RGB"
+    assert [image.as_uploaded for image in result.images] == [True, True, False, False]
 
 
 async def test_an_image_named_by_its_uuid_is_served_by_that_name_in_its_namespace_only() -> None:
