@@ -80,14 +80,16 @@ class TokenFeatures:
 
     @classmethod
     def of_pixels(cls, image: Image.Image, grid: tuple[int, int], factor: int, pixels: np.ndarray,
-                  vectors: np.ndarray, luma: np.ndarray | None = None) -> TokenFeatures:
+                  vectors: np.ndarray, luma: np.ndarray | None = None, cells: Cells | None = None) -> TokenFeatures:
         """An extractor's result: its descriptor ``vectors`` (n, dim), normalised here, with the digests, entropy and
         shades every extractor takes from the pixels. ``pixels``: the image as :func:`resized` gives it; ``luma``:
-        the grey levels to take the entropy of (default: every pixel's)."""
+        the grey levels to take the entropy of (default: every pixel's); ``cells``: the pixels' :class:`Cells`, if
+        the extractor made them."""
+        cells = cells or Cells(pixels)
         return cls(grid=grid, digests=token_digests(image, grid, factor, resized_pixels=pixels),
                    vectors=normalise(vectors).astype(np.float16),
                    entropy=token_entropy(grey(pixels) if luma is None else luma, grid).astype(np.float16),
-                   shades=token_shades(pixels, grid), chroma=token_chroma(pixels, grid))
+                   shades=token_shades(pixels, grid, cells), chroma=token_chroma(pixels, grid, cells))
 
     @property
     def tokens(self) -> int:
@@ -208,19 +210,21 @@ def token_digests(image: Image.Image, grid: tuple[int, int], factor: int, *,
     return digests
 
 
-def token_shades(pixels: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+def token_shades(pixels: np.ndarray, grid: tuple[int, int], cells: Cells | None = None) -> np.ndarray:
     """(n, SHADE_SIDE * SHADE_SIDE) uint8: each token's grey levels over SHADE_SIDE x SHADE_SIDE cells, from the
-    resized image's (rows * factor, cols * factor, 3) pixels."""
+    resized image's (rows * factor, cols * factor, 3) pixels (``cells``: their :class:`Cells`, if made already)."""
     rows, cols = grid
     side = SHADE_SIDE
-    levels = np.rint(grey(cell_means(pixels, rows * side, cols * side)) * 255.0).astype(np.uint8)
+    means = (cells or Cells(pixels)).means(rows * side, cols * side)
+    levels = np.rint(grey(means) * 255.0).astype(np.uint8)
     return levels.reshape(rows, side, cols, side).transpose(0, 2, 1, 3).reshape(rows * cols, side * side)
 
 
-def token_chroma(pixels: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
-    """(n, 2) int16: each token's mean R - G and (R + G) / 2 - B, from the resized image's pixels."""
+def token_chroma(pixels: np.ndarray, grid: tuple[int, int], cells: Cells | None = None) -> np.ndarray:
+    """(n, 2) int16: each token's mean R - G and (R + G) / 2 - B, from the resized image's pixels (``cells``: their
+    :class:`Cells`, if made already)."""
     rows, cols = grid
-    means = cell_means(pixels, rows, cols).reshape(rows * cols, 3)
+    means = (cells or Cells(pixels)).means(rows, cols).reshape(rows * cols, 3)
     opponent = np.stack([means[:, 0] - means[:, 1], (means[:, 0] + means[:, 1]) / 2 - means[:, 2]], axis=1)
     return np.rint(opponent).astype(np.int16)
 
@@ -290,6 +294,52 @@ def cell_means(values: np.ndarray, rows: int, cols: int) -> np.ndarray:
             if dy or dx:
                 sums += values[dy::step_y, dx::step_x]
     return sums.astype(np.float32) / (step_y * step_x)
+
+
+class Cells:
+    """Means of one image's pixels (H, W, channels) over grids of equal cells, each grid's integer sums added up
+    from the finest grid already summed whose cells tile its cells (the token features take three: 2 x 2, 4 x 4
+    and 28 x 28 pixels a cell for a 28-pixel token, 14 ms as three cell_means and 6 ms so for an 896-px image).
+    The same float32 means as :func:`cell_means` gives: every sum is exact. A grid whose cells do not divide the
+    image, or values that are not uint8, go to cell_means."""
+
+    def __init__(self, pixels: np.ndarray):
+        self.pixels = pixels
+        self._sums: dict[tuple[int, int], np.ndarray] = {}  # (cell height, cell width) -> integer sums
+
+    def means(self, rows: int, cols: int) -> np.ndarray:
+        """(rows, cols, channels) float32, as cell_means(self.pixels, rows, cols)."""
+        pixels = self.pixels
+        height, width = pixels.shape[:2]
+        if pixels.dtype != np.uint8 or height % rows or width % cols:
+            return cell_means(pixels, rows, cols)
+        step = (height // rows, width // cols)
+        return self._summed(step).astype(np.float32) / (step[0] * step[1])
+
+    def _summed(self, step: tuple[int, int]) -> np.ndarray:
+        if (known := self._sums.get(step)) is not None:
+            return known
+        # The coarsest grid summed already (or the pixels, at 1 x 1) whose cells tile these.
+        base = max((s for s in self._sums if step[0] % s[0] == 0 and step[1] % s[1] == 0),
+                   key=lambda s: s[0] * s[1], default=(1, 1))
+        values = self.pixels if base == (1, 1) else self._sums[base]
+        ky, kx = step[0] // base[0], step[1] // base[1]
+        if base == (1, 1) and ky % 2 == 0 and kx % 2 == 0 and (ky, kx) != (2, 2):
+            values, ky, kx = self._summed((2, 2)), ky // 2, kx // 2  # halve first: the next adds read a quarter
+        # uint16 adds are several times faster than uint32; they hold a sum of up to 257 uint8 values
+        wide = np.uint16 if step[0] * step[1] <= 257 else np.uint32
+        if ky * kx <= 64:
+            sums = values[::ky, ::kx].astype(wide)
+            for dy in range(ky):
+                for dx in range(kx):
+                    if dy or dx:
+                        sums += values[dy::ky, dx::kx]
+        else:
+            h, w, channels = values.shape
+            sums = values.reshape(h, w // kx, kx, channels).sum(axis=2, dtype=wide)
+            sums = sums.reshape(h // ky, ky, w // kx, channels).sum(axis=1, dtype=wide)
+        self._sums[step] = sums
+        return sums
 
 
 def grey(rgb: np.ndarray) -> np.ndarray:

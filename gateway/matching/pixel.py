@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from gateway.matching.features import TokenFeatures, cell_means, grey, normalise, resized
+from gateway.matching.features import Cells, TokenFeatures, cell_means, grey, normalise, resized
 
 # Structure cells per side: 2 x 2 pixels each for a 28-pixel token. Measured on the labelled set (bench/matching.py):
 # at 7 x 7, different pages of one site scored up to 0.88 against the 0.9 match threshold; at 14 x 14, up to 0.80.
@@ -39,7 +39,8 @@ class PixelExtractor:
         rows, cols = grid
         n = rows * cols
         pixels = resized(image, grid, factor)  # (rows * f, cols * f, 3) uint8
-        cells = cell_means(pixels, rows * THUMB, cols * THUMB)  # (rows * T, cols * T, 3) float32 in [0, 255]
+        summed = Cells(pixels)  # the cells' sums, shared with the shades and chroma
+        cells = summed.means(rows * THUMB, cols * THUMB)  # (rows * T, cols * T, 3) float32 in [0, 255]
         luma = grey(cells)  # (rows * T, cols * T) in [0, 1]
         thumb = luma.reshape(rows, THUMB, cols, THUMB).transpose(0, 2, 1, 3).reshape(n, THUMB * THUMB)  # (n, T*T)
         structure = thumb - thumb.mean(axis=1, keepdims=True)
@@ -48,4 +49,4 @@ class PixelExtractor:
         tone = normalise(np.concatenate([colour, np.full((n, 1), TONE_CONSTANT, np.float32)], axis=1))  # (n, 4)
         vectors = np.concatenate([np.sqrt(STRUCTURE_WEIGHT) * structure, np.sqrt(1 - STRUCTURE_WEIGHT) * tone],
                                  axis=1)
-        return TokenFeatures.of_pixels(image, grid, factor, pixels, vectors, luma)
+        return TokenFeatures.of_pixels(image, grid, factor, pixels, vectors, luma, summed)

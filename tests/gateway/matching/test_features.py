@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gateway.matching.features import LAYOUT_DIM, SHADE_SIDE, TokenFeatures, token_layout
+from gateway.matching.features import LAYOUT_DIM, SHADE_SIDE, Cells, TokenFeatures, cell_means, token_layout
 from gateway.matching.pixel import PixelExtractor
 from tests.gateway.matching.pairs import CELL, aligned, changed_tokens, edited, features, jpeg
 from tests.images_lib import load
@@ -143,3 +143,17 @@ def test_digesting_a_large_image_holds_a_band_of_it_not_copies_of_all_of_it():
     right = math.ceil(28 * scale_x) + math.ceil(2 * scale_x) + 1
     block = np.ascontiguousarray(np.asarray(image)[:bottom, :right])
     assert int(digests[0]) == xxhash.xxh3_64_intdigest(struct.pack("<4I", 0, bottom, 0, right) + block.tobytes())
+
+
+@pytest.mark.parametrize(("height", "width"), [(896, 896), (5 * 28, 9 * 28), (7 * 32, 3 * 32), (100, 60)])
+def test_cells_summed_from_finer_cells_are_the_means_cell_means_gives(height: int, width: int) -> None:
+    pixels = np.random.default_rng(height * width).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    summed = Cells(pixels)
+    # Finest first, as the extractor asks (2 x 2, 4 x 4, then a token's cells); and grids that do not divide.
+    for cell in (2, 4, 7, 8, 14, 16, 28, 32, 3):
+        rows, cols = max(1, height // cell), max(1, width // cell)
+        means, reference = summed.means(rows, cols), cell_means(pixels, rows, cols)
+        assert means.dtype == reference.dtype and np.array_equal(means, reference), (cell, rows, cols)
+    grey_cells = cell_means(pixels, height // 2, width // 2)  # float values go to cell_means as they are
+    assert np.array_equal(Cells(grey_cells).means(height // 4, width // 4), cell_means(grey_cells, height // 4,
+                                                                                       width // 4))
