@@ -375,7 +375,7 @@ class Planner:
         if not approximate:
             self.matcher.add(image.key, namespace, image.features)
             return miss, None
-        moved = self.moved.of(image.payload, grid) if self.moved is not None else None
+        moved = self.moved.of(lambda: image.payload, grid) if self.moved is not None else None
         lookup = self.matcher.lookup(namespace, image.key, image.features, moved)
         alias = self._usable_alias(lookup.matches)
         plan = None if alias is None else approximate_plan(

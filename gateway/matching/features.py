@@ -327,7 +327,8 @@ class Cells:
         if base == (1, 1) and ky % 2 == 0 and kx % 2 == 0 and (ky, kx) != (2, 2):
             values, ky, kx = self._summed((2, 2)), ky // 2, kx // 2  # halve first: the next adds read a quarter
         # uint16 adds are several times faster than uint32; they hold a sum of up to 257 uint8 values
-        wide = np.uint16 if step[0] * step[1] <= 257 else np.uint32
+        wide: type[np.unsignedinteger] = np.uint16 if step[0] * step[1] <= 257 else np.uint32
+        sums: np.ndarray
         if ky * kx <= 64:
             sums = values[::ky, ::kx].astype(wide)
             for dy in range(ky):

@@ -140,8 +140,9 @@ class MovedImages:
     factor: int
     settings: MatchSettings
 
-    def of(self, payload: bytes, grid: tuple[int, int]) -> MovedImage | None:
-        """The new image sent as ``payload``; None when no sub-token move is planned (both bounds 0)."""
+    def of(self, payload: Callable[[], bytes], grid: tuple[int, int]) -> MovedImage | None:
+        """The new image sent as the bytes ``payload()`` gives (called only if its pixels are needed); None when no
+        sub-token move is planned (both bounds 0)."""
         if not self.settings.plans_moves():
             return None
         return MovedImage.of_payload(payload, self.extractor, grid=grid, factor=self.factor, settings=self.settings)
@@ -164,11 +165,12 @@ class MovedImage:
         self._realigned: dict[object, TokenFeatures] = {}  # an offset, or a RegionalMove's offsets -> features
 
     @classmethod
-    def of_payload(cls, payload: bytes, extractor: Extractor, *, grid: tuple[int, int], factor: int,
+    def of_payload(cls, payload: Callable[[], bytes], extractor: Extractor, *, grid: tuple[int, int], factor: int,
                    settings: MatchSettings) -> MovedImage:
-        """From the bytes the worker is sent (images.CanonicalImage.payload: they decode to the keyed pixels)."""
+        """From the bytes the worker is sent (images.CanonicalImage.payload: they decode to the keyed pixels), got
+        when the pixels are first needed."""
         def pixels_of() -> np.ndarray:
-            with Image.open(io.BytesIO(payload)) as image:
+            with Image.open(io.BytesIO(payload())) as image:
                 return resized(image, grid, factor)
         return cls(pixels_of, extractor, grid=grid, factor=factor, settings=settings)
 

@@ -86,6 +86,8 @@ def test_a_png_is_forwarded_decoded_and_a_jpeg_as_it_came():
     assert forwarded.mime == "image/bmp" and not forwarded.as_uploaded
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(forwarded.payload))), np.asarray(rgb))
     assert forwarded.key == canon(forwarded.payload).key == canon(encode(rgb, "WEBP", lossless=True)).key
+    # Its data URL made once, and held instead of the BMP's bytes: a repeat is sent without encoding it again.
+    assert forwarded.data_url is forwarded.data_url and forwarded.nbytes == len(forwarded.data_url)
     image = canon(jpeg)
     assert image.payload is jpeg and image.mime == "image/jpeg" and image.as_uploaded
     assert image.data_url.startswith("data:image/jpeg;base64,")

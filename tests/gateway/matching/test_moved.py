@@ -98,7 +98,7 @@ def test_sub_token_moves_can_be_switched_off_and_leave_in_place_matches_alone() 
     fa, fb = features(a), features(b)
     off = MatchSettings(max_subtoken_px_y=0, max_subtoken_px_x=0)
     assert moved_image(b, off).find(fb, fa) is None
-    assert MovedImages(EXTRACTOR, CELL, off).of(encode_png(b), (ROWS, COLS)) is None
+    assert MovedImages(EXTRACTOR, CELL, off).of(lambda: encode_png(b), (ROWS, COLS)) is None
     # Either axis off alone: a scroll is not planned without the vertical bound, a pan still is.
     assert moved_image(b, MatchSettings(max_subtoken_px_y=0)).find(fb, fa) is None
     pa, pb = panned(2)
@@ -124,7 +124,7 @@ def test_an_unrelated_image_is_not_matched_by_moving_it() -> None:
 def test_the_planner_decodes_the_image_it_forwards() -> None:
     a, b = scrolled(27)
     images = MovedImages(EXTRACTOR, CELL, SETTINGS)
-    moved = images.of(encode_png(b), (ROWS, COLS))
+    moved = images.of(lambda: encode_png(b), (ROWS, COLS))
     assert moved is not None and (moved.pixels == np.asarray(b)).all()
     move = moved.find(features(b), features(a))
     assert move is not None and (move.shift, move.offset) == ((-1, 0), (1, 0))
@@ -132,7 +132,7 @@ def test_the_planner_decodes_the_image_it_forwards() -> None:
 
 def test_an_image_that_cannot_be_decoded_again_is_planned_as_without_a_move() -> None:
     a, b = scrolled(1)
-    broken = MovedImages(EXTRACTOR, CELL, SETTINGS).of(b"not an image", (ROWS, COLS))
+    broken = MovedImages(EXTRACTOR, CELL, SETTINGS).of(lambda: b"not an image", (ROWS, COLS))
     assert broken is not None and broken.find(features(b), features(a)) is None
     assert compare(features(b), features(a), SETTINGS, broken).offset == (0, 0)
 
