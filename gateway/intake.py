@@ -69,6 +69,9 @@ class IntakeResult:
     videos: tuple[CanonicalVideo, ...] = ()
     body_bytes: int = 0  # the size of the request body as it came
     text_chars: int = 0  # the characters of its messages' text (what its text costs: gateway/calibration.py)
+    # About the bytes the upstream body holds beside the client's: the media it carries in other bytes than came (a
+    # decoded image's data URL, a fetched image's base64), which its JSON encoding copies.
+    rewritten_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +171,7 @@ class Intake:
             videos=tuple(videos),
             body_bytes=body_bytes,
             text_chars=text_chars,
+            rewritten_bytes=payload_bytes,
         )
 
     async def _resolve_video(self, ref: VideoPartRef, namespace: str) -> CanonicalVideo:

@@ -151,7 +151,8 @@ async def chat_completions(request: Request) -> Any:
     plan = scoped_plan(planned.plan, intake, caller.scope)
     body = upstream_body(intake.upstream_body, scope=caller.scope,
                          rid=plan.to_rid(request_id, key=services.plan_key) if plan else public_id)
-    upstream = await UpstreamRequest.encode(body, size_hint=intake.body_bytes)
+    # Encoded off the loop when large: a decoded image's data URL makes a small body (a fetched image's) megabytes.
+    upstream = await UpstreamRequest.encode(body, size_hint=intake.body_bytes + intake.rewritten_bytes)
 
     costs = services.costs
     # Each image as the worker's own caches keep it: the prompt through it (prefix cache), the image (encoder cache).

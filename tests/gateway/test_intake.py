@@ -38,6 +38,8 @@ async def test_data_urls_forwarded_as_uploaded_are_not_encoded_again() -> None:
         rewritten = base64.b64decode(url.partition(",")[2])
         assert rewritten == image.payload and Image.open(io.BytesIO(rewritten)).mode == "RGB"
     assert [image.as_uploaded for image in result.images] == [True, True, False, False]
+    # What the upstream body holds beside the client's bytes (it is encoded off the loop by this size).
+    assert result.rewritten_bytes == len(jpeg) + len(urls[2]) + len(urls[3])
 
 
 async def test_an_image_named_by_its_uuid_is_served_by_that_name_in_its_namespace_only() -> None:
