@@ -32,7 +32,6 @@ from collections.abc import Sequence
 
 import httpx
 import numpy as np
-import pybase64
 from PIL import Image
 
 from gateway.config import ImageLimits, ProcessorSettings
@@ -48,7 +47,7 @@ from gateway.costs import (
     request_work,
     text_work,
 )
-from gateway.images import encode_pixels, token_grid
+from gateway.images import data_url, encode_pixels, token_grid
 from gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -183,7 +182,7 @@ class WorkerCosts:
                 noise = Image.fromarray(rng.integers(0, 256, size=(pixels, pixels, 3), dtype=np.uint8))
                 # Sent as the gateway sends a request's decoded image; encoded on a thread (as a PNG, a noise image
                 # of 24 x 24 tokens takes tens of milliseconds, which the event loop's requests would wait out).
-                url = await asyncio.to_thread(_data_url, noise, self._images)
+                url = await asyncio.to_thread(_probe_url, noise, self._images)
                 content: list[dict] = [{"type": "image_url", "image_url": {"url": url}},
                            {"type": "text", "text": _IMAGE_QUESTION}]
                 seconds, prompt_tokens = await self._timed(worker, content)
@@ -229,9 +228,8 @@ class WorkerCosts:
         return {"workers": workers, "predicted": self.accuracy(), "recent": recent}
 
 
-def _data_url(image: Image.Image, limits: ImageLimits) -> str:
-    payload, mime = encode_pixels(image, limits)
-    return f"data:{mime};base64," + pybase64.b64encode_as_string(payload)
+def _probe_url(image: Image.Image, limits: ImageLimits) -> str:
+    return data_url(*encode_pixels(image, limits))
 
 
 def _text_line(samples: list[tuple[Work, float]]) -> tuple[float, float]:

@@ -116,7 +116,12 @@ class CanonicalImage:
     def data_url(self) -> str:
         if self.url is not None:
             return self.url
-        return f"data:{self.mime};base64," + pybase64.b64encode_as_string(self.payload)  # without the GIL
+        return data_url(self.payload, self.mime)
+
+
+def data_url(payload: bytes, mime: str) -> str:
+    """A base64 data: URL of ``payload`` (encoded without the GIL)."""
+    return f"data:{mime};base64," + pybase64.b64encode_as_string(payload)
 
 
 def smart_resize(height: int, width: int, processor: ProcessorSettings) -> tuple[int, int]:
@@ -321,7 +326,7 @@ def canonicalize(
         uploaded, mime = data, forwarded_mime
     else:
         payload, mime = encode_pixels(rgb, limits)
-        url = f"data:{mime};base64," + pybase64.b64encode_as_string(payload)
+        url = data_url(payload, mime)
         del payload
     features = extractor.extract(rgb, (grid.rows, grid.cols), processor.factor) if extractor is not None else None
     return CanonicalImage(key=key, width=width, height=height, grid=grid, mime=mime, uploaded=uploaded, url=url,

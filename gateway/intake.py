@@ -157,7 +157,7 @@ class Intake:
             size.check(text_tokens + sum(image.grid.tokens for image in images), param="messages")
         media: list[tuple[MediaPartRef, CanonicalImage | CanonicalVideo]] = [
             *zip(refs, images, strict=True), *zip(video_refs, videos, strict=True)]
-        payload_bytes = sum(_forwarded_bytes(item) for ref, item in media if _needs_rewrite(ref, item))
+        payload_bytes = sum(item.forwarded_bytes for ref, item in media if _needs_rewrite(ref, item))
         upstream_body = await off_loop(payload_bytes, _rewrite_media, body, media)
         # What prefix_digests reads: the body less its media URLs, which it names by key instead.
         text_bytes = body_bytes - sum(url_length(ref.url) for ref in parts)
@@ -467,10 +467,6 @@ def _rewrite_media(
             field = "image_url" if isinstance(ref, ImagePartRef) else "video_url"
             part[field] = {**(part.get(field) or {}), "url": item.data_url}
     return upstream
-
-
-def _forwarded_bytes(item: CanonicalImage | CanonicalVideo) -> int:
-    return item.forwarded_bytes if isinstance(item, CanonicalImage) else len(item.payload)
 
 
 def _needs_rewrite(ref: MediaPartRef, item: CanonicalImage | CanonicalVideo) -> bool:

@@ -50,12 +50,11 @@ from typing import Any
 
 import av
 import numpy as np
-import pybase64
 from PIL import Image
 
 from gateway.config import ImageLimits, MatchSettings, ProcessorSettings, VideoSettings
 from gateway.errors import PayloadTooLarge, UnprocessableVideo
-from gateway.images import image_key, smart_resize
+from gateway.images import data_url, image_key, smart_resize
 from gateway.matching.features import Extractor, TokenFeatures
 from gateway.matching.matcher import Matcher
 from plan.video import CODECS, DECODERS, demuxer_of
@@ -136,8 +135,13 @@ class CanonicalVideo:
         return False
 
     @property
+    def forwarded_bytes(self) -> int:
+        """The bytes the worker's copy holds (what base64 encoding it costs)."""
+        return len(self.payload)
+
+    @property
     def data_url(self) -> str:
-        return f"data:{self.mime};base64," + pybase64.b64encode_as_string(self.payload)  # without the GIL
+        return data_url(self.payload, self.mime)
 
 
 def sampled_frames(total: int, fps: float, settings: VideoSettings) -> list[int]:
