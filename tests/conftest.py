@@ -24,7 +24,10 @@ from gateway.config import GatewayConfig, ProcessorSettings, ReuseSettings, Tena
 from store import StoreConfig
 from tests.waiting import wait_until
 
-WORKER_READY_TIMEOUT_S = 600
+# Under pytest's own limit a test (pyproject's timeout, 600 s): a worker that is not ready in time fails with its log
+# and what else ran on the machine (machine_snapshot), not with pytest's bare timeout. A worker starts in 1-2 minutes
+# on two cores.
+WORKER_READY_TIMEOUT_S = 420
 MODEL_ID = "revisit-tiny"
 
 
@@ -192,6 +195,44 @@ def start_worker(model_path: Path, log_dir: Path, port: int | None = None):
     return launch(spec)
 
 
+def machine_snapshot(top: int = 8) -> str:
+    """The load and the processes busiest over one second: what a worker that starts too slowly competed with."""
+    import psutil
+
+    procs = list(psutil.process_iter())
+    for proc in procs:
+        try:
+            proc.cpu_percent(None)
+        except psutil.Error:
+            pass
+    time.sleep(1.0)
+    busy = []
+    for proc in procs:
+        try:
+            busy.append((proc.cpu_percent(None), proc.pid, proc.ppid(), proc.memory_info().rss >> 20,
+                         " ".join(proc.cmdline())[:160]))
+        except psutil.Error:
+            continue
+    busy.sort(reverse=True)
+    lines = [f"load average {os.getloadavg()}, memory available {psutil.virtual_memory().available >> 20} MiB, "
+             f"/dev/shm free {shutil.disk_usage('/dev/shm').free >> 20} MiB; the busiest processes:"]
+    lines += [f"  {cpu:5.0f}% pid {pid} (parent {ppid}) {rss} MiB  {cmd}" for cpu, pid, ppid, rss, cmd in busy[:top]]
+    return "\n".join(lines)
+
+
+def wait_workers_ready(started: list) -> None:
+    """Wait for workers started side by side; one not ready in time fails with its log and the machine's state."""
+    from launcher.errors import WorkerTimeoutError
+
+    async def wait_all() -> None:
+        await asyncio.gather(*(w.wait_ready_async(WORKER_READY_TIMEOUT_S) for w in started))
+
+    try:
+        asyncio.run(wait_all())
+    except WorkerTimeoutError as exc:
+        raise WorkerTimeoutError(f"{exc}\n--- the machine ---\n{machine_snapshot()}") from None
+
+
 @pytest.fixture(scope="session")
 def workers(model_path, tmp_path_factory) -> Iterator[list]:
     """Two real SGLang CPU workers, started side by side."""
@@ -199,10 +240,7 @@ def workers(model_path, tmp_path_factory) -> Iterator[list]:
     started = [start_worker(model_path, log_dir) for _ in range(2)]
     try:
 
-        async def wait_all() -> None:
-            await asyncio.gather(*(w.wait_ready_async(WORKER_READY_TIMEOUT_S) for w in started))
-
-        asyncio.run(wait_all())
+        wait_workers_ready(started)
         yield started
     finally:
         for worker in started:

@@ -27,10 +27,10 @@ from launcher.mooncake import MooncakeCluster
 from store import StoreConfig, open_tier
 from tests.conftest import (
     MODEL_ID,
-    WORKER_READY_TIMEOUT_S,
     free_port,
     start_gateway_process,
     terminate,
+    wait_workers_ready,
     worker_events,
 )
 from tests.images_lib import data_url, encode, noise_image, png_data_url, small
@@ -52,6 +52,7 @@ class Host:
     folder: Path
     worker: object | None = None
     gateway: subprocess.Popen[bytes] | None = None
+    gateway_log: Path | None = None
     port: int = 0
 
     @property
@@ -66,8 +67,9 @@ class Host:
                "REVISIT_HEALTH_INTERVAL_S": "0.5", "REVISIT_MOONCAKE_CAPACITY_BYTES": str(256 << 20),
                "REVISIT_PLAN_BY_COST": "0", "REVISIT_CALIBRATE": "0"}  # the reuse paths, on a model where
         # they do not pay, and no probes in the workers' counts
+        self.gateway_log = self.folder / f"gateway-{time.time():.0f}.log"
         self.gateway = start_gateway_process(
-            env, self.port, log_file=self.folder / f"gateway-{time.time():.0f}.log", timeout=120,
+            env, self.port, log_file=self.gateway_log, timeout=120,
             ready=lambda r: r.status_code == 200 and all(w["healthy"] for w in r.json()["workers"]))
 
     def kill_gateway(self) -> None:
@@ -101,7 +103,7 @@ def scale_out(model_path, redis_server, tmp_path_factory):
             hosts.append(Host(name=f"host-{index}", env=env, folder=folder))
         for host in hosts:
             host.worker = start_worker_with(model_path, host)
-        asyncio.run(_wait_workers([h.worker for h in hosts]))
+        wait_workers_ready([h.worker for h in hosts])
         for host in hosts:
             host.start_gateway(model_path, redis_server)
         yield cluster, hosts
@@ -126,10 +128,6 @@ def start_worker_with(model_path: Path, host: Host):
                              log_file=host.folder / f"worker-{port}.log", env=host.env))
 
 
-async def _wait_workers(workers) -> None:
-    await asyncio.gather(*(w.wait_ready_async(WORKER_READY_TIMEOUT_S) for w in workers))
-
-
 def ask(host: Host, picture: str, *, tokens: int = 10) -> tuple[str, dict[str, str]]:
     """The answer and the response headers, through the official openai client."""
     with openai.OpenAI(base_url=host.url + "/v1", api_key="sk-scale-out", max_retries=0, timeout=300) as client:
@@ -137,7 +135,11 @@ def ask(host: Host, picture: str, *, tokens: int = 10) -> tuple[str, dict[str, s
             model=MODEL_ID, max_tokens=tokens, temperature=0,
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
                                                    {"type": "text", "text": QUESTION}]}])
-        return raw.parse().choices[0].message.content or "", dict(raw.headers)
+        headers = dict(raw.headers)
+        if "x-revisit-reuse" not in headers:  # planned nothing: the gateway's log says why (the store, the books)
+            log = host.gateway_log.read_text(errors="replace")[-4000:] if host.gateway_log else ""
+            raise AssertionError(f"{host.name}'s gateway planned nothing for an image; its log ends:\n{log}")
+        return raw.parse().choices[0].message.content or "", headers
 
 
 def booked(host: Host) -> set[str]:
