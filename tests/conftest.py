@@ -196,26 +196,23 @@ def start_worker(model_path: Path, log_dir: Path, port: int | None = None):
 
 
 def machine_snapshot(top: int = 8) -> str:
-    """The load and the processes busiest over one second: what a worker that starts too slowly competed with."""
+    """The load and the processes that have used the most CPU for their age (a leaked process spinning since an
+    earlier test shows as ~100%): what a worker that starts too slowly competed with."""
     import psutil
 
-    procs = list(psutil.process_iter())
-    for proc in procs:
+    now, busy = time.time(), []
+    for proc in psutil.process_iter():
         try:
-            proc.cpu_percent(None)
-        except psutil.Error:
-            pass
-    time.sleep(1.0)
-    busy = []
-    for proc in procs:
-        try:
-            busy.append((proc.cpu_percent(None), proc.pid, proc.ppid(), proc.memory_info().rss >> 20,
-                         " ".join(proc.cmdline())[:160]))
+            with proc.oneshot():
+                times = proc.cpu_times()
+                share = 100 * (times.user + times.system) / max(now - proc.create_time(), 1.0)
+                busy.append((share, proc.pid, proc.ppid(), proc.memory_info().rss >> 20,
+                             " ".join(proc.cmdline())[:160]))
         except psutil.Error:
             continue
     busy.sort(reverse=True)
     lines = [f"load average {os.getloadavg()}, memory available {psutil.virtual_memory().available >> 20} MiB, "
-             f"/dev/shm free {shutil.disk_usage('/dev/shm').free >> 20} MiB; the busiest processes:"]
+             f"/dev/shm free {shutil.disk_usage('/dev/shm').free >> 20} MiB; the busiest processes for their age:"]
     lines += [f"  {cpu:5.0f}% pid {pid} (parent {ppid}) {rss} MiB  {cmd}" for cpu, pid, ppid, rss, cmd in busy[:top]]
     return "\n".join(lines)
 
