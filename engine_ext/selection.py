@@ -11,6 +11,14 @@ three sets. Per selector (the plan's ``selector``):
     attention_only  R = the changed tokens, then the similar tokens, then the tokens of B0 (every unchanged token)
                     that score highest by warmup attention; B = B0 without them; nothing dropped (entropy_aware
                     without the entropy)
+    downstream      R = the changed tokens, then the tokens after a changed token in reading order, nearest to one
+                    in the grid first (|rows| + |columns| apart; at one distance similar tokens first, then reading
+                    order), then the rest (similar first), up to the budget; B = B0 (every unchanged token) without
+                    them; nothing dropped. A causal decoder's token may take notes of any token before it, and a
+                    note of a changed token's old value is stale in the alias' K/V: these are the tokens most likely
+                    to hold such notes (a changed token's neighbours to the right and below, its ``noted`` tokens,
+                    come first; the gateway widens rho to hold them). Ranked by position: it needs no measurement,
+                    so it selects the same with or without the question (chunked prefill)
     cacheblend      change-blind, as CacheBlend: B0 is every aligned token, changed ones too; R = the tokens with
                     no alias token, then those whose layer-0 K/V moved furthest from the alias' (W = 1); B = B0
                     without them
@@ -53,7 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plan import CHANGE_BLIND, CHANGED, ENTROPY_AWARE, SIMILAR, ImagePlan
+from plan import CHANGE_BLIND, CHANGED, DOWNSTREAM, ENTROPY_AWARE, SIMILAR, ImagePlan
 from plan.budget import (  # noqa: F401 (ATTENTION, DEVIATION, changed_tokens: the workers' and benches' names)
     ATTENTION,
     DEVIATION,
@@ -112,13 +120,30 @@ def select(plan: ImagePlan, score: torch.Tensor | None = None, *, question: bool
             raise ValueError(f"selector {plan.selector} needs a score per token ({n})")
         values = _quantised(score.detach().double().cpu())
         pool.sort(key=lambda i: (-int(values[i]), i))
-    if plan.selector not in CHANGE_BLIND:
+    if plan.selector == DOWNSTREAM:
+        distance = downstream_distance(plan)
+        pool.sort(key=lambda i: (distance[i], plan.change_map[i] != SIMILAR, i))
+    elif plan.selector not in CHANGE_BLIND:
         pool.sort(key=lambda i: plan.change_map[i] != SIMILAR)  # stable: similar first, each part in its order
     recompute = set(must) | set(pool[: max(0, budget(plan, question=question) - len(must))])
     reuse -= recompute
     drop = set(range(n)) - reuse - recompute
     return Selection(warmup=plan.warmup_layers, recompute=_indices(recompute), reuse=_indices(reuse),
                      drop=_indices(drop))
+
+
+def downstream_distance(plan: ImagePlan) -> list[float]:
+    """Per token: how far (|rows| + |columns| in the grid) it is from the nearest changed token before it in
+    reading order; infinity where none comes before it."""
+    cols = plan.grid[1]
+    sources = torch.tensor([mark == CHANGED for mark in plan.change_map]).nonzero().flatten()
+    if not len(sources):
+        return [float("inf")] * plan.tokens
+    tokens = torch.arange(plan.tokens)
+    apart = ((tokens[:, None] // cols - sources[None, :] // cols).abs()
+             + (tokens[:, None] % cols - sources[None, :] % cols).abs()).double()
+    apart[sources[None, :] >= tokens[:, None]] = float("inf")  # only tokens before it in reading order
+    return apart.min(1).values.tolist()
 
 
 def _quantised(score: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,10 @@ from plan.request import (
     APPROXIMATE,
     ATTENTION_ONLY,
     CACHEBLEND,
+    CHANGE_AWARE,
     CHANGE_BLIND,
     CHANGED,
+    DOWNSTREAM,
     ENTROPY_AWARE,
     EXACT,
     FULL_PASS,
@@ -44,7 +46,8 @@ from plan.request import (
 )
 
 __all__ = [
-    "APPROXIMATE", "ATTENTION_ONLY", "CACHEBLEND", "CHANGE_BLIND", "CHANGED", "DEFAULT_RECOMPUTE_RATIO",
+    "APPROXIMATE", "ATTENTION_ONLY", "CACHEBLEND", "CHANGE_AWARE", "CHANGE_BLIND", "CHANGED",
+    "DEFAULT_RECOMPUTE_RATIO", "DOWNSTREAM",
     "ENTROPY_AWARE", "EXACT", "FULL_PASS", "FULL_REUSE", "MISS", "PARTIAL_PASS", "PLAN_VERSION", "PROFILE_FILE",
     "PUBLIC_PLAN_KEY", "RID_PREFIX", "SAME", "SELECTORS", "SIMILAR", "PLAN_KINDS", "VISION_PASSES", "VLCACHE",
     "ImagePlan", "PlanError", "RecomputeProfile", "RequestPlan", "check_ratios", "plan_key", "recompute_count",

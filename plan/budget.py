@@ -27,6 +27,21 @@ def changed_tokens(plan: ImagePlan) -> list[int]:
     return [i for i, mark in enumerate(plan.change_map) if mark == CHANGED]
 
 
+def noted_tokens(change_map: str, grid: tuple[int, int]) -> list[int]:
+    """The unchanged tokens right after or right below a changed one (the downstream selector's nearest, engine_ext.
+    selection): in a causal decoder the first to have taken notes of the changed token's old value, so what a plan
+    by that selector must recompute besides the changed tokens (the gateway widens rho to hold them)."""
+    rows, cols = grid
+    out = set()
+    for token, mark in enumerate(change_map):
+        if mark == CHANGED:
+            row, col = divmod(token, cols)
+            for neighbour, inside in ((token + 1, col + 1 < cols), (token + cols, row + 1 < rows)):
+                if inside and change_map[neighbour] != CHANGED:
+                    out.add(neighbour)
+    return sorted(out)
+
+
 def drops(plan: ImagePlan, question: bool) -> bool:
     """Whether the selection drops tokens: entropy_aware's, with the question to say which it does not need."""
     return plan.selector == ENTROPY_AWARE and question

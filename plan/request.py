@@ -23,6 +23,9 @@ the whole video):
         attention_only  B = every same/similar token; R by warmup attention, taken out of B
         cacheblend      change-blind: B = every aligned token; R = the tokens whose K/V deviate most from the
                         alias' after the first layer (W = 1), taken out of B
+        downstream      B = every same/similar token; R = the tokens that come after a changed one in reading order,
+                        nearest to it in the grid first (a causal decoder's tokens that may have taken notes of
+                        the changed one's old value), taken out of B; ranked by position, nothing measured
         vlcache         change-blind: B = every aligned token; R = the first tokens of the image, taken out of B
         full_reuse      change-blind: B = every aligned token; nothing recomputed but tokens with no alias token
                         (the naive baseline)
@@ -82,9 +85,10 @@ def _plan_mac(key: bytes, request_id: str, packed: str) -> str:
 
 MISS, EXACT, APPROXIMATE = "miss", "exact", "approximate"
 PLAN_KINDS = (MISS, EXACT, APPROXIMATE)
-ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE, FULL_REUSE = (
-    "entropy_aware", "attention_only", "cacheblend", "vlcache", "full_reuse")
-SELECTORS = (ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE, FULL_REUSE)
+ENTROPY_AWARE, ATTENTION_ONLY, DOWNSTREAM, CACHEBLEND, VLCACHE, FULL_REUSE = (
+    "entropy_aware", "attention_only", "downstream", "cacheblend", "vlcache", "full_reuse")
+SELECTORS = (ENTROPY_AWARE, ATTENTION_ONLY, DOWNSTREAM, CACHEBLEND, VLCACHE, FULL_REUSE)
+CHANGE_AWARE = (ENTROPY_AWARE, ATTENTION_ONLY, DOWNSTREAM)  # never reuse a changed token: it is always in R
 CHANGE_BLIND = (CACHEBLEND, VLCACHE, FULL_REUSE)  # the baselines that reuse changed tokens too
 FULL_PASS, PARTIAL_PASS = "full", "partial"
 VISION_PASSES = (FULL_PASS, PARTIAL_PASS)
@@ -164,7 +168,7 @@ class ImagePlan:
         for i in self.reuse:
             if self.alias_token(i) is None:
                 raise PlanError(f"reuse token {i} has no aligned alias token")
-            if self.change_map[i] == CHANGED and self.selector in (ENTROPY_AWARE, ATTENTION_ONLY):
+            if self.change_map[i] == CHANGED and self.selector in CHANGE_AWARE:
                 raise PlanError(f"reuse token {i} is changed; {self.selector} never reuses changed tokens")
 
     def alias_token(self, token: int) -> int | None:

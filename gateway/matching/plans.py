@@ -4,14 +4,20 @@ Per selector (plan.request's table), B is
 
     entropy_aware            the lowest-entropy ``reuse_share`` of the tokens among those that are the same or
                              similar, ranked by the larger of the two images' entropies (low in both)
-    attention_only           every same or similar token (the worker takes R out of them)
+    attention_only,          every same or similar token (the worker takes R out of them)
+    downstream
     cacheblend, vlcache,     every token with an aligned alias token, changed ones too: these baselines are blind
     full_reuse               to the change map, as the methods they stand for (the worker takes R out of them)
 
-For entropy_aware and attention_only, changed tokens are never in B and always in R. For every selector but
-full_reuse, when the changed tokens outnumber ``recompute_share`` of the tokens the share is widened to hold them
-(the same recompute budget for all), and when they outnumber ``max_changed_share`` the guard plans a miss instead:
-recomputing that much costs about what a miss does.
+For entropy_aware, attention_only and downstream, changed tokens are never in B and always in R. For every
+selector but full_reuse, when the changed tokens outnumber ``recompute_share`` of the tokens the share is widened to
+hold them (the same recompute budget for all), and when they outnumber ``max_changed_share`` the guard plans a miss
+instead: recomputing that much costs about what a miss does.
+
+For downstream the share is widened to hold the changed tokens and their noted ones too (plan.budget.noted_tokens:
+the unchanged tokens right after and right below a changed one, which in a causal decoder took notes of its old
+value), and the guard holds the two together to ``max_changed_share``: a plan that cannot recompute them is refused
+(planner refusal ``notes``) rather than sent to answer from stale notes.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from gateway.matching.align import CHANGED, reported
 from gateway.matching.features import TokenFeatures
 from gateway.matching.matcher import Match, compare, within_guard
 from gateway.matching.moved import MovedImage
-from plan import APPROXIMATE, CACHEBLEND, CHANGE_BLIND, ENTROPY_AWARE, FULL_PASS, FULL_REUSE, ImagePlan
+from plan import APPROXIMATE, CACHEBLEND, CHANGE_BLIND, DOWNSTREAM, ENTROPY_AWARE, FULL_PASS, FULL_REUSE, ImagePlan
+from plan.budget import noted_tokens
 
 
 def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: tuple[int, int], prefix_digest: str,
@@ -50,6 +57,11 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
         warmup, share = 0, 0.0
     else:
         share = min(1.0, max(settings.recompute_share, changed_share))
+    if selector == DOWNSTREAM:
+        needed = notes_share(alignment.change_map, grid)
+        if needed > settings.max_changed_share:
+            return None
+        share = max(share, needed)
     if layers is not None:
         warmup = min(warmup, max(0, layers - 1))
     # Content moved by part of a token: the alias' encoder output is of the content where it was, so the vision pass
@@ -60,6 +72,18 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
                      change_map=alignment.change_map, similarity=reported(alignment.similarity),
                      reuse=tuple(int(i) for i in reuse), warmup_layers=warmup, recompute_share=round(share, 4),
                      selector=selector, vision=vision, derive=settings.derive)
+
+
+def notes_share(change_map: str, grid: tuple[int, int]) -> float:
+    """The share of the tokens a downstream plan must recompute: the changed ones and their noted ones."""
+    tokens = grid[0] * grid[1]
+    return (change_map.count("x") + len(noted_tokens(change_map, grid))) / tokens if tokens else 0.0
+
+
+def refused_for_notes(match: Match, grid: tuple[int, int], settings: MatchSettings, selector: str) -> bool:
+    """Whether approximate_plan refused ``match`` for its notes (the changed tokens alone within the guard)."""
+    return selector == DOWNSTREAM and within_guard(match.alignment, settings) and \
+        notes_share(match.alignment.change_map, grid) > settings.max_changed_share
 
 
 def plan_against(features: TokenFeatures, alias_features: TokenFeatures, *, alias: str, key: str,

@@ -12,11 +12,14 @@ from engine_ext.selection import (
     budget,
     candidates,
     deviation_score,
+    downstream_distance,
     score_kind,
     select,
     tight,
 )
-from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, VLCACHE, ImagePlan
+from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, DOWNSTREAM, ENTROPY_AWARE, FULL_REUSE, VLCACHE, ImagePlan
+from plan.budget import noted_tokens
+from plan.errors import PlanError
 
 KEY, ALIAS = "a" * 64, "b" * 64
 
@@ -57,6 +60,30 @@ def test_change_blind_baselines_rank_every_aligned_token_and_force_only_the_unal
     assert score_kind(vl) is None and sets(select(vl)) == ([0, 1, 2, 3, 4], [5, 6, 7], [])
     full = plan(FULL_REUSE, cmap, aligned, share=0.0, warmup=0, **shifted)
     assert sets(select(full)) == ([0, 1, 2, 3], [4, 5, 6, 7], [])
+
+
+def test_downstream_recomputes_the_tokens_after_a_change_nearest_first_and_drops_nothing() -> None:
+    # a 4 x 4 grid, token 5 (row 1, col 1) changed: its right neighbour (6) and the one below (9) are one step away,
+    # then 7 and 10 two (7 first in reading order); tokens before it in reading order never took notes of it
+    cmap = "=====x=========="
+    p = plan(DOWNSTREAM, cmap, [i for i in range(16) if i != 5], share=0.25, grid=(4, 4))
+    assert score_kind(p) is None and score_kind(p, question=False) is None and budget(p) == 4
+    distance = downstream_distance(p)
+    assert distance[:6] == [float("inf")] * 6 and distance[6] == distance[9] == 1 and distance[7] == 2
+    assert sets(select(p)) == ([5, 6, 7, 9], [0, 1, 2, 3, 4, 8, 10, 11, 12, 13, 14, 15], [])
+    assert sets(select(p, question=False)) == sets(select(p))  # by position: the same under chunked prefill
+    assert noted_tokens(cmap, (4, 4)) == [6, 9]  # what the gateway widens rho to hold
+    # at one distance a similar token first; with no changed token before them, similar tokens first
+    q = plan(DOWNSTREAM, "=x==~~==", [0, 2, 3, 4, 5, 6, 7], share=0.5)
+    assert downstream_distance(q)[:3] == [float("inf"), float("inf"), 1]
+    assert sets(select(q)) == ([1, 2, 4, 5], [0, 3, 6, 7], [])  # 2 and 5 one away, then 4 (similar) of 3, 4, 6
+    r = plan(DOWNSTREAM, "~~======", [0, 1, 2, 3, 4, 5, 6, 7], share=0.25)
+    assert sets(select(r)) == ([0, 1], [2, 3, 4, 5, 6, 7], [])
+    # the budget widens to hold every changed token (never reused)
+    wide = plan(DOWNSTREAM, "xx=x====", [2, 4, 5, 6, 7], share=0.125)
+    assert sets(select(wide)) == ([0, 1, 3], [2, 4, 5, 6, 7], [])
+    with pytest.raises(PlanError):
+        plan(DOWNSTREAM, "xx=x====", [0, 2], share=0.125)
 
 
 def test_without_the_question_entropy_aware_drops_nothing_and_ranks_by_position() -> None:

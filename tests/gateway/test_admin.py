@@ -291,7 +291,7 @@ def test_stats_and_metrics_count_plans_and_the_match_index(http, server):
     assert {"miss", "exact_same_prefix", "exact_moved", "approximate", "admitted"} <= set(stats["plans"])
     assert stats["plans"]["approximate"] >= 3
     assert stats["refused"]["similarity"] >= 2 and stats["refused"]["changed_share"] >= 1
-    assert set(stats["refused"]) == {"similarity", "changed_share", "cost", "alias_gone"}
+    assert set(stats["refused"]) == {"similarity", "changed_share", "notes", "cost", "alias_gone"}
     assert stats["matching"] == {"enabled": False, "indexed": 0, "damaged_records": 0}  # this gateway has no store
     assert stats["books"] == {"shared": False} and stats["plans"]["store_unavailable"] == 0
     samples = _samples(httpx.get(server.url + "/metrics").text)

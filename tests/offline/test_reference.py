@@ -29,7 +29,7 @@ from offline.reference import (
     uniform,
 )
 from offline.reference.approximate import execute
-from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, VLCACHE, ImagePlan
+from plan import APPROXIMATE, ATTENTION_ONLY, CACHEBLEND, DOWNSTREAM, ENTROPY_AWARE, FULL_REUSE, VLCACHE, ImagePlan
 
 RATIOS = (0.0, 0.02, 0.05, 0.1, 0.3, 1.0)
 
@@ -216,7 +216,7 @@ def test_a_gateway_plan_that_recomputes_everything_is_a_full_prefill(model: Refe
     encoder = model.encode(prompt)[0]
     _, h, w = prompt.images[0].grid
     full = full_run(model, prompt)
-    for selector in (ENTROPY_AWARE, ATTENTION_ONLY, CACHEBLEND, VLCACHE):
+    for selector in (ENTROPY_AWARE, ATTENTION_ONLY, DOWNSTREAM, CACHEBLEND, VLCACHE):
         wire = ImagePlan(key="a" * 64, kind=APPROXIMATE, tokens=h * w, grid=(h, w), alias="b" * 64,
                          change_map="=" * (h * w), reuse=tuple(range(h * w)) if selector != ENTROPY_AWARE else (),
                          recompute_share=1.0, warmup_layers=1 if selector == CACHEBLEND else 2, selector=selector)

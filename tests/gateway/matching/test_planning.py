@@ -269,6 +269,44 @@ def test_a_miss_says_why_nothing_near_it_was_reused_and_the_planner_counts_it(ca
     assert plan(planner, aligned("camera.png", 10, 10), "other").reuse_header() == "miss"  # nothing of its own
 
 
+def test_a_downstream_plan_holds_the_changed_tokens_and_their_noted_ones_or_is_refused_for_notes(cache) -> None:
+    """The downstream selector recomputes the changed tokens and the ones right after and right below each (which
+    took notes of their old values): rho is widened to hold them; where the changed tokens are within the guard but
+    those with their noted ones are not, the image is a miss that says refused=notes."""
+    from engine_ext.selection import select
+    from plan import DOWNSTREAM
+    from plan.budget import noted_tokens
+
+    manager, _ = cache
+    settings = MatchSettings(coarse_threshold=0.0, match_threshold=0.6, max_changed_share=0.3, selector=DOWNSTREAM)
+    planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8, match=settings),
+                      Matcher(settings, scope="test", features=None))
+    a = aligned("text.png", 10, 10)
+    store_like_a_worker(manager, plan(planner, a, "ns").plan.images[0].key, (10, 10))  # type: ignore[union-attr]
+    other = aligned("camera.png", 10, 10)
+
+    def replaced(cells):
+        b = a.copy()
+        for row, col in cells:
+            box = (col * CELL, row * CELL, (col + 1) * CELL, (row + 1) * CELL)
+            b.paste(other.crop(box), box[:2])
+        return b
+
+    # one block of 2 x 2 tokens: 4 changed, 4 noted, within the guard; rho 0.3 already holds them
+    near = plan(planner, replaced([(4, 4), (4, 5), (5, 4), (5, 5)]), "ns")
+    assert near.kinds == ("approximate",), near.reuse_header()
+    image = near.plan.images[0]  # type: ignore[union-attr]
+    changed = [i for i, mark in enumerate(image.change_map) if mark == "x"]
+    noted = noted_tokens(image.change_map, image.grid)
+    assert changed and noted and image.selector == DOWNSTREAM
+    assert set(changed) | set(noted) <= set(select(image).recompute.tolist())
+    # a token in every other row and column of the top half: 25% changed, and 45 more took notes of them
+    scattered = plan(planner, replaced([(r, c) for r in range(0, 10, 2) for c in range(0, 10, 2)]), "ns")
+    header = scattered.reuse_header()
+    assert scattered.kinds == ("miss",) and header.endswith(";refused=notes"), header
+    assert planner.refused["notes"] == 1
+
+
 def test_matching_can_be_turned_off(cache) -> None:
     manager, matcher = cache
     planner = Planner(manager, ReuseSettings(store=StoreConfig(), match=MatchSettings(enabled=False)), matcher)
