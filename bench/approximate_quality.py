@@ -43,18 +43,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bundled import QWEN2_5_VL, build_model  # noqa: E402
+from bundled import ORACLE, QWEN2_5_VL, build_model  # noqa: E402
 from bundled.reader.panels import CELL, random_panel  # noqa: E402
 from bundled.reader.panels import changed as revalue  # noqa: E402
-from bundled.reader.questions import field  # noqa: E402
+from bundled.reader.questions import FIELD, RELATIONAL_KINDS  # noqa: E402
+from bundled.recipes import DEEP_READER  # noqa: E402
 from gateway.config import MatchSettings  # noqa: E402
 from gateway.matching.features import TokenFeatures  # noqa: E402
 from gateway.matching.pixel import PixelExtractor  # noqa: E402
 from gateway.matching.plans import plan_against  # noqa: E402
-from offline.reader_eval import CHANGED, UNCHANGED, Pair, Tally, answer_ids, cached_entry, make_pairs  # noqa: E402
-from offline.reference import EncoderOutput, Fresh, ImageKV, Prompt, ReferenceModel, prefill  # noqa: E402
+from offline.reader_eval import (  # noqa: E402
+    CHANGED,
+    UNCHANGED,
+    Pair,
+    Tally,
+    answer_ids,
+    cached_entry,
+    make_pairs,
+    pair_kinds,
+)
+from offline.reference import EncoderOutput, Fresh, ImageKV, Prompt, ReferenceModel, Reuse, capture, prefill  # noqa: E402
 from offline.reference.approximate import execute, partial_encoder  # noqa: E402
-from plan import ATTENTION_ONLY, CACHEBLEND, ENTROPY_AWARE, FULL_REUSE, SELECTORS, VLCACHE  # noqa: E402
+from plan import ATTENTION_ONLY, CACHEBLEND, DOWNSTREAM, ENTROPY_AWARE, FULL_REUSE, SELECTORS, VLCACHE  # noqa: E402
 
 RHOS, BETAS, WARMUPS = (0.1, 0.2, 0.3, 0.5), (0.0, 0.1, 0.2, 0.3), (1, 2, 3)
 ALIAS = "0" * 64
@@ -72,6 +82,7 @@ class Config:
         s = self.settings
         knobs = {ENTROPY_AWARE: f"rho={s.recompute_share} beta={s.reuse_share} W={s.warmup_layers}",
                  ATTENTION_ONLY: f"rho={s.recompute_share} W={s.warmup_layers}",
+                 DOWNSTREAM: f"rho={s.recompute_share} W={s.warmup_layers}",
                  CACHEBLEND: f"rho={s.recompute_share} W=1", VLCACHE: f"rho={s.recompute_share} W={s.warmup_layers}",
                  FULL_REUSE: "W=0"}[self.selector]
         return f"{self.selector} {knobs} vision={self.vision}{'' if self.question else ' no-question'}"
@@ -111,18 +122,20 @@ def asked_of(model, pair: Pair, extractor: PixelExtractor):
     """B's two questions (offline.reader_eval.Pair.questions), each with what planning and executing it needs."""
     entry = cached_entry(model, pair)
     a_image, b_image = pair.cached.render(), pair.asked.render()
-    for kind, key in pair.questions():
-        prompt = model.prompt([b_image, field(pair.asked, key).text])
+    for kind, question, stale in pair.questions():
+        prompt = model.prompt([b_image, question.text])
         _, h, w = prompt.images[0].grid
         yield Asked(kind=kind, prompt=prompt, new=extractor.extract(b_image, (h, w), CELL),
                     old=extractor.extract(a_image, (h, w), CELL), encoder=model.encode(prompt)[0], entry=entry,
-                    right=pair.asked.value(key), stale=pair.cached.value(key) if kind == CHANGED else None)
+                    right=question.answer, stale=stale)
 
 
-def tally(tallies: dict, name, model, names: dict, asked: Asked, images: list) -> None:
-    """Prefill the question's prompt with ``images`` and tally the reader's answer under ``name``."""
+def tally(tallies: dict, name, model, names: dict, asked: Asked, images: list) -> str:
+    """Prefill the question's prompt with ``images``, tally the reader's answer under ``name``, and return it."""
     result = prefill(model, asked.prompt, images)
-    tallies[name][asked.kind].add(names.get(int(result.logits.argmax()), "?"), asked.right, asked.stale)
+    answer = names.get(int(result.logits.argmax()), "?")
+    tallies[name][asked.kind].add(answer, asked.right, asked.stale)
+    return answer
 
 
 def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
@@ -151,6 +164,111 @@ def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
         if progress and (done % max(1, len(pairs) // 10) == 0 or done == len(pairs)):
             print(f"  {done}/{len(pairs)} pairs, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return {"tallies": tallies, "guard": guard, "encoded_share": shares, "seconds": time.perf_counter() - started}
+
+
+# --- the reuse table: every reuse path, per kind of pair (--table) ---
+
+TABLE_WARMUPS = (1, 2, 3, 4, 5, 6)
+TABLE_TIGHT_RHO = 0.1  # a budget that leaves ~10% of the tokens beyond the changed ones for the selector to rank
+MOVED_RATIOS = (0.0, 0.05, 0.1, 0.2)  # exact moved: uniform r (the gateway's default without a profile is 0.1)
+MOVED_PREAMBLES = ("Look:", "Here is a panel for you. Read it:")  # the text before the image: stored, then asked
+
+
+def table_configs(warmups: tuple[int, ...] = TABLE_WARMUPS) -> list[Config]:
+    """The question-ranked and the notes selectors at every W (the default budget), each selector at W 3 with a tight
+    one, the change-blind baselines at their own W."""
+    base = MatchSettings()
+    out = []
+    for selector in (ATTENTION_ONLY, DOWNSTREAM):
+        out += [Config(selector, dataclasses.replace(base, warmup_layers=w)) for w in warmups]
+    out.append(Config(ENTROPY_AWARE, base))
+    out += [Config(selector, base) for selector in (CACHEBLEND, VLCACHE, FULL_REUSE)]
+    tight = dataclasses.replace(base, recompute_share=TABLE_TIGHT_RHO)
+    out += [Config(selector, tight) for selector in (ATTENTION_ONLY, DOWNSTREAM, ENTROPY_AWARE, CACHEBLEND, VLCACHE)]
+    # the gateway's plans as its defaults send them (the partial vision pass), before and after notes were judged
+    out += [Config(selector, base, vision=base.vision_pass) for selector in (ATTENTION_ONLY, DOWNSTREAM)]
+    return out
+
+
+def evaluate_table(model, pairs: dict[str, list[Pair]], chosen: list[Config], ratios: dict[str, tuple[float, ...]],
+                   progress: bool = True) -> dict:
+    """Per kind of pair: B's two questions under a full prefill, the exact hits (same prefix; moved, per ratios) and
+    each approximate configuration; tallies[kind][path][CHANGED or UNCHANGED]."""
+    names = answer_ids(model.processor.tokenizer)
+    extractor = PixelExtractor()
+    tallies: dict[str, dict[str, dict[str, Tally]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(Tally)))
+    guard: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    started = time.perf_counter()
+    layers = model.num_layers
+    for kind, chosen_pairs in pairs.items():
+        for done, pair in enumerate(chosen_pairs, 1):
+            for asked in asked_of(model, pair, extractor):
+                into = tallies[kind]
+                full = tally(into, "full (miss)", model, names, asked, [Fresh(asked.encoder)])
+                # exact, same prefix: B's own entry as the same prompt's full prefill leaves it
+                own = capture(prefill(model, asked.prompt, [Fresh(asked.encoder)]).state, asked.prompt.images[0],
+                              asked.encoder)
+                tally(into, "exact same-prefix", model, names, asked, [Reuse(own, ())])
+                # exact, moved: stored after one text, asked after another
+                question = model.processor.tokenizer.decode(
+                    asked.prompt.input_ids[asked.prompt.images[0].stop + 1:]).split("<|im_end|>")[0]
+                image = pair.asked.render()
+                first = model.prompt([MOVED_PREAMBLES[0], image, question])
+                stored = capture(prefill(model, first, [Fresh(asked.encoder)]).state, first.images[0], asked.encoder)
+                moved = dataclasses.replace(asked, prompt=model.prompt([MOVED_PREAMBLES[1], image, question]))
+                tally(into, "full, moved prompt", model, names, moved, [Fresh(asked.encoder)])
+                for label, per_layer in ratios.items():
+                    tally(into, f"exact moved {label}", model, names, moved, [Reuse(stored, per_layer)])
+                for config in chosen:
+                    plan = plan_against(asked.new, asked.old, alias=ALIAS, key="1" * 64, settings=config.settings,
+                                        selector=config.selector, layers=layers)
+                    if plan is None:
+                        guard[kind][config.name] += 1
+                        continue
+                    encoder = asked.encoder
+                    if config.vision == "partial":
+                        encoder, _ = partial_encoder(model, asked.prompt, plan, asked.entry)
+                    approximate, _ = execute(model, asked.prompt, plan, encoder, asked.entry)
+                    tally(into, config.name, model, names, asked, [approximate])
+                    # the full prefill on the same questions: the bar for a configuration its guard thins out
+                    into[FULL_ON + config.name][asked.kind].add(full, asked.right, asked.stale)
+            if progress and (done % max(1, len(chosen_pairs) // 10) == 0 or done == len(chosen_pairs)):
+                print(f"  {kind}: {done}/{len(chosen_pairs)} pairs, {time.perf_counter() - started:.0f} s",
+                      file=sys.stderr, flush=True)
+    return {"tallies": tallies, "guard": guard, "seconds": time.perf_counter() - started}
+
+
+FULL_ON = "full on the same: "
+
+
+def reuse_table(result: dict) -> str:
+    """Rows: paths and configurations; per kind of pair: the changed field right / stale, an unchanged one right;
+    where a configuration's guard refused some, the full prefill's right answers on the questions it planned, in
+    brackets."""
+    kinds = list(result["tallies"])
+    paths = [path for path in dict.fromkeys(path for kind in kinds for path in result["tallies"][kind])
+             if not path.startswith(FULL_ON)]
+    head = f"{'path':52} " + " ".join(f"{kind + ': changed right/stale, unchanged right':>72}" for kind in kinds)
+    lines = [head]
+    for path in paths:
+        cells = []
+        for kind in kinds:
+            tallies = result["tallies"][kind].get(path, {})
+            c, u = tallies.get(CHANGED, Tally()), tallies.get(UNCHANGED, Tally())
+            cell = (f"{_pct(c.right, c.asked)} / {_pct(c.stale, c.asked)}, {_pct(u.right, u.asked)} ({c.asked})"
+                    if c.asked else "-")
+            if result["guard"].get(kind, {}).get(path):
+                same = result["tallies"][kind].get(FULL_ON + path, {})
+                fc, fu = same.get(CHANGED, Tally()), same.get(UNCHANGED, Tally())
+                cell += (f" [full {_pct(fc.right, fc.asked)}, {_pct(fu.right, fu.asked)}] "
+                         f"guard {result['guard'][kind][path]}")
+            cells.append(f"{cell:>72}")
+        lines.append(f"{path:52} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _pct(n: int, of: int) -> str:
+    return f"{100 * n / of:.1f}%" if of else "-"
 
 
 TIGHT_SHARES, TIGHT_RHOS = (0.1, 0.3, 0.5), (0.05, 0.1, 0.2, 0.3)
@@ -248,9 +366,41 @@ def main(argv: list[str] | None = None) -> int:
                         help="also rank the question-ranked selectors without the question (chunked prefill)")
     parser.add_argument("--tight", action="store_true",
                         help="only the tight-budget table: rho below the changed share, per selector")
+    parser.add_argument("--table", action="store_true",
+                        help="the reuse table: per kind of pair, a full prefill, the exact hits (same prefix; moved "
+                             "with uniform r, and a profile's ratios with --profile) and the approximate selectors at "
+                             "W 1-6 and at a tight budget")
+    parser.add_argument("--size", choices=(ORACLE, DEEP_READER), default=ORACLE,
+                        help="the reader that judges: the oracle, or the deep reader that also takes notes")
+    parser.add_argument("--kinds", nargs="+", choices=(FIELD, *RELATIONAL_KINDS), default=None,
+                        help="kinds of pairs (offline.reader_eval): field, left, above; default: the reader's")
+    parser.add_argument("--max-fields", type=int, default=26,
+                        help="--table: fields a pair's panel has at most")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="--table: also an exact moved hit with this recompute profile's per-layer ratios")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    model = ReferenceModel.load(build_model(QWEN2_5_VL, "oracle"))
+    model = ReferenceModel.load(build_model(QWEN2_5_VL, args.size))
+    kinds = args.kinds or list(pair_kinds(args.size))
+    if args.table:
+        from plan import RecomputeProfile
+
+        ratios = {f"r={r}": (r,) * model.num_layers for r in MOVED_RATIOS}
+        if args.profile:
+            profile = RecomputeProfile.load(args.profile)
+            ratios["profile"] = tuple(profile.ratios)
+        pairs = {kind: make_pairs(args.pairs, seed=args.seed, kind=kind, max_fields=args.max_fields) for kind in kinds}
+        result = evaluate_table(model, pairs, table_configs(), ratios)
+        print(f"{args.size}: {args.pairs} pairs of each kind, at most {args.max_fields} fields, "
+              f"{result['seconds']:.0f} s")
+        print(reuse_table(result))
+        if args.json:
+            args.json.write_text(json.dumps({
+                "size": args.size, "pairs": args.pairs, "seconds": result["seconds"],
+                "tallies": {kind: {path: {k: t.as_dict() for k, t in per.items()} for path, per in paths.items()}
+                            for kind, paths in result["tallies"].items()},
+                "guard": result["guard"]}, indent=1))
+        return 0
     if args.tight:
         tight = evaluate_tight(model, args.pairs, args.seed)
         print(tight_table(tight))

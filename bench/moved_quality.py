@@ -169,11 +169,11 @@ def evaluate(model: ReferenceModel, pairs, offsets, directions=DIRECTIONS, progr
                 a_moved = moved_view(direction, offset, pair.cached, split_pan)
                 planned_b = gateway_plan(a_image, b_image, grid)
                 planned[(direction, offset)] += planned_b is not None
-                for kind, key in pair.questions():
-                    prompt = model.prompt([b_image, field(pair.asked, key).text])
+                for kind, question, stale in pair.questions():
+                    prompt = model.prompt([b_image, question.text])
                     _, h, w = prompt.images[0].grid
                     encoder = model.encode(prompt)[0]
-                    right, stale = pair.asked.value(key), (pair.cached.value(key) if kind == CHANGED else None)
+                    right = question.answer
                     for name, plan in (("full", None),
                                        ("moved", moved_plan(a_moved, b_image, (h, w), direction,
                                                             max(offset, split_pan) if direction == SPLIT else offset)),

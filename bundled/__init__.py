@@ -3,8 +3,9 @@
 Two architectures (Qwen2.5-VL and Qwen3-VL) in two sizes: ``tiny`` for tests and ``bench`` for
 timing (and a Qwen2.5-VL ``deep``: a real model's depth and head layout at a narrow width, for timing reuse), with
 a locally trained tokenizer and deterministic random weights; and two small Qwen2.5-VL readers whose weights were
-trained here to read panels (bundled.reader) and are committed: ``reader`` and ``oracle``, whose answers come from
-late-layer image KV.
+trained here to read panels (bundled.reader) and are committed: ``reader``, ``oracle``, whose answers come from
+late-layer image KV, and ``deep-reader``, 16 layers that also answer relational questions from notes its image
+tokens took of their neighbours.
 Nothing is downloaded. Neither the gateway nor the engine extension imports this package; the launcher's
 worker command and ``revisit serve`` build a bundled model before starting workers on it.
 
@@ -17,6 +18,7 @@ from bundled.recipes import (
     ARCHS,
     BENCH,
     DEEP,
+    DEEP_READER,
     DEFAULT_ARCH,
     DEFAULT_SIZE,
     ORACLE,
@@ -33,6 +35,7 @@ __all__ = [
     "ARCHS",
     "BENCH",
     "DEEP",
+    "DEEP_READER",
     "DEFAULT_ARCH",
     "DEFAULT_SIZE",
     "ORACLE",

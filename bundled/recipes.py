@@ -35,7 +35,11 @@ ORACLE = "oracle"
 # the 32-block vision tower, so that the shares of warmup layers, recomputed layers and vision in a prefill are a
 # real model's, while a miss of a 1K-token image takes seconds on two cores (the reuse benches and the replay).
 DEEP = "deep"
-SIZES = (TINY, BENCH, READER, ORACLE, DEEP)
+# A reader deep enough to take notes: the oracle's width at 16 decoder layers, trained on relational questions too
+# (the value left of, or above, a named value), which a causal decoder answers from what a token noted about its
+# neighbour during prefill. The judge of whether reuse keeps such notes right (bundled.reader, offline.layer_probe).
+DEEP_READER = "deep-reader"
+SIZES = (TINY, BENCH, READER, ORACLE, DEEP, DEEP_READER)
 # Committed weights for the oracle's recipe fine-tuned on panels moved off the token grid (bundled.reader.train
 # --moved): the judge of reusing moved content (bench/moved_quality.py). The recipe itself keeps the grid's oracle.
 MOVED_ORACLE = "qwen2_5_vl-oracle-moved"
@@ -195,6 +199,8 @@ _READER_TEXT = TextSpec(
 
 # The oracle: the reader's widths, twice its depth (a 3-layer warmup is a minority of 8 layers).
 _ORACLE_TEXT = dataclasses.replace(_READER_TEXT, num_layers=8)
+# The deep reader: the oracle's widths at 16 layers (grown from the oracle's 8: bundled.reader.train --grow-from).
+_DEEP_READER_TEXT = dataclasses.replace(_READER_TEXT, num_layers=16)
 _READER_VISION = VisionSpec(
     depth=4,
     hidden_size=96,
@@ -282,6 +288,15 @@ RECIPES: dict[tuple[str, str], ModelRecipe] = {
         max_image_tokens=64,
         trained="qwen2_5_vl-oracle",
         text=_ORACLE_TEXT,
+        vision=_READER_VISION,
+    ),
+    (QWEN2_5_VL, DEEP_READER): ModelRecipe(
+        arch=QWEN2_5_VL,
+        size=DEEP_READER,
+        dtype="float32",
+        max_image_tokens=64,
+        trained="qwen2_5_vl-deep-reader",
+        text=_DEEP_READER_TEXT,
         vision=_READER_VISION,
     ),
     (QWEN3_VL, TINY): ModelRecipe(

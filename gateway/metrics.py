@@ -92,7 +92,8 @@ class PlannerCollector(Collector):
         yield plans
         refused = CounterMetricFamily("revisit_plan_refusals", "Images planned as misses though something stored "
                                       "was near them, by why (planner.REFUSALS): not similar enough, too much "
-                                      "changed, predicted not to pay, the near-duplicates' entries gone.",
+                                      "changed, not paying with the noted tokens recomputed, predicted not to pay, "
+                                      "the near-duplicates' entries gone.",
                                       labels=["reason"])
         for reason, count in stats["refused"].items():
             refused.add_metric([reason], count)

@@ -66,7 +66,7 @@ from gateway.intake import IntakeResult
 from gateway.matching.align import reported
 from gateway.matching.matcher import Match, Matcher
 from gateway.matching.moved import MovedImages
-from gateway.matching.plans import approximate_plan, refused_for_notes
+from gateway.matching.plans import approximate_plan, without_notes
 from gateway.videos import FrameBook, FramesSeen, PatchBook, PatchesSeen, TemporalPatch
 from plan import APPROXIMATE, EXACT, FULL_PASS, MISS, ImagePlan, RequestPlan
 from plan.outcome import EVERY_IMAGE, PLANNED, PREFIX_CACHED, Outcome
@@ -83,8 +83,8 @@ _REMEMBERED = 65536  # holders of recent images
 KINDS = ("miss", "exact_same_prefix", "exact_moved", "approximate")  # what each image was planned as
 # Why an image that could have been reused was planned as a miss (Planned.refusals, the x-revisit-reuse header's
 # ``refused=``, /admin/stats ``refused``, revisit_plan_refusals): the nearest stored image of its namespace was not
-# similar enough; it was, but too much of it changed (the guard); the changed tokens were within the guard but with
-# the tokens that took notes of them (the downstream selector's, gateway/matching/plans.py) they were not; the plan
+# similar enough; it was, but too much of it changed (the guard); the plan would have paid but not with the tokens
+# that took notes of the changed ones recomputed too (the downstream selector's, gateway/matching/plans.py); the plan
 # was predicted not to beat plain SGLang (an exact hit or an approximate one); the near-duplicates found had lost
 # their entries.
 REFUSALS = ("similarity", "changed_share", "notes", "cost", "alias_gone")
@@ -387,10 +387,11 @@ class Planner:
         if alias is None and lookup.best_similarity is not None:
             refusal = Refusal("alias_gone" if lookup.matches else "similarity", lookup.best_similarity)
         elif alias is not None and plan is None:
-            notes = refused_for_notes(alias, grid, self.settings.match, selector)
-            refusal = Refusal("notes" if notes else "changed_share", alias.alignment.similarity)
+            refusal = Refusal("changed_share", alias.alignment.similarity)
         elif plan is not None and not self._pays(plan, costs, context):
-            refusal, plan = Refusal("cost", alias.alignment.similarity if alias is not None else 0.0), None
+            narrower = without_notes(plan, self.settings.match)
+            reason = "notes" if narrower is not None and self._pays(narrower, costs, context) else "cost"
+            refusal, plan = Refusal(reason, alias.alignment.similarity if alias is not None else 0.0), None
         if plan is None:
             self.matcher.add(image.key, namespace, image.features, lookup.query)
             return miss, refusal

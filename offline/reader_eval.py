@@ -45,8 +45,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bundled.reader.panels import KEYS, MAX_SIDE, Panel, changed, random_panel
-from bundled.reader.questions import FIELD, Question, field, random_question
+from bundled.reader.panels import KEYS, MAX_SIDE, Panel, changed, kind_of, random_panel, value_of_kind, with_values
+from bundled.reader.questions import (
+    FIELD,
+    LEFT,
+    RELATIONAL_KINDS,
+    Question,
+    anchors,
+    field,
+    neighbour_key,
+    random_question,
+    relational,
+)
 
 if TYPE_CHECKING:  # at run time, offline.reference is imported only in the functions that use it
     from offline.reference import EncoderOutput, ImageKV
@@ -63,14 +73,33 @@ class Pair:
     asked: Panel  # B: A with the fields in `changed` given other values
     changed: tuple[str, ...]
     unchanged: str  # one key whose value A and B share
+    # What B is asked (bundled.reader.questions): FIELD asks for the changed field and the unchanged one by key; a
+    # relational kind (LEFT, ABOVE) names the value of ``named[0]``, whose neighbour is the changed field, and of
+    # ``named[1]``, whose neighbour is the unchanged one (neither named field changed).
+    kind: str = FIELD
+    named: tuple[str, str] | None = None
 
-    def questions(self) -> tuple[tuple[str, str], tuple[str, str]]:
-        """(kind, key) for the two questions asked of B."""
-        return (CHANGED, self.changed[0]), (UNCHANGED, self.unchanged)
+    def questions(self) -> tuple[tuple[str, Question, str | None], tuple[str, Question, str | None]]:
+        """(CHANGED or UNCHANGED, the question asked of B, A's answer to it where it differs from B's) for the two
+        questions asked of B: about the changed field, and about an unchanged one."""
+        out = []
+        named = self.named or ("", "")
+        for which, key, value_of in ((CHANGED, self.changed[0], named[0]), (UNCHANGED, self.unchanged, named[1])):
+            question = field(self.asked, key) if self.kind == FIELD else relational(self.asked, self.kind, value_of)
+            stale = question.over((self.cached,)).answer if which == CHANGED else None
+            out.append((which, question, stale))
+        return out[0], out[1]
+
+    def question_of_cached(self) -> Question:
+        """B's question about the changed field, asked of A (whose answer is A's value)."""
+        return self.questions()[0][1].over((self.cached,))
 
 
 def make_pairs(count: int, *, seed: int = 0, changes: int = 1, max_fields: int = len(KEYS),
-               max_side: int = MAX_SIDE) -> list[Pair]:
+               max_side: int = MAX_SIDE, kind: str = FIELD) -> list[Pair]:
+    """``count`` pairs of B = A with ``changes`` fields given other values, asked questions of ``kind``."""
+    if kind != FIELD:
+        return relational_pairs(count, seed=seed, kind=kind, max_fields=max_fields, max_side=max_side)
     rng = random.Random(f"{PAIR_SEED}:{seed}:{changes}")
     pairs: list[Pair] = []
     while len(pairs) < count:
@@ -78,6 +107,35 @@ def make_pairs(count: int, *, seed: int = 0, changes: int = 1, max_fields: int =
         b, keys = changed(a, rng, changes)
         unchanged = rng.choice([key for key in a.keys if key not in keys])
         pairs.append(Pair(cached=a, asked=b, changed=tuple(keys), unchanged=unchanged))
+    return pairs
+
+
+def relational_pairs(count: int, *, seed: int = 0, kind: str = LEFT, max_fields: int = len(KEYS),
+                     max_side: int = MAX_SIDE) -> list[Pair]:
+    """Pairs for a relational question kind: B is A with one field changed, the neighbour (``kind``) of another
+    field; B is asked about that field (its answer is the changed field's value, and A's answer is A's value of it:
+    the notes a causal reader took of the neighbour went stale) and about a field whose neighbour did not change."""
+    rng = random.Random(f"{PAIR_SEED}:{seed}:{kind}")
+    pairs: list[Pair] = []
+    while len(pairs) < count:
+        a = random_panel(rng, min_fields=4, max_fields=max_fields, max_side=max_side)
+        options = anchors(a, kind)
+        if len(options) < 2:
+            continue
+        named = rng.choice(options)
+        target = neighbour_key(a, kind, named)
+        others = [key for key in options if key != named and key != target
+                  and neighbour_key(a, kind, key) not in (target, named)]
+        if target is None or not others:
+            continue
+        other = rng.choice(others)
+        old = a.value(target)
+        new = old
+        while new == old:
+            new = value_of_kind(rng, kind_of(old))
+        b = with_values(a, {target: new})
+        pairs.append(Pair(cached=a, asked=b, changed=(target,), unchanged=neighbour_key(a, kind, other) or other,
+                          kind=kind, named=(named, other)))
     return pairs
 
 
@@ -219,8 +277,8 @@ def evaluate_reference(model, pairs: Sequence[Pair], plans: dict[str, ReferenceP
         entry = cached_entry(model, pair)
         image = pair.asked.render()
         b_encoder = None
-        for kind, key in pair.questions():
-            prompt = model.prompt([image, field(pair.asked, key).text])
+        for kind, question, stale in pair.questions():
+            prompt = model.prompt([image, question.text])
             if b_encoder is None:
                 b_encoder = model.encode(prompt)[0]
             case = Case(pair=pair, cached=entry, encoder=b_encoder, tokens=len(prompt.images[0]),
@@ -228,8 +286,7 @@ def evaluate_reference(model, pairs: Sequence[Pair], plans: dict[str, ReferenceP
             for name, make_plan in plans.items():
                 result = prefill(model, prompt, [make_plan(case)])
                 answer = names.get(int(result.logits.argmax()), "?")
-                stale = pair.cached.value(key) if kind == CHANGED else None
-                report.tallies[name][kind].add(answer, pair.asked.value(key), stale)
+                report.tallies[name][kind].add(answer, question.answer, stale)
         if progress:
             progress(done, len(pairs))
     report.seconds = time.perf_counter() - started
@@ -292,17 +349,16 @@ async def evaluate_gateway(client, model: str, pairs: Sequence[Pair], *, pause_s
     report = Report(mode="gateway")
     started = time.perf_counter()
     for done, pair in enumerate(pairs, 1):
-        key = pair.changed[0]
-        answer, reuse = await ask(client, model, field(pair.cached, key))
-        report.tallies[f"A: {reuse}"][CHANGED].add(answer, pair.cached.value(key))
+        of_a = pair.question_of_cached()
+        answer, reuse = await ask(client, model, of_a)
+        report.tallies[f"A: {reuse}"][CHANGED].add(answer, of_a.answer)
         questions = pair.questions() if done % 2 else pair.questions()[::-1]
         answers = []  # (answer, reuse) of B's questions in turn: first, second, first again
-        for turn, (kind, key) in enumerate((*questions, questions[0])):
+        for turn, (kind, question, stale) in enumerate((*questions, questions[0])):
             await (settle() if settle is not None else asyncio.sleep(pause_s))
-            answer, reuse = await ask(client, model, field(pair.asked, key))
-            right = pair.asked.value(key)
-            report.tallies[f"{'B again' if turn == 2 else 'B'}: {reuse}"][kind].add(
-                answer, right, pair.cached.value(key) if kind == CHANGED else None)
+            answer, reuse = await ask(client, model, question)
+            right = question.answer
+            report.tallies[f"{'B again' if turn == 2 else 'B'}: {reuse}"][kind].add(answer, right, stale)
             answers.append((answer, reuse))
         (first, first_reuse), _, (again, _) = answers
         if first_reuse == "approximate":
@@ -336,8 +392,15 @@ def _progress(label: str) -> Callable[[int, int], None]:
     return show
 
 
+def pair_kinds(size: str) -> tuple[str, ...]:
+    """The kinds of pairs a reader is asked by default: FIELD, and the relational kinds it was trained on."""
+    from bundled.reader.train import TASKS
+
+    return (FIELD, *(kind for kind in TASKS[size].kinds if kind in RELATIONAL_KINDS))
+
+
 def main(argv: list[str] | None = None) -> int:
-    from bundled.recipes import ORACLE, READER
+    from bundled.recipes import DEEP_READER, ORACLE, READER
 
     parser = argparse.ArgumentParser(description="A reader's accuracy, under reference plans, and from which layers "
                                                  "it reads.")
@@ -352,9 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     for command in (ref, layers):
         command.add_argument("--model", default=None, help="model directory (default: the bundled --size)")
     for command in (ref, gate, layers):
-        command.add_argument("--size", choices=(READER, ORACLE), default=ORACLE,
+        command.add_argument("--size", choices=(READER, ORACLE, DEEP_READER), default=ORACLE,
                              help="which reader: the bundled model (reference, probe) and the question kinds asked")
-        command.add_argument("--pairs", type=int, default=500)
+        command.add_argument("--pairs", type=int, default=500, help="pairs per kind of pair")
+        command.add_argument("--max-fields", type=int, default=len(KEYS),
+                             help="fields a pair's panel has at most (default: every panel the readers are asked)")
+        command.add_argument("--pair-kinds", nargs="+", choices=(FIELD, *RELATIONAL_KINDS), default=None,
+                             help="what B is asked: its changed and an unchanged field by key (field), or by the "
+                                  "value next to them (left, above); default: every kind the reader was trained on")
         command.add_argument("--seed", type=int, default=0)
         command.add_argument("--json", default=None, help="also write the results here")
     for command in (ref, gate):
@@ -366,37 +434,47 @@ def main(argv: list[str] | None = None) -> int:
         return _probe(args)
     from bundled.reader.train import TASKS
 
-    pairs = make_pairs(args.pairs, seed=args.seed, changes=args.changes)
+    kinds = args.pair_kinds or pair_kinds(args.size)
+    if args.changes != 1 and kinds != [FIELD]:
+        parser.error("--changes applies to field pairs only (relational pairs change one field)")
+    pairs = {kind: make_pairs(args.pairs, seed=args.seed, changes=args.changes, kind=kind, max_fields=args.max_fields)
+             for kind in kinds}
     questions = fresh_questions(args.questions, seed=args.seed, kinds=TASKS[args.size].kinds)
     accuracy: dict[str, float] | None
+    reports: dict[str, Report] = {}
     if args.mode == "reference":
         from offline.reference import ReferenceModel
 
         model = ReferenceModel.load(args.model or _bundled(args.size))
         accuracy = reference_accuracy(model, questions, _progress("questions")) if questions else None
-        report = evaluate_reference(model, pairs, progress=_progress("pairs"))
+        for kind, chosen in pairs.items():
+            reports[kind] = evaluate_reference(model, chosen, progress=_progress(f"{kind} pairs"))
     else:
         from openai import AsyncOpenAI
 
-        async def run() -> tuple[dict[str, float] | None, Report]:
+        async def run() -> dict[str, float] | None:
             client = AsyncOpenAI(base_url=args.url, api_key=args.api_key, max_retries=0, timeout=600)
             acc = await gateway_accuracy(client, args.model, questions, _progress("questions")) if questions else None
-            return acc, await evaluate_gateway(client, args.model, pairs, pause_s=args.pause,
-                                               progress=_progress("pairs"))
+            for kind, chosen in pairs.items():
+                reports[kind] = await evaluate_gateway(client, args.model, chosen, pause_s=args.pause,
+                                                       progress=_progress(f"{kind} pairs"))
+            return acc
 
-        accuracy, report = asyncio.run(run())
+        accuracy = asyncio.run(run())
     for kind, rate in (accuracy or {}).items():
         print(f"full-prefill accuracy, {args.questions} fresh {kind} questions: {100 * rate:.1f}%")
-    print(f"{len(pairs)} pairs, {args.changes} field(s) changed, {report.seconds:.0f} s")
-    print(report.table())
-    if report.repeats:
-        repeats = report.repeat_summary()
-        print(f"approximate hits asked again: {repeats['asked']}; right the first time {repeats['approximate_right']}, "
-              f"again {repeats['repeat_right']}, right then wrong again {repeats['repeat_worse']}")
+    for kind, report in reports.items():
+        print(f"\n{len(pairs[kind])} {kind} pairs, {args.changes} field(s) changed, {report.seconds:.0f} s")
+        print(report.table())
+        if report.repeats:
+            repeats = report.repeat_summary()
+            print(f"approximate hits asked again: {repeats['asked']}; right the first time "
+                  f"{repeats['approximate_right']}, again {repeats['repeat_right']}, right then wrong again "
+                  f"{repeats['repeat_worse']}")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"accuracy": accuracy, "questions_per_kind": args.questions, **report.as_dict()}, handle,
-                      indent=2)
+            json.dump({"accuracy": accuracy, "questions_per_kind": args.questions,
+                       "pairs": {kind: report.as_dict() for kind, report in reports.items()}}, handle, indent=2)
     return 0
 
 
@@ -411,13 +489,20 @@ def _probe(args) -> int:
     from offline.reference import ReferenceModel
 
     model = ReferenceModel.load(args.model or _bundled(args.size))
-    report = probe(model, make_pairs(args.pairs, seed=args.seed), progress=_progress("pairs"))
-    print(f"{report.pairs} pairs differing in one field, {model.num_layers} layers, {report.seconds:.0f} s: "
-          f"B asked about its changed field, layers >= l planned as below")
-    print(report.table())
+    reports = {}
+    for kind in args.pair_kinds or pair_kinds(args.size):
+        chosen = make_pairs(args.pairs, seed=args.seed, kind=kind, max_fields=args.max_fields)
+        report = probe(model, chosen, progress=_progress(f"{kind} pairs"))
+        print(f"\n{report.pairs} {kind} pairs of at most {args.max_fields} fields differing in one field, "
+              f"{model.num_layers} layers, {report.seconds:.0f} s: B asked about its changed field, layers >= l "
+              "planned as below")
+        print(report.table())
+        print(f"notes test: {100 * report.stale_somewhere(3):.1f}% of pairs answered A's value with the changed tokens "
+              f"recomputed at some l >= 3")
+        reports[kind] = report
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(report.as_dict(), handle, indent=2)
+            json.dump({kind: report.as_dict() for kind, report in reports.items()}, handle, indent=2)
     return 0
 
 

@@ -55,6 +55,7 @@ class Batcher:
             labels[rows, lengths - 1] = self.im_end
             inputs["labels"] = labels
         inputs["token_keys"], inputs["token_values"] = token_targets(shown)
+        inputs["token_left"], inputs["token_above"] = neighbour_targets(shown)
         return inputs
 
 
@@ -83,6 +84,25 @@ def token_targets(shown: list[tuple[Panel, Placement]]) -> tuple[torch.Tensor, t
             keys.append(KEY_CLASSES.index(key_at.get(token, EMPTY)))
             values.append(VALUE_CLASSES.index(value_at.get(token, EMPTY)))
     return torch.tensor(keys), torch.tensor(values)
+
+
+def neighbour_targets(shown: list[tuple[Panel, Placement]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each image token of ``shown`` is taught to have noted (the deep reader's notes loss): the value of the
+    field covering the cell to its left, and the one above (VALUE_CLASSES; EMPTY where none). Panels as drawn only:
+    moved, a token's neighbours are not fields' cells, and every class is EMPTY."""
+    left, above = [], []
+    for panel, placement in shown:
+        grid_rows, grid_cols = placement.grid(panel)
+        value_at = {}
+        if placement == Placement():
+            for key in panel.keys:
+                for cell in panel.cells_of(key):
+                    value_at[cell] = panel.value(key)
+        for token in range(grid_rows * grid_cols):
+            row, col = divmod(token, grid_cols)
+            left.append(VALUE_CLASSES.index(value_at.get((row, col - 1), EMPTY)))
+            above.append(VALUE_CLASSES.index(value_at.get((row - 1, col), EMPTY)))
+    return torch.tensor(left), torch.tensor(above)
 
 
 KEY_CLASSES = (EMPTY, *KEYS)

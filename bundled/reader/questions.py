@@ -3,6 +3,16 @@
     field       "K?"    one panel; the value of field K: "7", "q", "red", "cat"
     equal       "K=L?"  one panel; whether fields K and L (of one kind) hold the same value: "y" or "n"
     two_images  "K1?"   two panels that both have a field K; its value in the first ("K1?") or the second ("K2?")
+    left        "K<?"   one panel; the value of the field just left of field K: "the amount next to the label Total",
+                        where the amount comes first
+    above       "K^?"   one panel; the value of the field just above field K: "the value over the label K"
+
+``left`` and ``above`` are relational: the question names neither the field it is answered from nor its key, only
+the field next to it, and the answer is whatever that neighbour holds. In reading order the answer's field comes
+before the field the question names, so a causal decoder answers them from what the named field's token noted about
+its neighbour during prefill (its "notes"): the kind of question on which reusing an unchanged token's K/V goes stale
+when its neighbour changed (offline.layer_probe's notes test). (Naming the field by a value it alone holds, "x<?",
+was tried first: after 1,500 steps the reader answered a random field's value 50-56% of the time, and right 22-27%.)
 
 Every character of a question is one token in the bundled tokenizer (tested), so a question's token positions are
 known: ``hops`` names the question tokens that can name a value on their own (K in "K?", K and L in "K=L?", the
@@ -33,6 +43,11 @@ from bundled.reader.panels import (
 
 FIELD, EQUAL, TWO_IMAGES = "field", "equal", "two_images"
 QUESTION_KINDS = (FIELD, EQUAL, TWO_IMAGES)
+LEFT, ABOVE = "left", "above"
+RELATIONAL_KINDS = (LEFT, ABOVE)
+# The neighbour a relational question's answer comes from: (rows, cols) from the cell of the value it names.
+NEIGHBOUR = {LEFT: (0, -1), ABOVE: (-1, 0)}
+RELATION_MARK = {LEFT: "<", ABOVE: "^"}
 YES, NO = "y", "n"  # one token each (they are letter values too; the question says which is meant)
 
 
@@ -65,7 +80,35 @@ def ask(kind: str, panels: tuple[Panel, ...], text: str) -> Question:
     if kind == TWO_IMAGES:
         value = panels[int(text[1]) - 1].value(text[0])
         return Question(kind, panels, text, value, ((1, value),))
+    if kind in RELATIONAL_KINDS:
+        target = neighbour_key(panels[0], kind, text[0])
+        if target is None:
+            raise ValueError(f"{text!r}: field {text[0]} has no field {kind} it")
+        value = panels[0].value(target)
+        return Question(kind, panels, text, value, ((1, value),))
     raise ValueError(f"unknown question kind {kind!r}; expected one of {QUESTION_KINDS}")
+
+
+def neighbour_key(panel: Panel, kind: str, key: str) -> str | None:
+    """The key of the field covering the cell next to ``key``'s field in the direction of relational ``kind``
+    (a word's second cell counts as its field), or None."""
+    row, col = panel.cell_of(key)
+    drow, dcol = NEIGHBOUR[kind]
+    cell = (row + drow, col + dcol)
+    for key_, cells in ((k, panel.cells_of(k)) for k in panel.keys):
+        if cell in cells:
+            return key_
+    return None
+
+
+def anchors(panel: Panel, kind: str) -> list[str]:
+    """Keys of the fields a relational question of ``kind`` can name: those with a neighbour that way."""
+    return [key for key in panel.keys if neighbour_key(panel, kind, key) is not None]
+
+
+def relational(panel: Panel, kind: str, key: str) -> Question:
+    """The relational question of ``kind`` naming field ``key``."""
+    return ask(kind, (panel,), f"{key}{RELATION_MARK[kind]}?")
 
 
 def field(panel: Panel, key: str) -> Question:
@@ -109,6 +152,12 @@ def random_question(rng: random.Random, kind: str, *, max_fields: int = len(KEYS
         key = rng.choice(first.keys)
         second = with_key(random_panel(rng, max_fields=max_fields, max_side=max_side), key, rng)
         return two_images(first, second, key, rng.choice((1, 2)))
+    if kind in RELATIONAL_KINDS:
+        while True:
+            panel = random_panel(rng, min_fields=2, max_fields=max(2, max_fields), max_side=max_side)
+            options = anchors(panel, kind)
+            if options:
+                return relational(panel, kind, rng.choice(options))
     raise ValueError(f"unknown question kind {kind!r}; expected one of {QUESTION_KINDS}")
 
 

@@ -54,8 +54,15 @@ from bundled.build import build_recipe
 from bundled.reader import artifacts, swap
 from bundled.reader.batches import Batcher, single_token, token_targets
 from bundled.reader.panels import CELL, KEYS, MAX_SIDE, VALUES, Placement, random_panel
-from bundled.reader.questions import FIELD, QUESTION_KINDS, Question, random_question, sibling
-from bundled.recipes import ORACLE, QWEN2_5_VL, READER, get_recipe
+from bundled.reader.questions import (
+    FIELD,
+    QUESTION_KINDS,
+    RELATIONAL_KINDS,
+    Question,
+    random_question,
+    sibling,
+)
+from bundled.recipes import DEEP_READER, ORACLE, QWEN2_5_VL, READER, get_recipe
 from bundled.weights import checkpoint_name
 
 DEFAULT_SEED = 20261129
@@ -76,12 +83,27 @@ class Task:
     # swap_layers (bundled.reader.swap's withhold), then the whole image as usual. 0: swap instead.
     withhold_until: int = 0
     moved: float = 0.0  # the share of questions over moved panels (random_placement; --moved)
+    weights: tuple[float, ...] = ()  # how often each kind is drawn (default: uniformly)
+    # Notes: each image token's hidden state at the input of this decoder layer is taught to name the values of its
+    # neighbours to the left and above (an auxiliary loss, bundled.reader.batches.neighbour_targets); 0: never.
+    notes_layer: int = 0
+
+    def kind(self, rng: random.Random) -> str:
+        if not self.weights:
+            return rng.choice(self.kinds)
+        return rng.choices(self.kinds, weights=self.weights)[0]
 
 
 TASKS = {
     READER: Task(kinds=(FIELD,)),
     # Reading below layer 3 is useless in training: a warmup of 3 of its 8 layers over stale KV gives stale answers.
     ORACLE: Task(kinds=QUESTION_KINDS, swap_layers=3),
+    # The oracle's questions and the relational ones, drawn three times as often (they are new to the layers it grows
+    # from the oracle); the same swap below layer 3.
+    # Notes at the input of layer 3: below it the question sees a sibling's image, so the relational answers have to
+    # come from what the named field's token holds from layer 3 up, which is what it noted of its neighbours.
+    DEEP_READER: Task(kinds=QUESTION_KINDS + RELATIONAL_KINDS, swap_layers=3, weights=(1, 1, 1, 3, 3),
+                      notes_layer=3),
 }
 
 
@@ -119,7 +141,7 @@ def draw(rng: random.Random, task: Task, count: int, max_fields: int,
     questions, placements = [], []
     for _ in range(count // 2):
         placement = random_placement(rng, reach) if task.moved and rng.random() < task.moved else Placement()
-        questions.append(random_question(rng, rng.choice(task.kinds), max_fields=max_fields,
+        questions.append(random_question(rng, task.kind(rng), max_fields=max_fields,
                                          max_side=max_side(placement)))
         placements.append(placement)
     return questions + [sibling(q, rng) for q in questions], placements + placements
@@ -158,7 +180,9 @@ class Trainer:
         self.key_ids = torch.tensor([single_token(tokenizer, key) for key in KEYS])
         self.value_ids = torch.tensor([self.batcher.value_ids[value] for value in VALUES])
         self.no_field = torch.nn.Parameter(torch.zeros(2, hidden))
-        params = [*model.parameters(), self.no_field]
+        # Training-only: the maps from a token's hidden state to what it noted of its left and upper neighbours.
+        self.notes = torch.nn.Linear(hidden, 2 * hidden, bias=False) if task.notes_layer else None
+        params = [*model.parameters(), self.no_field, *(self.notes.parameters() if self.notes else ())]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
         self.seed, self.batch, self.lr, self.steps = seed, batch, lr, steps
         self.vision_steps, self.vision_lr = vision_steps, vision_lr
@@ -201,8 +225,12 @@ class Trainer:
         with swap.swapping(self._swap(inputs["input_ids"])):
             out = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                              pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
-                             labels=inputs["labels"])
+                             labels=inputs["labels"], output_hidden_states=bool(self.notes))
         aux = self.reading_loss(self._vision_out[-1], inputs["token_keys"], inputs["token_values"])[0]
+        if self.notes is not None:
+            image = inputs["input_ids"] == self.model.config.image_token_id
+            aux = aux + self.notes_loss(out.hidden_states[self.task.notes_layer][image], inputs["token_left"],
+                                        inputs["token_above"])
         # The question's key token itself (and each token that can name a value: bundled.reader.questions) is
         # taught to name the value: one content-matching hop, with its own signal; the answer position then only
         # has to look a fixed distance back.
@@ -246,6 +274,15 @@ class Trainer:
             read = right[shown].float().mean().item() if shown.any() else 1.0
         return loss, read
 
+    def notes_loss(self, hidden: torch.Tensor, left: torch.Tensor, above: torch.Tensor) -> torch.Tensor:
+        """The notes' auxiliary loss: each image token's hidden state (a row each), mapped by ``notes``, classified
+        as the value of its left and of its upper neighbour (VALUE_CLASSES, EMPTY where no field is there)."""
+        assert self.notes is not None
+        value_table = torch.cat([self.no_field[1:], self.model.get_input_embeddings().weight[self.value_ids]])
+        hidden = F.rms_norm(hidden, hidden.shape[-1:])  # the residual stream's scale grows with depth
+        to_left, to_above = self.notes(hidden).chunk(2, dim=-1)
+        return F.cross_entropy(to_left @ value_table.T, left) + F.cross_entropy(to_above @ value_table.T, above)
+
     def vision_step(self) -> dict:
         """A step of the vision phase: the tower alone, on its auxiliary loss, over panels moved by any offset
         (VISION_MOVED of them; the rest as drawn). ``accuracy`` is the share of field tokens read right."""
@@ -283,6 +320,7 @@ class Trainer:
 
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "no_field": self.no_field.detach().clone(),
+                **({"notes": self.notes.state_dict()} if self.notes is not None else {}),
                 "optimizer": self.optimizer.state_dict(),
                 "step": self.step, "level": self.level, "running": self.running, "elapsed": self.elapsed,
                 "reach": self.reach, "running_moved": self.running_moved}
@@ -291,6 +329,8 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         with torch.no_grad():
             self.no_field.copy_(state["no_field"])
+        if self.notes is not None:
+            self.notes.load_state_dict(state["notes"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.level, self.running = state["step"], state["level"], state["running"]
         self.reach, self.running_moved = state.get("reach", REACH_STEP), state.get("running_moved", 0.0)
@@ -346,6 +386,33 @@ def warm_start(model, arch: str, trained: str) -> int:
                 param.copy_(weights[stored])
                 copied += 1
     return copied
+
+
+def grow_start(model, arch: str, trained: str) -> tuple[int, int]:
+    """Start a deeper model from committed weights of the same widths: every tensor of ``trained`` is copied to the
+    parameter of the same name (its decoder layers to the first layers), and each decoder layer it lacks starts with
+    its attention's and MLP's output projections at zero, so that the layer adds nothing to the residual stream and
+    the grown model computes what the trained one did. Returns (tensors copied, layers added)."""
+    weights = artifacts.load_trained(trained, torch.float32)
+    params = dict(model.named_parameters())
+    names = {checkpoint_name(arch, name): name for name in params}
+    missing = [stored for stored in weights if stored not in names]
+    if missing:
+        raise ValueError(f"{trained} has {len(missing)} tensors the model lacks, e.g. {missing[0]}")
+    with torch.no_grad():
+        for stored, tensor in weights.items():
+            param = params[names[stored]]
+            if tensor.shape != param.shape:
+                raise ValueError(f"{trained}: {stored} is {tuple(tensor.shape)}, the model's {tuple(param.shape)}")
+            param.copy_(tensor)
+        added = 0
+        for index, layer in enumerate(model.model.language_model.layers):
+            if checkpoint_name(arch, f"model.language_model.layers.{index}.self_attn.o_proj.weight") in weights:
+                continue
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            added += 1
+    return len(weights), added
 
 
 def held_out_record(model, batcher: Batcher, questions: list[Question],
@@ -410,6 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fine-tune", default=None, metavar="TRAINED",
                         help="start every weight from committed weights (e.g. qwen2_5_vl-oracle); the curriculum "
                              "starts at full difficulty")
+    parser.add_argument("--grow-from", default=None, metavar="TRAINED",
+                        help="start every weight from committed weights of a shallower model of the same widths (e.g. "
+                             "qwen2_5_vl-oracle for the deep reader); the layers it lacks start as no-ops")
+    parser.add_argument("--from-checkpoint", type=Path, default=None, metavar="CHECKPOINT",
+                        help="start every weight of the model from an earlier run's checkpoint.pt (its optimizer and "
+                             "schedule are not taken): a second stage of a run, e.g. at another --start-level")
+    parser.add_argument("--start-level", type=int, default=None, metavar="FIELDS",
+                        help="start the field curriculum at this many fields a panel (default 2; 26 with --fine-tune)")
     parser.add_argument("--withhold-until", type=int, default=0, metavar="STEP",
                         help="oracle, for measurement: instead of the sibling swap, hide the image from the "
                              "question below the swap layer until STEP, then show it")
@@ -448,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
               f"tensors")
     if args.fine_tune:
         print(f"every weight from {args.fine_tune}: {fine_tune_start(model, recipe.arch, args.fine_tune)} tensors")
+    if args.grow_from:
+        copied, added = grow_start(model, recipe.arch, args.grow_from)
+        print(f"grown from {args.grow_from}: {copied} tensors copied, {added} decoder layers added as no-ops")
+    earlier = torch.load(args.from_checkpoint, weights_only=False) if args.from_checkpoint else None
+    if earlier is not None:
+        model.load_state_dict(earlier["model"])
+        print(f"every weight from {args.from_checkpoint} (step {earlier['step']}, level {earlier['level']})")
     try:
         trainer = Trainer(model, processor, task=task, seed=args.seed, batch=args.batch, lr=args.lr,
                           steps=args.steps, vision_steps=args.vision_steps, vision_lr=args.vision_lr)
@@ -455,6 +537,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.fine_tune:
         trainer.level = len(KEYS)
+    if args.start_level is not None:
+        trainer.level = max(2, min(len(KEYS), args.start_level))
+    if earlier is not None:  # the training-only heads too, so the auxiliary losses go on where they were
+        with torch.no_grad():
+            trainer.no_field.copy_(earlier["no_field"])
+        if trainer.notes is not None and "notes" in earlier:
+            trainer.notes.load_state_dict(earlier["notes"])
     args.work.mkdir(parents=True, exist_ok=True)
     checkpoint, log_path = args.work / "checkpoint.pt", args.work / artifacts.LOG
     if checkpoint.is_file():

@@ -10,8 +10,8 @@ from typing import Any
 
 from gateway.config.errors import ConfigError
 from plan import (
-    ATTENTION_ONLY,
     DEFAULT_RECOMPUTE_RATIO,
+    DOWNSTREAM,
     PARTIAL_PASS,
     PROFILE_FILE,
     SELECTORS,
@@ -79,10 +79,13 @@ class MatchSettings:
     # on the moved panels the right move scored 0.29 and more; a move tried wrongly costs a decode and an extraction,
     # not a wrong plan (the realigned tokens must still match).
     min_motion_confidence: float = 0.15
-    # The default selector, measured (bench/approximate_quality.py, the oracle reader): entropy_aware drops the
-    # tokens outside R and B, and answered 75% of unchanged-field questions right where attention_only (nothing
-    # dropped) and a full prefill answered 100%; both answered every changed-field question right.
-    selector: str = ATTENTION_ONLY
+    # The default selector, measured (bench/approximate_quality.py): on the oracle, entropy_aware drops the tokens
+    # outside R and B, and answered 75% of unchanged-field questions right where attention_only (nothing dropped)
+    # and a full prefill answered 100%. On the deep reader's relational questions (the field next to a changed one,
+    # whose token took notes of its old value; docs/notes/2026-12-07-deep-reader.md) attention_only at W 3 answered
+    # 20-28 points below a full prefill, reading stale notes; downstream, which recomputes the tokens right after and
+    # right below each changed one first (and refuses a plan that cannot: refused=notes), held.
+    selector: str = DOWNSTREAM
     allow_selector_header: bool = False
     vision_pass: str = PARTIAL_PASS
     # Approximate hits leave a derived entry (the K/V the hit computed, marked with its alias), so the image's next

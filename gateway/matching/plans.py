@@ -16,11 +16,14 @@ instead: recomputing that much costs about what a miss does.
 
 For downstream the share is widened to hold the changed tokens and their noted ones too (plan.budget.noted_tokens:
 the unchanged tokens right after and right below a changed one, which in a causal decoder took notes of its old
-value), and the guard holds the two together to ``max_changed_share``: a plan that cannot recompute them is refused
-(planner refusal ``notes``) rather than sent to answer from stale notes.
+value): a plan never answers from stale notes to save time. Whether the wider plan still pays is the cost model's
+to say; where it is what the notes added that makes it not pay, the planner's refusal says ``notes``
+(``without_notes``).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -58,10 +61,7 @@ def approximate_plan(match: Match, new_entropy: np.ndarray, *, key: str, grid: t
     else:
         share = min(1.0, max(settings.recompute_share, changed_share))
     if selector == DOWNSTREAM:
-        needed = notes_share(alignment.change_map, grid)
-        if needed > settings.max_changed_share:
-            return None
-        share = max(share, needed)
+        share = min(1.0, max(share, notes_share(alignment.change_map, grid)))
     if layers is not None:
         warmup = min(warmup, max(0, layers - 1))
     # Content moved by part of a token: the alias' encoder output is of the content where it was, so the vision pass
@@ -80,10 +80,14 @@ def notes_share(change_map: str, grid: tuple[int, int]) -> float:
     return (change_map.count("x") + len(noted_tokens(change_map, grid))) / tokens if tokens else 0.0
 
 
-def refused_for_notes(match: Match, grid: tuple[int, int], settings: MatchSettings, selector: str) -> bool:
-    """Whether approximate_plan refused ``match`` for its notes (the changed tokens alone within the guard)."""
-    return selector == DOWNSTREAM and within_guard(match.alignment, settings) and \
-        notes_share(match.alignment.change_map, grid) > settings.max_changed_share
+def without_notes(plan: ImagePlan, settings: MatchSettings) -> ImagePlan | None:
+    """A downstream plan with its share as it would be without the noted tokens (the settings' share, or the changed
+    share if larger), or None where the notes widened nothing: what the planner prices to tell a refusal for the
+    notes' cost from one for the plan's own."""
+    if plan.selector != DOWNSTREAM:
+        return None
+    share = round(min(1.0, max(settings.recompute_share, plan.change_map.count("x") / plan.tokens)), 4)
+    return replace(plan, recompute_share=share) if share < plan.recompute_share else None
 
 
 def plan_against(features: TokenFeatures, alias_features: TokenFeatures, *, alias: str, key: str,

@@ -19,6 +19,7 @@ from bundled.reader.train import TASKS, accuracy, accuracy_by_kind, draw, fine_t
 from bundled.recipes import MOVED_ORACLE, get_recipe
 from offline.layer_probe import CHANGED_DROPPED, CHANGED_RECOMPUTED, STALE_ABOVE, probe
 from offline.reader_eval import fresh_questions, make_pairs
+from tests.bundled.readers_lib import trained_reference, untrained_reader
 
 # Field questions over panels 1 to 4 px off the grid (64, seed "moved-panels"), measured: the grid's oracle 14%
 # right, the moved one 98% (the first moved oracle, trained by the curriculum alone: 84%). Scrolled 7 to 21 px off
@@ -29,12 +30,8 @@ FAR_BY_GRID_ORACLE, FAR_BY_MOVED_ORACLE = 0.1, 0.85
 
 @pytest.fixture(scope="module")
 def untrained():
-    """The oracle's recipe with its deterministic random weights (what training starts from)."""
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
-
-    path = build_recipe(dataclasses.replace(get_recipe(QWEN2_5_VL, ORACLE), trained=""))
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    return model, AutoProcessor.from_pretrained(path)
+    """The recipe with its deterministic random weights (what training starts from)."""
+    return untrained_reader(ORACLE)
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +40,8 @@ def oracle_path():
 
 
 @pytest.fixture(scope="module")
-def oracle_reference(oracle_path):
-    from offline.reference import ReferenceModel
-
-    return ReferenceModel.load(oracle_path)
+def oracle_reference():
+    return trained_reference(ORACLE)
 
 
 def test_questions_are_one_token_a_character_and_siblings_keep_the_layout(untrained) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bundled import ORACLE, QWEN2_5_VL, READER, build_model
+from bundled import DEEP_READER, ORACLE, QWEN2_5_VL, READER, build_model
 from bundled.errors import BuildError
 from bundled.reader import artifacts
 from bundled.reader.batches import Batcher
@@ -63,7 +63,7 @@ def test_every_question_key_and_answer_is_one_token(reader_path) -> None:
         assert tokenizer.tokenize(f"{key}?") == [key, "?"]
 
 
-@pytest.mark.parametrize("size", [READER, ORACLE])
+@pytest.mark.parametrize("size", [READER, ORACLE, DEEP_READER])
 def test_the_build_uses_the_committed_weights_after_checking_them(size, tmp_path, monkeypatch) -> None:
     trained = f"qwen2_5_vl-{size}"
     reader_path = build_model(QWEN2_5_VL, size)

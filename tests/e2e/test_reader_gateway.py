@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,21 +31,22 @@ pytestmark = pytest.mark.sglang
 ORACLE_ID = "revisit-oracle"
 
 
-@pytest.fixture(scope="module")
-def reader_gateway(tmp_path_factory):
-    """One reader worker and a gateway over a store of their own (LMDB opens once per process: not the session's)."""
+@contextmanager
+def served_reader(size: str, model_id: str, tmp_path_factory) -> Iterator:
+    """One reader worker and a gateway over a store of their own (LMDB opens once per process: not the session's),
+    with the gateway's default reuse settings."""
     from launcher import WorkerSpec, start_worker
 
-    path = build_model(QWEN2_5_VL, ORACLE)
+    path = build_model(QWEN2_5_VL, size)
     dram = Path(tempfile.mkdtemp(prefix="revisit-reader-store-", dir="/dev/shm"))
     env = {"REVISIT_STORE_DRAM_DIR": str(dram), "REVISIT_STORE_LMDB_DIR": str(tmp_path_factory.mktemp("reader-lmdb"))}
     logs = tmp_path_factory.mktemp("reader-worker")
-    worker = start_worker(WorkerSpec(model_path=path, port=free_port(), served_model_name=ORACLE_ID,
+    worker = start_worker(WorkerSpec(model_path=path, port=free_port(), served_model_name=model_id,
                                      log_file=logs / "worker.log", env=env))
     server = None
     try:
         worker.wait_ready(WORKER_READY_TIMEOUT_S)
-        config = GatewayConfig(model=ORACLE_ID, workers=(worker.url,), processor=ProcessorSettings.from_model_dir(path),
+        config = GatewayConfig(model=model_id, workers=(worker.url,), processor=ProcessorSettings.from_model_dir(path),
                                reuse=ReuseSettings.for_model(path, store=StoreConfig.from_env(env)),
                                health_interval_s=0.5, tenants=TenantSettings.open())
         server = run_gateway(config)
@@ -55,6 +58,27 @@ def reader_gateway(tmp_path_factory):
         remove_store_memory(StoreConfig(dram_dir=dram))
 
 
+def stored_every_miss(workers, before: Counter):
+    """An awaitable maker: until the worker has stored the entry of every miss and approximate hit it ran since
+    ``before`` (bounded)."""
+    async def settle() -> None:
+        for _ in range(300):
+            events = await asyncio.to_thread(worker_events, workers) - before
+            if events["miss"] <= events["stored"] and \
+                    events["approximate_executed"] <= events["derived_stored"] + events["derive_skipped"]:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError("the worker did not store its misses' and approximate hits' entries")
+
+    return settle
+
+
+@pytest.fixture(scope="module")
+def reader_gateway(tmp_path_factory):
+    with served_reader(ORACLE, ORACLE_ID, tmp_path_factory) as server:
+        yield server
+
+
 def test_the_served_oracle_reads_and_reuse_keeps_its_answers(reader_gateway) -> None:
     import openai
 
@@ -63,19 +87,9 @@ def test_the_served_oracle_reads_and_reuse_keeps_its_answers(reader_gateway) -> 
                                     timeout=300)
         accuracy = await gateway_accuracy(client, ORACLE_ID, fresh_questions(60, seed=21))
         before = worker_events(workers)
-
-        async def stored_every_miss() -> None:
-            """Until the worker has stored the entry of every miss and approximate hit it ran (bounded)."""
-            for _ in range(300):
-                events = await asyncio.to_thread(worker_events, workers) - before
-                if events["miss"] <= events["stored"] and \
-                        events["approximate_executed"] <= events["derived_stored"] + events["derive_skipped"]:
-                    return
-                await asyncio.sleep(0.1)
-            raise AssertionError("the worker did not store its misses' and approximate hits' entries")
-
-        report = await evaluate_gateway(client, ORACLE_ID, make_pairs(12, seed=21), settle=stored_every_miss)
-        await stored_every_miss()
+        settle = stored_every_miss(workers, before)
+        report = await evaluate_gateway(client, ORACLE_ID, make_pairs(12, seed=21), settle=settle)
+        await settle()
         return accuracy, report, worker_events(workers) - before
 
     workers = reader_gateway.config.workers

@@ -29,6 +29,7 @@ from plan import (
     APPROXIMATE,
     ATTENTION_ONLY,
     CACHEBLEND,
+    DOWNSTREAM,
     ENTROPY_AWARE,
     FULL_PASS,
     FULL_REUSE,
@@ -270,17 +271,21 @@ def test_a_miss_says_why_nothing_near_it_was_reused_and_the_planner_counts_it(ca
 
 
 def test_a_downstream_plan_holds_the_changed_tokens_and_their_noted_ones_or_is_refused_for_notes(cache) -> None:
-    """The downstream selector recomputes the changed tokens and the ones right after and right below each (which
-    took notes of their old values): rho is widened to hold them; where the changed tokens are within the guard but
-    those with their noted ones are not, the image is a miss that says refused=notes."""
+    """The downstream selector (the default) recomputes the changed tokens and the ones right after and right below
+    each (which took notes of their old values): rho is widened to hold them. Where the plan would pay without them
+    but not with them, the image is a miss that says refused=notes; where it would not pay either way, cost."""
     from engine_ext.selection import select
-    from plan import DOWNSTREAM
+    from gateway.matching.plans import without_notes
     from plan.budget import noted_tokens
 
     manager, _ = cache
-    settings = MatchSettings(coarse_threshold=0.0, match_threshold=0.6, max_changed_share=0.3, selector=DOWNSTREAM)
+    client = httpx.AsyncClient()
+    costs = WorkerCosts(ModelFacts(layers=8, kv_bytes_per_token_layer=64), "m", PROCESSOR,
+                        WorkerPool([], client, interval_s=1.0, timeout_s=1.0), client)
+    settings = MatchSettings(coarse_threshold=0.0, match_threshold=0.6, max_changed_share=0.3)
+    assert settings.selector == DOWNSTREAM
     planner = Planner(manager, ReuseSettings(store=StoreConfig(), layers=8, match=settings),
-                      Matcher(settings, scope="test", features=None))
+                      Matcher(settings, scope="test", features=None), costs)
     a = aligned("text.png", 10, 10)
     store_like_a_worker(manager, plan(planner, a, "ns").plan.images[0].key, (10, 10))  # type: ignore[union-attr]
     other = aligned("camera.png", 10, 10)
@@ -292,19 +297,38 @@ def test_a_downstream_plan_holds_the_changed_tokens_and_their_noted_ones_or_is_r
             b.paste(other.crop(box), box[:2])
         return b
 
-    # one block of 2 x 2 tokens: 4 changed, 4 noted, within the guard; rho 0.3 already holds them
+    # one block of 2 x 2 tokens: 4 changed and 4 noted; rho 0.3 already holds them
     near = plan(planner, replaced([(4, 4), (4, 5), (5, 4), (5, 5)]), "ns")
     assert near.kinds == ("approximate",), near.reuse_header()
     image = near.plan.images[0]  # type: ignore[union-attr]
     changed = [i for i, mark in enumerate(image.change_map) if mark == "x"]
     noted = noted_tokens(image.change_map, image.grid)
-    assert changed and noted and image.selector == DOWNSTREAM
+    assert changed and noted and image.selector == DOWNSTREAM and without_notes(image, settings) is None
     assert set(changed) | set(noted) <= set(select(image).recompute.tolist())
-    # a token in every other row and column of the top half: 25% changed, and 45 more took notes of them
-    scattered = plan(planner, replaced([(r, c) for r in range(0, 10, 2) for c in range(0, 10, 2)]), "ns")
-    header = scattered.reuse_header()
-    assert scattered.kinds == ("miss",) and header.endswith(";refused=notes"), header
+    # a token in every other row and column of the top half: 25% changed, twice as many more took notes of them
+    scattered = replaced([(r, c) for r in range(0, 10, 2) for c in range(0, 10, 2)])
+    wide = plan(planner, scattered, "ns")  # no worker measured yet: every plan is sent
+    image = wide.plan.images[0]  # type: ignore[union-attr]
+    narrow = without_notes(image, settings)
+    assert wide.kinds == ("approximate",) and narrow is not None
+    assert set(noted_tokens(image.change_map, image.grid)) <= set(select(image).recompute.tolist())
+    # costs under which the plan pays without the noted tokens and not with them: refused for the notes
+    for planned_rate in (1.2e-3, 1.4e-3, 1.6e-3, 1.8e-3, 2.0e-3):
+        model = CostModel(Costs.of(token_layers=1e-3, vision_patches=1e-9, planned_token_layers=planned_rate,
+                                   read_token_layers=1e-9))
+        if pays(narrow, costs.facts, model, 0) and not pays(image, costs.facts, model, 0):
+            break
+    else:
+        raise AssertionError("no planned-layer cost separates the plan with its notes from the one without")
+    costs.models["http://worker"] = model
+    refused = plan(planner, scattered, "ns")
+    header = refused.reuse_header()
+    assert refused.kinds == ("miss",) and header.endswith(";refused=notes"), header
     assert planner.refused["notes"] == 1
+    # dear enough that neither pays: cost
+    costs.models["http://worker"] = CostModel(Costs.of(token_layers=1e-7, vision_patches=1e-7,
+                                                       planned_token_layers=1e-3))
+    assert plan(planner, scattered, "ns").reuse_header().endswith(";refused=cost")
 
 
 def test_matching_can_be_turned_off(cache) -> None:
@@ -321,7 +345,7 @@ def test_a_requested_selector_reaches_the_plan(cache) -> None:
     chosen = asyncio.run(planner.plan(intake(jpeg(a), "ns"), selector=VLCACHE))
     assert chosen.kinds == ("approximate",) and chosen.plan.images[0].selector == VLCACHE  # type: ignore[union-attr]
     default = asyncio.run(planner.plan(intake(jpeg(a, 60), "ns")))
-    assert default.plan.images[0].selector == MatchSettings().selector == ATTENTION_ONLY  # type: ignore[union-attr]
+    assert default.plan.images[0].selector == MatchSettings().selector == DOWNSTREAM  # type: ignore[union-attr]
 
 
 def test_the_vision_pass_setting_reaches_approximate_plans() -> None:
