@@ -109,6 +109,7 @@ class Asked:
     """One question asked of a pair's B: its prompt, B's and A's pixel features, B's encoder output, A's entry."""
 
     kind: str  # CHANGED or UNCHANGED
+    text: str  # the question
     prompt: Prompt
     new: TokenFeatures
     old: TokenFeatures
@@ -125,17 +126,18 @@ def asked_of(model, pair: Pair, extractor: PixelExtractor):
     for kind, question, stale in pair.questions():
         prompt = model.prompt([b_image, question.text])
         _, h, w = prompt.images[0].grid
-        yield Asked(kind=kind, prompt=prompt, new=extractor.extract(b_image, (h, w), CELL),
+        yield Asked(kind=kind, text=question.text, prompt=prompt, new=extractor.extract(b_image, (h, w), CELL),
                     old=extractor.extract(a_image, (h, w), CELL), encoder=model.encode(prompt)[0], entry=entry,
                     right=question.answer, stale=stale)
 
 
-def tally(tallies: dict, name, model, names: dict, asked: Asked, images: list) -> str:
-    """Prefill the question's prompt with ``images``, tally the reader's answer under ``name``, and return it."""
+def tally(tallies: dict, name, model, names: dict, asked: Asked, images: list):
+    """Prefill the question's prompt with ``images``, tally the reader's answer under ``name``; returns the answer
+    and the prefill's result."""
     result = prefill(model, asked.prompt, images)
     answer = names.get(int(result.logits.argmax()), "?")
     tallies[name][asked.kind].add(answer, asked.right, asked.stale)
-    return answer
+    return answer, result
 
 
 def evaluate(model, pairs, chosen: list[Config], progress: bool = True) -> dict:
@@ -204,18 +206,15 @@ def evaluate_table(model, pairs: dict[str, list[Pair]], chosen: list[Config], ra
         for done, pair in enumerate(chosen_pairs, 1):
             for asked in asked_of(model, pair, extractor):
                 into = tallies[kind]
-                full = tally(into, "full (miss)", model, names, asked, [Fresh(asked.encoder)])
-                # exact, same prefix: B's own entry as the same prompt's full prefill leaves it
-                own = capture(prefill(model, asked.prompt, [Fresh(asked.encoder)]).state, asked.prompt.images[0],
-                              asked.encoder)
+                full, result = tally(into, "full (miss)", model, names, asked, [Fresh(asked.encoder)])
+                # exact, same prefix: B's own entry as that full prefill leaves it
+                own = capture(result.state, asked.prompt.images[0], asked.encoder)
                 tally(into, "exact same-prefix", model, names, asked, [Reuse(own, ())])
                 # exact, moved: stored after one text, asked after another
-                question = model.processor.tokenizer.decode(
-                    asked.prompt.input_ids[asked.prompt.images[0].stop + 1:]).split("<|im_end|>")[0]
                 image = pair.asked.render()
-                first = model.prompt([MOVED_PREAMBLES[0], image, question])
+                first = model.prompt([MOVED_PREAMBLES[0], image, asked.text])
                 stored = capture(prefill(model, first, [Fresh(asked.encoder)]).state, first.images[0], asked.encoder)
-                moved = dataclasses.replace(asked, prompt=model.prompt([MOVED_PREAMBLES[1], image, question]))
+                moved = dataclasses.replace(asked, prompt=model.prompt([MOVED_PREAMBLES[1], image, asked.text]))
                 tally(into, "full, moved prompt", model, names, moved, [Fresh(asked.encoder)])
                 for label, per_layer in ratios.items():
                     tally(into, f"exact moved {label}", model, names, moved, [Reuse(stored, per_layer)])

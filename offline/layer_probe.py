@@ -108,15 +108,13 @@ def probe(model, pairs: Sequence[Pair], progress: Callable[[int, int], None] | N
     from offline.reference import prefill
 
     names = answer_ids(model.processor.tokenizer)
-    report = ProbeReport(layers=model.num_layers)
+    if len({pair.kind for pair in pairs}) > 1:
+        raise ValueError("the probe's pairs are of one kind")
+    report = ProbeReport(layers=model.num_layers, kind=pairs[0].kind if pairs else "field")
     started = time.perf_counter()
     for done, pair in enumerate(pairs, 1):
         if len(pair.changed) != 1:
             raise ValueError("the probe's pairs differ in exactly one field")
-        if pair.kind != report.kind:
-            if done > 1:
-                raise ValueError("the probe's pairs are of one kind")
-            report.kind = pair.kind
         entry = cached_entry(model, pair)
         (_, question, stale), _ = pair.questions()
         prompt = model.prompt([pair.asked.render(), question.text])
